@@ -1,0 +1,370 @@
+"""The node daemon: sources -> snapshot -> /metrics and MQTT; applies the coordinator's settings."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperagent import bus
+from hyperagent.actuators import PowerCapActuator
+from hyperagent.config import Config
+from hyperagent.errors import ActuationError, PayloadError
+from hyperagent.exporter import MetricsServer, SnapshotCollector
+from hyperagent.indicators import derive
+from hyperagent.job import JobSettings, StepReport
+from hyperagent.readings import Kind, Reading, Snapshot
+from hyperagent.sources import Hardware, build_sources
+from hyperagent.sources.job import JobSource
+from hyperagent.sources.nvml import NvmlSource
+from hyperagent.sources.runner import SourceRunner
+from hyperagent.tuner.trial import MeasurementPlan, Phase, TrialMeasurement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Trial:
+    job: str
+    version: int
+    trial: int | None
+    measurement: TrialMeasurement
+    energy_start_j: float | None = None
+
+
+@dataclass
+class AgentStats:
+    """What the agent did with settings messages, for /metrics and tests."""
+
+    applied: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    invalid_payloads: int = 0
+    reports_sent: int = 0
+
+
+class Agent:
+    """One node's agent. Build with ``Agent.from_config``; run with ``await agent.run()``."""
+
+    def __init__(
+        self,
+        config: Config,
+        hardware: Hardware,
+        *,
+        link: bus.MqttLink | None = None,
+        settings_key: bytes | None = None,
+        metrics: MetricsServer | None = None,
+    ) -> None:
+        self.config = config
+        self.node = config.node
+        self.topics = bus.Topics(config.cluster)
+        self.hardware = hardware
+        self.runner = SourceRunner(build_sources(config, hardware), config.sources.timeout_s)
+        self.job_source = next((s for s in self.runner.sources if isinstance(s, JobSource)), None)
+        self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
+        self.actuator = PowerCapActuator(hardware.nvml) if config.actuation.power_cap else None
+        self.link = link
+        self.settings_key = settings_key
+        self.metrics = metrics
+        self.collector = metrics.collector if metrics else SnapshotCollector()
+        self.snapshot: Snapshot | None = None
+        self.stats = AgentStats()
+        self.applied_versions: dict[str, int] = {}
+        self.applied_settings: dict[str, dict[str, Any]] = {}
+        self._trials: dict[str, _Trial] = {}
+        self._trial_events: asyncio.Queue[tuple[_Trial, Phase]] = asyncio.Queue()
+        self._logged_rejections: set[str] = set()
+        self.collections = 0
+        self.ready = asyncio.Event()
+        if self.job_source is not None:
+            self.job_source.listeners.append(self._on_step)
+        if link is not None:
+            link.subscribe(self.topics.settings("+"), 1, self._on_settings)
+
+    @classmethod
+    def from_config(
+        cls, config: Config, hardware: Hardware | None = None, settings_key: bytes | None = None
+    ) -> Agent:
+        """An agent wired as the config says (broker link, metrics server)."""
+        link = None
+        if config.mqtt.enabled:
+            link = bus.link_from_config(
+                config, f"hyperagent-agent-{config.node}", status_node=config.node
+            )
+        metrics = (
+            MetricsServer(config.agent.metrics_address) if config.agent.metrics_address else None
+        )
+        return cls(
+            config,
+            hardware or Hardware.from_config(config),
+            link=link,
+            settings_key=settings_key,
+            metrics=metrics,
+        )
+
+    async def run(self) -> None:
+        """Serve until cancelled; on the way out restore power limits and close sources."""
+        await self.runner.start()
+        if self.metrics is not None:
+            self.metrics.start()
+            log.info("serving /metrics on %s:%s", self.metrics.host, self.metrics.port)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._collect_loop(), name="collect")
+                tasks.create_task(self._trial_loop(), name="trials")
+                if self.link is not None:
+                    tasks.create_task(self.link.run(), name="mqtt")
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        if self.actuator is not None and self.actuator.original_mw:
+            restored = await asyncio.to_thread(self.actuator.restore)
+            log.info("restored the original power limit of %d GPU(s)", restored)
+        if self.link is not None:
+            await self.link.disconnect([bus.status_message(self.topics, self.node, "offline")])
+        await self.runner.close()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+    async def _collect_loop(self) -> None:
+        interval = self.config.agent.interval_s
+        next_due = time.monotonic()
+        while True:
+            await self.collect_once()
+            self.ready.set()
+            next_due += interval
+            delay = next_due - time.monotonic()
+            if delay < 0:
+                next_due = time.monotonic()
+                delay = 0
+            await asyncio.sleep(delay)
+
+    async def collect_once(self) -> Snapshot:
+        """One cycle: read every source, derive indicators, expose and publish."""
+        readings = await self.runner.read_all()
+        readings.extend(self._self_readings())
+        snapshot = Snapshot(time.time(), self.node, tuple(readings))
+        indicators = derive(snapshot, self.snapshot, self.config.indicators.quantum_coefficients)
+        snapshot = Snapshot(snapshot.ts, self.node, (*readings, *indicators))
+        self.snapshot = snapshot
+        self.collector.update(snapshot.readings)
+        self.collections += 1
+        if self.link is not None:
+            self.link.publish(
+                self.topics.telemetry(self.node), telemetry_payload(snapshot, indicators)
+            )
+        return snapshot
+
+    def _self_readings(self) -> list[Reading]:
+        out = [
+            Reading("hyperagent_settings_applied_total", self.stats.applied, {}, Kind.COUNTER),
+            Reading(
+                "hyperagent_mqtt_invalid_payloads_total",
+                self.stats.invalid_payloads,
+                {},
+                Kind.COUNTER,
+            ),
+        ]
+        for reason, count in sorted(self.stats.rejected.items()):
+            out.append(
+                Reading(
+                    "hyperagent_settings_rejected_total", count, {"reason": reason}, Kind.COUNTER
+                )
+            )
+        if self.link is not None:
+            out.append(Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())))
+            out.append(
+                Reading("hyperagent_mqtt_dropped_total", self.link.dropped, {}, Kind.COUNTER)
+            )
+        return out
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.stats.rejected[reason] += 1
+        if reason not in self._logged_rejections:
+            self._logged_rejections.add(reason)
+            log.warning("rejected settings (%s): %s", reason, detail)
+
+    async def _on_settings(self, topic: str, payload: bytes) -> None:
+        if not payload:
+            return
+        try:
+            job = self.topics.name_in(topic)
+            message = bus.decode(payload, "settings")
+        except PayloadError as e:
+            self.stats.invalid_payloads += 1
+            self._reject("invalid", str(e))
+            return
+        if message["job"] != job:
+            self._reject("invalid", f"topic job {job!r} differs from payload job")
+            return
+        nodes = message.get("nodes")
+        if isinstance(nodes, list) and self.node not in nodes:
+            return
+        allowed = self.config.actuation.allowed_jobs
+        if allowed and job not in allowed:
+            self._reject("job_not_allowed", f"{job} is not in actuation.allowed_jobs")
+            return
+        if self.settings_key is None:
+            self._reject("no_key", "no security.settings_key_file configured; refusing settings")
+            return
+        if not bus.verify(message, self.settings_key):
+            self._reject("bad_signature", f"settings v{message['version']} for {job}")
+            return
+        version = message["version"]
+        if version <= self.applied_versions.get(job, 0):
+            if version < self.applied_versions.get(job, 0):
+                self._reject(
+                    "stale", f"v{version} is older than applied v{self.applied_versions[job]}"
+                )
+            return
+        await self._apply(job, message)
+
+    def _check_bounds(self, settings: dict[str, Any]) -> str | None:
+        cap = settings.get("power_cap_w")
+        if cap is None:
+            return None
+        if isinstance(cap, bool) or not isinstance(cap, int | float) or not math.isfinite(cap):
+            return f"power_cap_w {cap!r} is not a number"
+        low, high = self.config.actuation.min_power_w, self.config.actuation.max_power_w
+        if (low is not None and cap < low) or (high is not None and cap > high):
+            return f"power_cap_w {cap} W outside this node's bounds [{low}, {high}]"
+        if self.actuator is None:
+            return "power capping is disabled on this node (actuation.power_cap = false)"
+        return None
+
+    async def _apply(self, job: str, message: dict[str, Any]) -> None:
+        version, settings = message["version"], message["settings"]
+        problem = self._check_bounds(settings)
+        applied: dict[str, Any] = {}
+        if problem is None and settings.get("power_cap_w") is not None and self.actuator:
+            try:
+                caps = await asyncio.to_thread(self.actuator.apply, float(settings["power_cap_w"]))
+                applied["power_cap_w"] = [c.applied_w for c in caps]
+            except ActuationError as e:
+                problem = str(e)
+        if problem is not None:
+            self._reject("refused", problem)
+            self._ack(job, version, ok=False, error=problem)
+            return
+        job_knobs = {k: v for k, v in settings.items() if k != "power_cap_w"}
+        if self.job_source is not None:
+            applied["job_reporters"] = self.job_source.send_settings(
+                job, JobSettings(version, job_knobs, message.get("backend", {}))
+            )
+        self.applied_versions[job] = version
+        self.applied_settings[job] = dict(settings)
+        self.stats.applied += 1
+        plan_data = message.get("plan")
+        if plan_data:
+            try:
+                plan = MeasurementPlan.from_dict(plan_data)
+                self._trials[job] = _Trial(
+                    job, version, message.get("trial"), TrialMeasurement(version, plan)
+                )
+            except ValueError as e:
+                log.warning("settings v%d for %s: %s; not measuring", version, job, e)
+        else:
+            self._trials.pop(job, None)
+        self._ack(job, version, ok=True, applied=applied)
+        log.info("applied settings v%d for %s: %s", version, job, settings)
+
+    def _ack(
+        self,
+        job: str,
+        version: int,
+        ok: bool,
+        error: str | None = None,
+        applied: dict[str, Any] | None = None,
+    ) -> None:
+        if self.link is None:
+            return
+        payload = bus.encode(
+            {
+                "job": job,
+                "node": self.node,
+                "version": version,
+                "ok": ok,
+                "error": error,
+                "applied": applied or {},
+                "ts": time.time(),
+            }
+        )
+        self.link.publish(self.topics.ack(job), payload, qos=1)
+
+    def _on_step(self, step: StepReport) -> None:
+        trial = self._trials.get(step.job)
+        if trial is None:
+            return
+        phase = trial.measurement.add(step)
+        if phase is not None:
+            self._trial_events.put_nowait((trial, phase))
+
+    async def _energy_j(self) -> float | None:
+        if self.nvml_source is None:
+            return None
+        return await asyncio.to_thread(self.nvml_source.total_energy_j)
+
+    async def _trial_loop(self) -> None:
+        while True:
+            trial, phase = await self._trial_events.get()
+            if phase is Phase.MEASURING:
+                trial.energy_start_j = await self._energy_j()
+            elif phase is Phase.DONE:
+                end = await self._energy_j()
+                energy = None
+                if trial.energy_start_j is not None and end is not None:
+                    energy = end - trial.energy_start_j
+                self._publish_report(trial, energy)
+                if self._trials.get(trial.job) is trial:
+                    del self._trials[trial.job]
+
+    def _publish_report(self, trial: _Trial, energy_j: float | None) -> None:
+        result = trial.measurement.result()
+        if self.link is None:
+            return
+        payload = bus.encode(
+            {
+                "job": trial.job,
+                "node": self.node,
+                "version": trial.version,
+                "trial": trial.trial,
+                "samples": result.samples,
+                "seconds": result.seconds,
+                "throughput": result.throughput,
+                "windows": result.windows,
+                "steps": result.steps,
+                "energy_j": energy_j,
+                "nonfinite_loss": result.nonfinite_loss,
+                "ts": time.time(),
+            }
+        )
+        self.link.publish(self.topics.report(trial.job), payload, qos=1)
+        self.stats.reports_sent += 1
+
+
+def telemetry_payload(snapshot: Snapshot, indicators: list[Reading]) -> bytes:
+    return bus.encode(
+        {
+            "node": snapshot.node,
+            "ts": snapshot.ts,
+            "readings": [[r.name, dict(r.labels), r.value] for r in snapshot.readings],
+            "indicators": {
+                _indicator_key(r): r.value
+                for r in indicators
+                if r.name != "hyperagent_gpu_quantum_coefficient"
+            },
+        }
+    )
+
+
+def _indicator_key(reading: Reading) -> str:
+    name = reading.name.removeprefix("hyperagent_")
+    return (
+        name
+        if not reading.labels
+        else name + "{" + ",".join(f"{k}={v}" for k, v in sorted(reading.labels.items())) + "}"
+    )

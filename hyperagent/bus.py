@@ -1,0 +1,348 @@
+"""MQTT: topics, payload codec and signatures, and a connection loop with a bounded outbox.
+
+Sampling never waits for the broker: ``publish`` only enqueues. Telemetry (QoS 0) beyond the
+bound is dropped oldest-first and counted; reports, acks and settings (QoS 1) have their own,
+larger bound and are re-queued, not lost, when a connection breaks mid-send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiomqtt
+import orjson
+
+from hyperagent.config import Config
+from hyperagent.errors import PayloadError
+
+log = logging.getLogger(__name__)
+
+SCHEMA = 1
+
+
+class Topics:
+    """The topic tree of one cluster: ``hyperagent/v1/<cluster>/...``."""
+
+    def __init__(self, cluster: str) -> None:
+        self.root = f"hyperagent/v1/{cluster}"
+
+    def telemetry(self, node: str) -> str:
+        return f"{self.root}/node/{node}/telemetry"
+
+    def status(self, node: str) -> str:
+        return f"{self.root}/node/{node}/status"
+
+    def report(self, job: str) -> str:
+        return f"{self.root}/job/{job}/report"
+
+    def settings(self, job: str) -> str:
+        return f"{self.root}/job/{job}/settings"
+
+    def ack(self, job: str) -> str:
+        return f"{self.root}/job/{job}/ack"
+
+    def name_in(self, topic: str) -> str:
+        """The node or job name a topic of this tree is about."""
+        parts = topic.split("/")
+        if len(parts) != 6 or "/".join(parts[:3]) != self.root:
+            raise PayloadError(f"topic {topic!r} is not under {self.root}")
+        return parts[4]
+
+
+_Types = type | tuple[type, ...]
+_NUMBER: tuple[type, ...] = (int, float)
+_OPTIONAL_NUMBER: tuple[type, ...] = (int, float, type(None))
+
+SCHEMAS: dict[str, dict[str, _Types]] = {
+    "telemetry": {"node": str, "ts": _NUMBER, "readings": list, "indicators": dict},
+    "status": {"node": str, "state": str, "ts": _NUMBER},
+    "settings": {
+        "job": str,
+        "version": int,
+        "settings": dict,
+        "backend": dict,
+        "issued_at": _NUMBER,
+    },
+    "ack": {"job": str, "node": str, "version": int, "ok": bool},
+    "report": {
+        "job": str,
+        "node": str,
+        "version": int,
+        "samples": int,
+        "seconds": _NUMBER,
+        "throughput": _NUMBER,
+        "windows": list,
+        "energy_j": _OPTIONAL_NUMBER,
+        "nonfinite_loss": bool,
+    },
+}
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    """JSON bytes with the schema version; non-finite floats are not allowed on the wire."""
+    return orjson.dumps({"schema": SCHEMA, **message})
+
+
+def decode(payload: bytes | bytearray, kind: str) -> dict[str, Any]:
+    """Parse and validate a payload of ``kind`` (a SCHEMAS key); raises PayloadError."""
+    try:
+        message = orjson.loads(payload)
+    except orjson.JSONDecodeError as e:
+        raise PayloadError(f"{kind}: not JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise PayloadError(f"{kind}: not a JSON object")
+    if message.get("schema") != SCHEMA:
+        raise PayloadError(f"{kind}: unsupported schema {message.get('schema')!r}")
+    for key, types in SCHEMAS[kind].items():
+        value = message.get(key)
+        if not isinstance(value, types) or (
+            isinstance(value, bool) and bool not in _as_tuple(types)
+        ):
+            raise PayloadError(f"{kind}: {key} missing or of the wrong type")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PayloadError(f"{kind}: {key} is not finite")
+    return message
+
+
+def _as_tuple(types: _Types) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _canonical(message: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(
+        {k: v for k, v in message.items() if k != "hmac"}, option=orjson.OPT_SORT_KEYS
+    )
+
+
+def sign(message: Mapping[str, Any], key: bytes) -> dict[str, Any]:
+    """A copy of ``message`` carrying an HMAC-SHA256 over its canonical JSON (schema included)."""
+    body = {"schema": SCHEMA, **message}
+    body.pop("hmac", None)
+    return {**body, "hmac": hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()}
+
+
+def verify(message: Mapping[str, Any], key: bytes) -> bool:
+    """True when ``message`` carries a valid HMAC made with ``key``."""
+    tag = message.get("hmac")
+    if not isinstance(tag, str):
+        return False
+    expected = hmac.new(key, _canonical(message), hashlib.sha256).hexdigest()
+    return hmac.compare_digest(tag, expected)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+
+
+Handler = Callable[[str, bytes], Awaitable[None]]
+
+
+class MqttLink:
+    """One MQTT connection kept up with jittered exponential backoff.
+
+    Subscribe handlers before ``run``; they are re-subscribed on every reconnect. A handler's
+    exception is logged and counted, never fatal.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        client_id: str,
+        *,
+        will: Outgoing | None = None,
+        on_connect: Callable[[], list[Outgoing]] | None = None,
+        outbox_size: int = 1000,
+        reliable_size: int = 10_000,
+        persistent_session: bool = False,
+        username: str | None = None,
+        password: str | None = None,
+        keepalive_s: int = 30,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        self.host, self.port, self.client_id = host, port, client_id
+        self.will = will
+        self.on_connect = on_connect
+        self.persistent_session = persistent_session
+        self.username, self.password = username, password
+        self.keepalive_s = keepalive_s
+        self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
+        self._telemetry: deque[Outgoing] = deque(maxlen=outbox_size)
+        self._reliable: deque[Outgoing] = deque(maxlen=reliable_size)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._handlers: list[tuple[str, int, Handler]] = []
+        self.connected = asyncio.Event()
+        self.dropped = 0
+        self.handler_errors = 0
+        self.connects = 0
+        self._client: aiomqtt.Client | None = None
+        self._was_up = False
+
+    def subscribe(self, topic_filter: str, qos: int, handler: Handler) -> None:
+        self._handlers.append((topic_filter, qos, handler))
+
+    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
+        """Enqueue a message; never blocks. A full queue drops its oldest message (counted)."""
+        queue = self._reliable if qos > 0 else self._telemetry
+        if len(queue) == queue.maxlen:
+            self.dropped += 1
+        queue.append(Outgoing(topic, payload, qos, retain))
+        self._idle.clear()
+        self._wake.set()
+
+    @property
+    def queued(self) -> int:
+        return len(self._telemetry) + len(self._reliable)
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until everything queued was handed to the broker; False on timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def run(self) -> None:
+        """Connect, serve, and reconnect forever (cancel to stop)."""
+        delay = self.backoff_min_s
+        while True:
+            self._was_up = False
+            try:
+                await self._session()
+            except aiomqtt.MqttError as e:
+                log.warning("mqtt %s:%s: %s", self.host, self.port, e)
+            self.connected.clear()
+            self._client = None
+            if self._was_up:
+                delay = self.backoff_min_s
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def _session(self) -> None:
+        will = None
+        if self.will is not None:
+            will = aiomqtt.Will(self.will.topic, self.will.payload, self.will.qos, self.will.retain)
+        async with aiomqtt.Client(
+            self.host,
+            self.port,
+            identifier=self.client_id,
+            will=will,
+            clean_session=not self.persistent_session,
+            keepalive=self.keepalive_s,
+            username=self.username,
+            password=self.password,
+            timeout=10,
+        ) as client:
+            self._client = client
+            self.connects += 1
+            self._was_up = True
+            log.info("mqtt connected to %s:%s as %s", self.host, self.port, self.client_id)
+            for outgoing in self.on_connect() if self.on_connect else []:
+                await client.publish(
+                    outgoing.topic, outgoing.payload, outgoing.qos, outgoing.retain, timeout=10
+                )
+            for topic_filter, qos, _ in self._handlers:
+                await client.subscribe(topic_filter, qos, timeout=10)
+            self.connected.set()
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._send_loop(client), name="mqtt-send")
+                tasks.create_task(self._receive_loop(client), name="mqtt-receive")
+
+    async def _send_loop(self, client: aiomqtt.Client) -> None:
+        while True:
+            if not self._reliable and not self._telemetry:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            queue = self._reliable if self._reliable else self._telemetry
+            message = queue.popleft()
+            try:
+                await client.publish(
+                    message.topic, message.payload, message.qos, message.retain, timeout=10
+                )
+            except aiomqtt.MqttError:
+                if message.qos > 0:
+                    queue.appendleft(message)
+                raise
+
+    async def _receive_loop(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            topic = message.topic.value
+            payload = message.payload
+            if not isinstance(payload, bytes | bytearray):
+                payload = str(payload or "").encode()
+            for topic_filter, _, handler in self._handlers:
+                if not message.topic.matches(topic_filter):
+                    continue
+                try:
+                    await handler(topic, bytes(payload))
+                except Exception:
+                    self.handler_errors += 1
+                    log.exception("handler for %s failed", topic)
+
+    async def disconnect(self, final: Sequence[Outgoing] = ()) -> None:
+        """Publish ``final`` (e.g. an offline status) if connected; the caller then cancels run."""
+        client = self._client
+        if client is None:
+            return
+        for outgoing in final:
+            with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+                await client.publish(
+                    outgoing.topic, outgoing.payload, outgoing.qos, outgoing.retain, timeout=2
+                )
+
+
+def status_message(topics: Topics, node: str, state: str) -> Outgoing:
+    payload = encode({"node": node, "state": state, "ts": time.time()})
+    return Outgoing(topics.status(node), payload, qos=1, retain=True)
+
+
+def link_from_config(
+    config: Config, client_id: str, status_node: str | None = None, persistent_session: bool = False
+) -> MqttLink:
+    """An MqttLink as ``config.mqtt`` says; with ``status_node``, an online status and last will."""
+    m = config.mqtt
+    topics = Topics(config.cluster)
+    password = m.password_file.read_text().strip() if m.password_file else None
+    will = None
+    on_connect = None
+    if status_node is not None:
+        will = status_message(topics, status_node, "offline")
+
+        def on_connect() -> list[Outgoing]:
+            return [status_message(topics, status_node, "online")]
+
+    return MqttLink(
+        m.host,
+        m.port,
+        m.client_id or client_id,
+        will=will,
+        on_connect=on_connect,
+        outbox_size=m.outbox_size,
+        persistent_session=persistent_session,
+        username=m.username,
+        password=password,
+        keepalive_s=m.keepalive_s,
+        backoff_min_s=m.reconnect_min_s,
+        backoff_max_s=m.reconnect_max_s,
+    )

@@ -1,0 +1,69 @@
+"""Help text of every metric hyperagent exposes. Rules and dashboards rely on these names."""
+
+from __future__ import annotations
+
+HELP: dict[str, str] = {
+    # GPUs (NVML)
+    "hyperagent_gpu_info": "GPU identity: model and driver version.",
+    "hyperagent_gpu_utilization_ratio": "Fraction of the last sample period a kernel ran.",
+    "hyperagent_gpu_memory_utilization_ratio": (
+        "Fraction of the last sample period device memory was read or written."
+    ),
+    "hyperagent_gpu_memory_used_bytes": "Device memory in use.",
+    "hyperagent_gpu_memory_total_bytes": "Device memory installed.",
+    "hyperagent_gpu_power_watts": "Power draw of the GPU board.",
+    "hyperagent_gpu_power_limit_watts": "Enforced power limit.",
+    "hyperagent_gpu_power_limit_min_watts": "Lowest power limit the device accepts.",
+    "hyperagent_gpu_power_limit_max_watts": "Highest power limit the device accepts.",
+    "hyperagent_gpu_energy_joules_total": "Energy consumed since the driver loaded.",
+    "hyperagent_gpu_temperature_celsius": "GPU core temperature.",
+    "hyperagent_gpu_sm_clock_hertz": "Current SM clock.",
+    "hyperagent_gpu_memory_clock_hertz": "Current memory clock.",
+    "hyperagent_gpu_quantum_coefficient": (
+        "Compute quanta one fully busy GPU of this model is worth (A100 = 1)."
+    ),
+    # Host (psutil)
+    "hyperagent_host_cpu_utilization_ratio": "Fraction of CPU time not idle, all cores.",
+    "hyperagent_host_memory_total_bytes": "Physical memory installed.",
+    "hyperagent_host_memory_available_bytes": "Memory available without swapping.",
+    "hyperagent_host_swap_used_bytes": "Swap space in use.",
+    "hyperagent_host_swap_total_bytes": "Swap space configured.",
+    # Training job step reports
+    "hyperagent_job_steps_total": "Training steps reported by the job on this node.",
+    "hyperagent_job_samples_total": "Samples processed by the job on this node.",
+    "hyperagent_job_step_seconds_total": "Wall time of the reported steps.",
+    "hyperagent_job_compute_seconds_total": "Compute time of the reported steps.",
+    "hyperagent_job_communication_seconds_total": (
+        "Exposed communication time of the reported steps."
+    ),
+    "hyperagent_job_loss": "Loss of the last reported step.",
+    "hyperagent_job_nonfinite_loss_total": "Steps that reported a NaN or infinite loss.",
+    "hyperagent_job_settings_version": "Settings version the agent last applied for the job.",
+    # Indicators
+    "hyperagent_qu_ratio": "Quantum utilisation: sum(q_i u_i) / sum(q_i) over the GPUs.",
+    "hyperagent_ccr_ratio": "Communication/compute time ratio over the last window.",
+    "hyperagent_memory_pressure_ratio": (
+        "Memory pressure index: max of GPU memory used fraction and host memory used fraction."
+    ),
+    "hyperagent_compute_entropy_ratio": (
+        "Normalised compute entropy H/ln N of the quantum-weighted load (1 = perfectly even)."
+    ),
+    "hyperagent_quantum_dispersion_ratio": (
+        "Coefficient of variation of q_i u_i; above 0.7 load balancing is needed."
+    ),
+    "hyperagent_energy_per_sample_joules": "GPU energy per training sample over the window.",
+    # Self-monitoring
+    "hyperagent_source_up": "1 when the source's last read succeeded.",
+    "hyperagent_source_duration_seconds": "Duration of the source's last read.",
+    "hyperagent_source_errors_total": "Failed reads of the source.",
+    "hyperagent_mqtt_connected": "1 while connected to the MQTT broker.",
+    "hyperagent_mqtt_dropped_total": "Outgoing MQTT messages dropped because the outbox was full.",
+    "hyperagent_mqtt_invalid_payloads_total": "Incoming MQTT payloads that failed validation.",
+    "hyperagent_settings_rejected_total": "Settings messages the agent refused, by reason.",
+    "hyperagent_settings_applied_total": "Settings versions the agent applied.",
+}
+
+
+def help_text(name: str) -> str:
+    """Help of a metric; a name missing from the catalogue is described by itself."""
+    return HELP.get(name) or name.replace("_", " ")

@@ -1,0 +1,249 @@
+"""TOML configuration -> typed, frozen models. Strict: every problem names its key and the file.
+
+One file configures both daemons; each reads the sections it needs. Command-line flags are
+applied as overrides on the raw mapping before validation, so they are checked the same way.
+"""
+
+from __future__ import annotations
+
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hyperagent.errors import ConfigError, ConfigProblem
+
+DEFAULT_METRICS_PORT = 10478
+"""Outside 9100-9999, which the Prometheus exporter port registry has fully allocated."""
+
+DEFAULT_QUANTUM_COEFFICIENTS: dict[str, float] = {
+    # BACKGROUND.md's table (their claims):
+    "A100": 1.0,
+    "V100": 0.6,
+    "TPU v4": 1.2,
+    # Others: published dense FP16/BF16 tensor throughput relative to A100's 312 TFLOPS.
+    "H200": 3.17,
+    "H100": 3.17,
+    "H100 PCIe": 2.42,
+    "L40S": 1.16,
+    "A10": 0.40,
+    "T4": 0.21,
+}
+
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+PositiveSeconds = Annotated[float, Field(gt=0, le=3600)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_address(value: str) -> str:
+    if value == "":
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'expected HOST:PORT (or "" to disable), got {value!r}')
+    return value
+
+
+class AgentSection(_Model):
+    interval_s: PositiveSeconds = 1.0
+    metrics_address: str = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
+    state_dir: Path = Path("/var/lib/hyperagent")
+
+    _address = field_validator("metrics_address")(_check_address)
+
+
+class MqttSection(_Model):
+    enabled: bool = True
+    url: str = "mqtt://127.0.0.1:1883"
+    client_id: str | None = None
+    username: str | None = None
+    password_file: Path | None = None
+    keepalive_s: Annotated[int, Field(ge=5, le=3600)] = 30
+    outbox_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    reconnect_min_s: PositiveSeconds = 0.5
+    reconnect_max_s: PositiveSeconds = 30.0
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
+            raise ValueError(f"expected mqtt://HOST[:PORT], got {value!r}")
+        try:
+            parts.port  # noqa: B018 - validates the port
+        except ValueError as e:
+            raise ValueError(f"bad port in {value!r}") from e
+        return value
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 1883
+
+
+class NvmlSection(_Model):
+    enabled: bool = True
+    dump: Path | None = None
+    """Replay this ``nvidia-smi -q -x`` dump (or query-gpu capture) instead of the driver."""
+
+
+class HostSection(_Model):
+    enabled: bool = True
+
+
+class JobSection(_Model):
+    enabled: bool = True
+    socket: Path = Path("/run/hyperagent/job.sock")
+
+
+class SourcesSection(_Model):
+    timeout_s: PositiveSeconds = 2.0
+    nvml: NvmlSection = NvmlSection()
+    host: HostSection = HostSection()
+    job: JobSection = JobSection()
+
+
+class IndicatorsSection(_Model):
+    quantum_coefficients: dict[str, Annotated[float, Field(gt=0, le=100)]] = Field(
+        default_factory=lambda: dict(DEFAULT_QUANTUM_COEFFICIENTS)
+    )
+
+
+class ActuationSection(_Model):
+    power_cap: bool = True
+    min_power_w: Annotated[float, Field(gt=0)] | None = None
+    max_power_w: Annotated[float, Field(gt=0)] | None = None
+    allowed_jobs: tuple[Name, ...] = ()
+    """Jobs whose settings this node applies; empty means every job in its cluster."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ActuationSection:
+        if self.min_power_w and self.max_power_w and self.min_power_w > self.max_power_w:
+            raise ValueError("min_power_w is above max_power_w")
+        return self
+
+
+class SecuritySection(_Model):
+    settings_key_file: Path | None = None
+    """Shared HMAC key for settings messages; without it an agent refuses every setting."""
+
+
+Backend = Literal["nccl", "gloo", "mpi"]
+Objective = Literal["throughput", "energy"]
+
+
+class StartSettings(_Model):
+    bucket_mb: Annotated[int, Field(ge=1, le=256)] = 25
+    chunk_kb: Annotated[int, Field(ge=64, le=65536)] = 4096
+    power_cap_w: Annotated[float, Field(gt=0)] | None = None
+    allreduce: Literal["ring", "tree", "halving_doubling"] = "ring"
+
+
+class TrialPlanSection(_Model):
+    settle_steps: Annotated[int, Field(ge=0)] = 10
+    settle_s: Annotated[float, Field(ge=0)] = 3.0
+    measure_steps: Annotated[int, Field(ge=1)] = 40
+    measure_s: Annotated[float, Field(ge=0)] = 5.0
+    windows: Annotated[int, Field(ge=1, le=64)] = 4
+
+
+class JobTuningSection(_Model):
+    id: Name
+    nodes: Annotated[tuple[Name, ...], Field(min_length=1)]
+    backend: Backend = "nccl"
+    objective: Objective = "throughput"
+    trials: Annotated[int, Field(ge=1, le=10_000)] = 30
+    patience: Annotated[int, Field(ge=1)] = 10
+    power_limits_w: tuple[float, float] | None = None
+    start: StartSettings = StartSettings()
+    plan: TrialPlanSection = TrialPlanSection()
+    ack_timeout_s: PositiveSeconds = 30.0
+    trial_timeout_s: PositiveSeconds = 600.0
+    seed: int = 0
+
+    @field_validator("power_limits_w")
+    @classmethod
+    def _limits(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not 0 < value[0] <= value[1]:
+            raise ValueError("expected [low, high] watts with 0 < low <= high")
+        return value
+
+
+class CoordinatorSection(_Model):
+    jobs: tuple[JobTuningSection, ...] = ()
+
+
+class Config(_Model):
+    """The whole configuration. Unknown keys are errors."""
+
+    node: Name = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
+    cluster: Name = "default"
+    agent: AgentSection = AgentSection()
+    mqtt: MqttSection = MqttSection()
+    sources: SourcesSection = SourcesSection()
+    indicators: IndicatorsSection = IndicatorsSection()
+    actuation: ActuationSection = ActuationSection()
+    security: SecuritySection = SecuritySection()
+    coordinator: CoordinatorSection = CoordinatorSection()
+
+
+def _problems(error: ValidationError) -> list[ConfigProblem]:
+    problems = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        reason = item["msg"]
+        if item["type"] == "extra_forbidden":
+            reason = "unknown key"
+        problems.append(ConfigProblem(key, reason))
+    return problems
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([ConfigProblem(dotted, f"{part} is not a table")])
+        node = child
+    node[parts[-1]] = value
+
+
+def build_config(
+    data: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, file: str | None = None
+) -> Config:
+    """Validate a raw mapping (plus dotted-key overrides) into a Config, or raise ConfigError."""
+    raw = _deep_copy(data)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_problems(e), file) from None
+
+
+def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read and validate a TOML file (None means defaults only)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError([ConfigProblem("(file)", e.strerror or str(e))], str(path)) from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([ConfigProblem("(syntax)", str(e))], str(path)) from e
+    return build_config(data, overrides, str(path) if path else None)
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}

@@ -1,0 +1,169 @@
+"""The cluster indicators of DESIGN.md as pure functions, and their derivation from snapshots.
+
+Device i has effective utilisation u_i in [0, 1] and quantum coefficient q_i.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from hyperagent.readings import Reading, Snapshot
+
+Unit = tuple[float, float]
+"""(q_i, u_i): a device's quantum coefficient and effective utilisation."""
+
+
+def quantum_utilization(units: Sequence[Unit]) -> float | None:
+    """QU = sum(q_i u_i) / sum(q_i); None without devices."""
+    total_q = sum(q for q, _ in units)
+    if total_q <= 0:
+        return None
+    return sum(q * u for q, u in units) / total_q
+
+
+def compute_entropy(units: Sequence[Unit]) -> float | None:
+    """Normalised compute entropy H / ln N, p_i = q_i u_i / sum_j q_j u_j, in [0, 1].
+
+    1 means the quantum-weighted load is perfectly even. None when nothing is busy; a single
+    device is trivially even (1.0).
+    """
+    loads = [q * u for q, u in units]
+    total = sum(loads)
+    if not loads or total <= 0:
+        return None
+    if len(loads) == 1:
+        return 1.0
+    entropy = -sum(p * math.log(p) for p in (load / total for load in loads) if p > 0)
+    return entropy / math.log(len(loads))
+
+
+def quantum_dispersion(units: Sequence[Unit]) -> float | None:
+    """Coefficient of variation (population) of q_i u_i; None when the mean load is 0."""
+    loads = [q * u for q, u in units]
+    if not loads:
+        return None
+    mean = sum(loads) / len(loads)
+    if mean <= 0:
+        return None
+    variance = sum((x - mean) ** 2 for x in loads) / len(loads)
+    return math.sqrt(variance) / mean
+
+
+def communication_compute_ratio(comm_s: float, compute_s: float) -> float | None:
+    """CCR = communication time / computation time over a window; None without compute."""
+    if compute_s <= 0:
+        return None
+    return comm_s / compute_s
+
+
+def estimated_ccr(
+    transferred_bytes: float, link_bytes_per_s: float, gpu_busy_s: float
+) -> float | None:
+    """CCR estimated from traffic: time the bytes need at link rate over GPU busy time."""
+    if link_bytes_per_s <= 0 or gpu_busy_s <= 0:
+        return None
+    return (transferred_bytes / link_bytes_per_s) / gpu_busy_s
+
+
+def memory_pressure(
+    gpu_memory: Sequence[tuple[float, float]],
+    host_available: float | None,
+    host_total: float | None,
+) -> float | None:
+    """MPI = max(max_i used_i / total_i, 1 - host available / total); None without data."""
+    fractions = [used / total for used, total in gpu_memory if total > 0]
+    if host_available is not None and host_total:
+        fractions.append(1 - host_available / host_total)
+    return max(fractions) if fractions else None
+
+
+def energy_per_sample(energy_j: float, samples: float) -> float | None:
+    """Joules per training sample over a window; None when no sample was processed."""
+    if samples <= 0 or energy_j < 0:
+        return None
+    return energy_j / samples
+
+
+def quantum_coefficient(model: str, table: Mapping[str, float]) -> float | None:
+    """q of a GPU model: the longest table key found in the model name (case-insensitive)."""
+    name = model.upper()
+    matches = [key for key in table if key.upper() in name]
+    if not matches:
+        return None
+    return table[max(matches, key=len)]
+
+
+def _per_gpu(snapshot: Snapshot, name: str) -> dict[str | None, Reading]:
+    return {r.labels.get("uuid"): r for r in snapshot.readings if r.name == name}
+
+
+def _units(snapshot: Snapshot, table: Mapping[str, float]) -> list[tuple[Reading, Unit]]:
+    """(utilisation reading, (q, u)) per GPU; unknown models count as q = 1."""
+    info = _per_gpu(snapshot, "hyperagent_gpu_info")
+    active = _per_gpu(snapshot, "hyperagent_gpu_sm_active_ratio")
+    units = []
+    for uuid, util in _per_gpu(snapshot, "hyperagent_gpu_utilization_ratio").items():
+        model = info[uuid].labels.get("model", "") if uuid in info else ""
+        q = quantum_coefficient(model, table)
+        u = active[uuid].value if uuid in active else util.value
+        units.append((util, (1.0 if q is None else q, u)))
+    return units
+
+
+def _delta(current: Snapshot, previous: Snapshot | None, name: str) -> float | None:
+    now = current.total(name)
+    if previous is None or now is None:
+        return None
+    before = previous.total(name)
+    if before is None or now < before:
+        return None
+    return now - before
+
+
+def derive(
+    current: Snapshot, previous: Snapshot | None, coefficients: Mapping[str, float]
+) -> list[Reading]:
+    """The indicator readings for ``current``; windowed ones use the change since ``previous``."""
+    out: list[Reading] = []
+
+    def put(name: str, value: float | None, **labels: str) -> None:
+        if value is not None and math.isfinite(value):
+            out.append(Reading(name, value, labels))
+
+    per_gpu = _units(current, coefficients)
+    for util, (q, _) in per_gpu:
+        out.append(Reading("hyperagent_gpu_quantum_coefficient", q, util.labels))
+    units = [unit for _, unit in per_gpu]
+    put("hyperagent_qu_ratio", quantum_utilization(units))
+    put("hyperagent_compute_entropy_ratio", compute_entropy(units))
+    put("hyperagent_quantum_dispersion_ratio", quantum_dispersion(units))
+    totals = _per_gpu(current, "hyperagent_gpu_memory_total_bytes")
+    gpu_memory = [
+        (used.value, totals[uuid].value)
+        for uuid, used in _per_gpu(current, "hyperagent_gpu_memory_used_bytes").items()
+        if uuid in totals
+    ]
+    put(
+        "hyperagent_memory_pressure_ratio",
+        memory_pressure(
+            gpu_memory,
+            current.value("hyperagent_host_memory_available_bytes"),
+            current.value("hyperagent_host_memory_total_bytes"),
+        ),
+    )
+    comm = _delta(current, previous, "hyperagent_job_communication_seconds_total")
+    compute = _delta(current, previous, "hyperagent_job_compute_seconds_total")
+    if comm is not None and compute:
+        put("hyperagent_ccr_ratio", communication_compute_ratio(comm, compute), method="reported")
+    elif previous is not None:
+        sent = _delta(current, previous, "hyperagent_rdma_port_data_transmitted_bytes_total")
+        rate = current.total("hyperagent_rdma_port_rate_bytes_per_second")
+        busy = sum(u for _, u in units) * (current.ts - previous.ts)
+        if sent is not None and rate:
+            put("hyperagent_ccr_ratio", estimated_ccr(sent, rate, busy), method="estimated")
+    energy = _delta(current, previous, "hyperagent_gpu_energy_joules_total")
+    samples = _delta(current, previous, "hyperagent_job_samples_total")
+    if energy is not None and samples:
+        put("hyperagent_energy_per_sample_joules", energy_per_sample(energy, samples))
+    return out

@@ -1,0 +1,51 @@
+"""Telemetry sources, registered explicitly by config name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hyperagent.config import Config
+from hyperagent.sources.base import Source
+from hyperagent.sources.host import HostSource
+from hyperagent.sources.job import JobSource
+from hyperagent.sources.nvml import NvmlSource
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where sources find the hardware: the real libraries, or fakes replaying captures."""
+
+    nvml: Any
+    """The ``pynvml`` module, or an object with its API (hyperagent.testing.fake_nvml)."""
+
+    @classmethod
+    def from_config(cls, config: Config) -> Hardware:
+        dump = config.sources.nvml.dump
+        if dump is not None:
+            from hyperagent.testing.fake_nvml import FakeNvml
+
+            return cls(nvml=FakeNvml.from_capture(dump, writable=True))
+        import pynvml
+
+        return cls(nvml=pynvml)
+
+
+SourceFactory = Callable[[Config, Hardware], Source]
+
+SOURCES: dict[str, SourceFactory] = {
+    "nvml": lambda config, hw: NvmlSource(hw.nvml),
+    "host": lambda config, hw: HostSource(),
+    "job": lambda config, hw: JobSource(config.sources.job.socket),
+}
+"""Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
+
+
+def build_sources(config: Config, hardware: Hardware) -> list[Source]:
+    """The enabled sources, in registry order."""
+    return [
+        factory(config, hardware)
+        for name, factory in SOURCES.items()
+        if getattr(config.sources, name).enabled
+    ]
