@@ -1,0 +1,1 @@
+"""Fakes for hardware that is not here, replaying real captures."""

@@ -1,0 +1,258 @@
+"""The nvidia-smi parsers against the real captures in fixtures/nvidia-smi."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperagent.testing.nvidia_smi import (
+    MIB,
+    GpuRecord,
+    parse_capture,
+    parse_nvidia_smi_xml,
+    parse_query_gpu_csv,
+)
+
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "nvidia-smi"
+H100 = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
+L40S = "linux-x86_64__nvidia-l40s__595.80.txt"
+
+
+def _capture(name: str) -> list[GpuRecord]:
+    return parse_capture((FIXTURES / name).read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize(
+    ("name", "count", "model", "driver"),
+    [
+        ("gtx-8card.xml", 8, "Tesla V100S-PCIE-32GB", "460.73.01"),
+        ("gtx-1card.xml", 1, "Tesla V100-PCIE-32GB", "460.39"),
+        ("a100-sxm4-v12.xml", 1, "NVIDIA A100-SXM4-80GB", "535.54.03"),
+        ("a10g.xml", 1, "NVIDIA A10G", "515.105.01"),
+        ("tesla-t4.xml", 1, "Tesla T4", "515.105.01"),
+        (H100, 1, "NVIDIA H100 80GB HBM3", "590.48.01"),
+        (L40S, 1, "NVIDIA L40S", "595.80"),
+    ],
+)
+def test_every_capture_parses(name: str, count: int, model: str, driver: str) -> None:
+    gpus = _capture(name)
+    assert len(gpus) == count
+    assert [g.index for g in gpus] == list(range(count))
+    assert {g.name for g in gpus} == {model}
+    assert {g.driver for g in gpus} == {driver}
+    assert all(g.uuid.startswith("GPU-") for g in gpus)
+
+
+def test_fixtures_are_all_covered() -> None:
+    captures = {p.name for p in FIXTURES.iterdir() if p.suffix in {".xml", ".txt"}}
+    assert len(captures) == 7
+
+
+def test_gtx_8card_gpu0_under_load() -> None:
+    gpu = _capture("gtx-8card.xml")[0]
+    assert gpu == GpuRecord(
+        index=0,
+        name="Tesla V100S-PCIE-32GB",
+        uuid="GPU-76098dc1-d3bc-9a1b-7ea6-f7b48837829e",
+        pci_bus_id="00000000:00:0D.0",
+        driver="460.73.01",
+        util_gpu_pct=97.0,
+        util_mem_pct=52.0,
+        mem_total_bytes=32510 * MIB,
+        mem_used_bytes=31689 * MIB,
+        mem_reserved_bytes=None,
+        power_draw_w=232.80,
+        power_limit_w=250.0,
+        default_power_limit_w=250.0,
+        min_power_limit_w=100.0,
+        max_power_limit_w=250.0,
+        temperature_c=66.0,
+        sm_clock_mhz=1410.0,
+        mem_clock_mhz=1107.0,
+        graphics_clock_mhz=1410.0,
+        pcie_replay_count=0,
+    )
+
+
+def test_gtx_8card_other_gpus_keep_their_own_values() -> None:
+    gpus = _capture("gtx-8card.xml")
+    third = gpus[3]
+    assert third.uuid == "GPU-3181eb56-505c-8214-ba05-c132f68f89b8"
+    assert third.pci_bus_id == "00000000:00:10.0"
+    assert (third.util_gpu_pct, third.util_mem_pct) == (23.0, 12.0)
+    assert third.mem_used_bytes == 32099 * MIB
+    assert third.power_draw_w == 198.41
+    assert third.temperature_c == 61.0
+    assert third.sm_clock_mhz == 1432.0
+    assert gpus[7].uuid == "GPU-1d955959-c95b-4f40-2cac-100d3006ffe2"
+    assert gpus[7].power_draw_w == 61.47
+    assert gpus[7].util_gpu_pct == 99.0
+    assert len({g.uuid for g in gpus}) == 8
+
+
+def test_gtx_1card() -> None:
+    gpu = _capture("gtx-1card.xml")[0]
+    assert gpu.uuid == "GPU-e77ce5d8-8b63-c936-3c1b-839d45bcd0f2"
+    assert gpu.pci_bus_id == "00000000:21:01.0"
+    assert (gpu.util_gpu_pct, gpu.util_mem_pct) == (91.0, 47.0)
+    assert (gpu.mem_total_bytes, gpu.mem_used_bytes) == (32510 * MIB, 12311 * MIB)
+    assert gpu.power_draw_w == 170.16
+    assert gpu.temperature_c == 66.0
+    assert (gpu.sm_clock_mhz, gpu.mem_clock_mhz, gpu.graphics_clock_mhz) == (1380, 877, 1380)
+
+
+def test_a100_v12_mig_reads_gpu_power_readings_and_whole_gpu_memory() -> None:
+    gpu = _capture("a100-sxm4-v12.xml")[0]
+    assert gpu.index == 0  # minor_number is 1; the NVML index is the position in the dump
+    assert gpu.pci_bus_id == "00000000:01:00.0"
+    assert gpu.util_gpu_pct is None
+    assert gpu.util_mem_pct is None
+    assert gpu.mem_total_bytes == 81920 * MIB  # not a MIG instance's 19968 MiB
+    assert gpu.mem_used_bytes == 50 * MIB
+    assert gpu.mem_reserved_bytes == 869 * MIB
+    assert gpu.power_draw_w == 67.03
+    assert gpu.power_limit_w == 500.0
+    assert gpu.default_power_limit_w == 500.0
+    assert (gpu.min_power_limit_w, gpu.max_power_limit_w) == (100.0, 500.0)
+    assert gpu.temperature_c == 27.0
+    assert (gpu.sm_clock_mhz, gpu.mem_clock_mhz, gpu.graphics_clock_mhz) == (1275, 1593, 1275)
+
+
+def test_a10g() -> None:
+    gpu = _capture("a10g.xml")[0]
+    assert gpu.uuid == "GPU-9a9a6c50-2a47-2f51-a902-b82c3b127e94"
+    assert (gpu.util_gpu_pct, gpu.util_mem_pct) == (0.0, 0.0)
+    assert (gpu.mem_total_bytes, gpu.mem_used_bytes) == (23028 * MIB, 22 * MIB)
+    assert gpu.mem_reserved_bytes == 435 * MIB
+    assert gpu.power_draw_w == 25.58
+    assert (gpu.power_limit_w, gpu.min_power_limit_w, gpu.max_power_limit_w) == (300, 100, 300)
+    assert gpu.temperature_c == 17.0
+    assert (gpu.sm_clock_mhz, gpu.mem_clock_mhz) == (210.0, 405.0)
+
+
+def test_tesla_t4() -> None:
+    gpu = _capture("tesla-t4.xml")[0]
+    assert gpu.uuid == "GPU-d37e67a5-91dd-3774-a5cb-99096249601a"
+    assert (gpu.mem_total_bytes, gpu.mem_used_bytes) == (15360 * MIB, 1032 * MIB)
+    assert gpu.power_draw_w == 26.78
+    assert gpu.power_limit_w == 70.0
+    assert (gpu.min_power_limit_w, gpu.max_power_limit_w) == (60.0, 70.0)
+    assert gpu.temperature_c == 40.0
+    assert (gpu.sm_clock_mhz, gpu.mem_clock_mhz, gpu.graphics_clock_mhz) == (585, 5000, 585)
+
+
+def test_h100_uses_the_load_section() -> None:
+    gpu = _capture(H100)[0]
+    assert gpu.pci_bus_id == "00000000:00:09.0"
+    assert (gpu.util_gpu_pct, gpu.util_mem_pct) == (100.0, 11.0)
+    assert gpu.mem_total_bytes == 81559 * MIB
+    assert gpu.mem_used_bytes == 19818 * MIB
+    assert gpu.mem_reserved_bytes == 479 * MIB
+    assert gpu.power_draw_w == 631.95
+    assert gpu.power_limit_w == 700.0
+    assert gpu.default_power_limit_w == 700.0
+    assert (gpu.min_power_limit_w, gpu.max_power_limit_w) == (200.0, 700.0)
+    assert gpu.temperature_c == 59.0
+    assert (gpu.sm_clock_mhz, gpu.mem_clock_mhz, gpu.graphics_clock_mhz) == (1980, 2619, 1980)
+    assert gpu.pcie_replay_count is None  # not a --query-gpu field
+
+
+def test_l40s_uses_the_load_section() -> None:
+    gpu = _capture(L40S)[0]
+    assert gpu.pci_bus_id == "00000000:01:00.0"
+    assert (gpu.util_gpu_pct, gpu.util_mem_pct) == (9.0, 2.0)
+    assert (gpu.mem_total_bytes, gpu.mem_used_bytes) == (46068 * MIB, 1235 * MIB)
+    assert gpu.power_draw_w == 110.23
+    assert (gpu.power_limit_w, gpu.min_power_limit_w, gpu.max_power_limit_w) == (350, 100, 350)
+    assert gpu.temperature_c == 54.0
+    assert (gpu.sm_clock_mhz, gpu.mem_clock_mhz) == (2520.0, 9001.0)
+
+
+def test_exporter_capture_falls_back_to_the_idle_section() -> None:
+    text = (FIXTURES / H100).read_text(encoding="utf-8")
+    without_load = text.replace("# load :: query-gpu", "# load :: query-gpu-removed")
+    gpu = parse_capture(without_load)[0]
+    assert gpu.util_gpu_pct == 0.0
+    assert gpu.power_draw_w == 69.85
+    assert gpu.mem_used_bytes == 0
+    assert gpu.temperature_c == 41.0
+
+
+def test_bare_query_gpu_csv_with_and_without_units() -> None:
+    with_units = (
+        "index, name, uuid, pci.bus_id, driver_version, memory.total [MiB], memory.used [MiB], "
+        "utilization.gpu [%], power.draw [W], enforced.power.limit [W], temperature.gpu\n"
+        "0, Tesla T4, GPU-a, 00000000:00:1E.0, 515.105.01, 15360 MiB, 1032 MiB, 7 %, "
+        "26.78 W, 70.00 W, 40\n"
+        "1, Tesla T4, GPU-b, 00000000:00:1F.0, 515.105.01, 15360 MiB, [N/A], [Not Supported], "
+        "[N/A], 70.00 W, N/A\n"
+    )
+    nounits = with_units.replace(" MiB,", ",").replace(" %,", ",").replace(" W,", ",")
+    for text in (with_units, nounits):
+        first, second = parse_capture(text)
+        assert (first.index, first.uuid, first.driver) == (0, "GPU-a", "515.105.01")
+        assert first.mem_total_bytes == 15360 * MIB
+        assert first.mem_used_bytes == 1032 * MIB
+        assert first.util_gpu_pct == 7.0
+        assert first.power_draw_w == 26.78
+        assert first.power_limit_w == 70.0
+        assert first.temperature_c == 40.0
+        assert first.util_mem_pct is None  # column absent
+        assert second.index == 1
+        assert second.mem_used_bytes is None
+        assert second.util_gpu_pct is None
+        assert second.power_draw_w is None
+        assert second.temperature_c is None
+
+
+def test_csv_rejects_a_wrong_unit_and_a_short_row() -> None:
+    with pytest.raises(ValueError, match=r"power\.draw: unexpected unit 'mW'"):
+        parse_query_gpu_csv("name, power.draw [W]\nT4, 26 mW\n")
+    with pytest.raises(ValueError, match="row 1 has 1 values for 2 fields"):
+        parse_query_gpu_csv("name, power.draw [W]\nT4\n")
+    with pytest.raises(ValueError, match="no 'name' column"):
+        parse_query_gpu_csv("index, power.draw [W]\n0, 20 W\n")
+
+
+def test_xml_power_fallbacks_for_newer_dtd() -> None:
+    xml = """<?xml version="1.0" ?>
+<!DOCTYPE nvidia_smi_log SYSTEM "nvsmi_device_v12.dtd">
+<nvidia_smi_log>
+  <driver_version>550.54.15</driver_version>
+  <gpu id="00000000:3B:00.0">
+    <product_name>NVIDIA H100 80GB HBM3</product_name>
+    <uuid>GPU-x</uuid>
+    <gpu_power_readings>
+      <average_power_draw>N/A</average_power_draw>
+      <instant_power_draw>312.50 W</instant_power_draw>
+      <current_power_limit>650.00 W</current_power_limit>
+      <min_power_limit>[Not Supported]</min_power_limit>
+    </gpu_power_readings>
+  </gpu>
+</nvidia_smi_log>
+"""
+    (gpu,) = parse_nvidia_smi_xml(xml)
+    assert gpu.pci_bus_id == "00000000:3B:00.0"
+    assert gpu.power_draw_w == 312.5
+    assert gpu.power_limit_w == 650.0
+    assert gpu.min_power_limit_w is None
+    assert gpu.max_power_limit_w is None
+    assert gpu.mem_total_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "unrecognised nvidia-smi capture"),
+        ("hello world\n", "unrecognised nvidia-smi capture"),
+        ("<html><body/></html>", "root element is <html>"),
+        ("<nvidia_smi_log><gpu>", "not valid nvidia-smi XML"),
+        ("<nvidia_smi_log><driver_version>1</driver_version></nvidia_smi_log>", "holds no GPU"),
+        ("index, name, uuid\n", "holds no GPU"),
+        ("# idle :: nvidia-smi (default table)\nNo devices were found\n", "without a query-gpu"),
+    ],
+)
+def test_unrecognised_or_empty_captures_raise(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_capture(text)
