@@ -45,8 +45,9 @@ class JobTotals:
         self.compute_s += step.compute_s
         self.comm_s += step.comm_s
         if step.loss is not None:
-            self.loss = step.loss
-            if not math.isfinite(step.loss):
+            if math.isfinite(step.loss):
+                self.loss = step.loss
+            else:
                 self.nonfinite_losses += 1
 
 
@@ -165,7 +166,7 @@ class JobSource:
                 ),
                 Reading("hyperagent_job_settings_version", t.version, labels),
             ]
-            if t.loss is not None and math.isfinite(t.loss):
+            if t.loss is not None:
                 out.append(Reading("hyperagent_job_loss", t.loss, labels))
         return out
 

@@ -1,0 +1,86 @@
+"""Shared fixtures: real peers on loopback (mosquitto), capture paths, free ports."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "fixtures"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+def require_binary(name: str, package: str) -> str:
+    path = shutil.which(name) or next(
+        (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name) if p.exists()), None
+    )
+    if path is None:
+        pytest.fail(f"{name} is not installed: apt-get install -y {package} (bash .ci/run does)")
+    return path
+
+
+class Mosquitto:
+    """A real mosquitto broker on a loopback port, stoppable and restartable."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.binary = require_binary("mosquitto", "mosquitto")
+        self.port = free_port()
+        self.conf = workdir / "mosquitto.conf"
+        self.conf.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+            "max_queued_messages 100000\n"
+        )
+        self.log = workdir / "mosquitto.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "-c", str(self.conf)],
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+        wait_for_port(self.port)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    broker = Mosquitto(tmp_path)
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def nvidia_smi_dir() -> Path:
+    return FIXTURES / "nvidia-smi"

@@ -1,0 +1,111 @@
+"""Config: strict validation naming keys, CLI overrides, check-config exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyperagent.config import DEFAULT_METRICS_PORT, build_config, load_config
+from hyperagent.errors import ConfigError
+
+GOOD = """
+node = "gpu-17"
+cluster = "prod"
+[agent]
+interval_s = 0.5
+[mqtt]
+url = "mqtt://broker.example:1884"
+[[coordinator.jobs]]
+id = "llama"
+nodes = ["gpu-17", "gpu-18"]
+backend = "mpi"
+power_limits_w = [150, 300]
+"""
+
+
+def test_defaults_are_safe() -> None:
+    config = build_config({})
+    assert config.agent.metrics_address == f"127.0.0.1:{DEFAULT_METRICS_PORT}"
+    assert config.mqtt.url == "mqtt://127.0.0.1:1883"
+    assert config.sources.nvml.enabled and config.sources.host.enabled
+    assert config.security.settings_key_file is None
+
+
+def test_file_is_typed_and_frozen(tmp_path: Path) -> None:
+    path = tmp_path / "h.toml"
+    path.write_text(GOOD)
+    config = load_config(path)
+    assert config.node == "gpu-17" and config.agent.interval_s == 0.5
+    assert (config.mqtt.host, config.mqtt.port) == ("broker.example", 1884)
+    job = config.coordinator.jobs[0]
+    assert job.nodes == ("gpu-17", "gpu-18") and job.power_limits_w == (150.0, 300.0)
+    with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen error
+        config.node = "other"  # type: ignore[misc]
+
+
+def test_overrides_win_and_are_validated(tmp_path: Path) -> None:
+    path = tmp_path / "h.toml"
+    path.write_text(GOOD)
+    config = load_config(path, {"agent.metrics_address": "0.0.0.0:9999", "mqtt.enabled": False})
+    assert config.agent.metrics_address == "0.0.0.0:9999" and not config.mqtt.enabled
+    with pytest.raises(ConfigError) as e:
+        load_config(path, {"agent.interval_s": -1})
+    assert [p.key for p in e.value.problems] == ["agent.interval_s"]
+
+
+def test_every_problem_names_its_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        '[agent]\ninterval_s = "fast"\nmetrics_address = "nowhere"\n'
+        '[mqtt]\nurl = "http://x"\nbogus = 1\n'
+        '[[coordinator.jobs]]\nid = "j"\nnodes = []\nbackend = "infiniband"\n'
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    keys = {p.key for p in e.value.problems}
+    assert {"agent.interval_s", "agent.metrics_address", "mqtt.url", "mqtt.bogus",
+            "coordinator.jobs.0.nodes", "coordinator.jobs.0.backend"} <= keys
+    assert e.value.file == str(path)
+    assert next(p for p in e.value.problems if p.key == "mqtt.bogus").reason == "unknown key"
+
+
+def test_syntax_error_and_missing_file(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[agent\n")
+    with pytest.raises(ConfigError, match="syntax"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "absent.toml")
+
+
+def _check(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "check-config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_check_config_command(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(GOOD)
+    result = _check(good)
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[sources.nvml]\nenabled = "yes please"\n[actuation]\nmin_power_w = 0\n')
+    result = _check(bad)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert any(line.startswith(f"{bad}: sources.nvml.enabled:") for line in lines)
+    assert any(line.startswith(f"{bad}: actuation.min_power_w:") for line in lines)
+
+
+def test_check_config_reads_the_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "k.toml"
+    path.write_text(f'[security]\nsettings_key_file = "{tmp_path / "missing.key"}"\n')
+    result = _check(path)
+    assert result.returncode == 2
+    assert "security.settings_key_file" in result.stderr

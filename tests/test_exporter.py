@@ -1,0 +1,103 @@
+"""The NVML source over replayed captures, through indicators, into /metrics (golden files)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from hyperagent.config import DEFAULT_QUANTUM_COEFFICIENTS
+from hyperagent.exporter import MetricsServer, SnapshotCollector
+from hyperagent.indicators import derive
+from hyperagent.readings import Snapshot
+from hyperagent.sources.nvml import NvmlSource
+from hyperagent.testing.fake_nvml import FakeNvml
+
+GOLDEN = Path(__file__).parent / "golden"
+CAPTURES = ["gtx-8card.xml", "gtx-1card.xml", "a100-sxm4-v12.xml", "a10g.xml", "tesla-t4.xml",
+            "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt",
+            "linux-x86_64__nvidia-l40s__595.80.txt"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def exposition(capture: Path) -> bytes:
+    clock = Clock()
+    source = NvmlSource(FakeNvml.from_capture(capture, clock=clock))
+    await source.start()
+    clock.now = 10.0  # ten seconds at the recorded draw
+    readings = await source.read()
+    await source.close()
+    snapshot = Snapshot(0.0, "n", tuple(readings))
+    server = MetricsServer("127.0.0.1:0")
+    server.collector.update([*readings, *derive(snapshot, None, DEFAULT_QUANTUM_COEFFICIENTS)])
+    return generate_latest(server.registry)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+async def test_metrics_match_golden(capture: str, nvidia_smi_dir: Path) -> None:
+    text = await exposition(nvidia_smi_dir / capture)
+    golden = GOLDEN / f"{Path(capture).stem}.prom"
+    if os.environ.get("HYPERAGENT_UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_bytes(text)
+    assert text.decode() == golden.read_text(), f"rerun with HYPERAGENT_UPDATE_GOLDEN=1 to accept"
+
+
+async def test_v100s_values(nvidia_smi_dir: Path) -> None:
+    server = MetricsServer("127.0.0.1:0")
+    clock = Clock()
+    source = NvmlSource(FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml", clock=clock))
+    await source.start()
+    clock.now = 10.0
+    readings = await source.read()
+    server.collector.update([*readings, *derive(Snapshot(0, "n", tuple(readings)), None,
+                                                DEFAULT_QUANTUM_COEFFICIENTS)])
+    get = server.registry.get_sample_value
+    uuid = "GPU-76098dc1-d3bc-9a1b-7ea6-f7b48837829e"
+    labels = {"gpu": "0", "uuid": uuid}
+    assert get("hyperagent_gpu_utilization_ratio", labels) == pytest.approx(0.97)
+    assert get("hyperagent_gpu_memory_used_bytes", labels) == 31689 * 2**20
+    assert get("hyperagent_gpu_power_watts", labels) == pytest.approx(232.8)
+    assert get("hyperagent_gpu_power_limit_watts", labels) == 250
+    assert get("hyperagent_gpu_power_limit_min_watts", labels) == 100
+    # the fake integrates the recorded draw: 232.8 W for 10 s
+    assert get("hyperagent_gpu_energy_joules_total", labels) == pytest.approx(2328, abs=0.01)
+    assert get("hyperagent_gpu_info", {**labels, "model": "Tesla V100S-PCIE-32GB",
+                                       "driver": "460.73.01"}) == 1
+    assert 0 < get("hyperagent_qu_ratio") < 1
+    assert get("hyperagent_memory_pressure_ratio") > 0.9
+
+
+def test_collector_swaps_atomically_and_types_stay() -> None:
+    from hyperagent.readings import Kind, Reading
+
+    collector = SnapshotCollector()
+    collector.update([Reading("hyperagent_source_errors_total", 3, {"source": "x"}, Kind.COUNTER)])
+    families = list(collector.collect())
+    assert families[0].type == "counter" and families[0].name == "hyperagent_source_errors"
+    collector.update([])
+    assert list(collector.collect()) == []
+
+
+@pytest.mark.parametrize("capture", ["gtx-8card.xml", "a100-sxm4-v12.xml"])
+async def test_promtool_check_metrics_is_clean(capture: str, nvidia_smi_dir: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is not installed: apt-get install -y prometheus (bash .ci/run does)")
+    text = await exposition(nvidia_smi_dir / capture)
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                            timeout=30)
+    assert result.returncode == 0 and not result.stdout and not result.stderr, (
+        result.stdout + result.stderr
+    ).decode()

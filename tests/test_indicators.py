@@ -1,0 +1,111 @@
+"""Indicators against values computed by hand (DESIGN.md's definitions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hyperagent.config import DEFAULT_QUANTUM_COEFFICIENTS as TABLE
+from hyperagent.indicators import (
+    communication_compute_ratio,
+    compute_entropy,
+    derive,
+    energy_per_sample,
+    estimated_ccr,
+    memory_pressure,
+    quantum_coefficient,
+    quantum_dispersion,
+    quantum_utilization,
+)
+from hyperagent.readings import Kind, Reading, Snapshot
+
+A100_HALF_V100_FULL = [(1.0, 0.5), (0.6, 1.0)]
+
+
+def test_quantum_utilization_weights_by_coefficient() -> None:
+    # (1.0 * 0.5 + 0.6 * 1.0) / (1.0 + 0.6) = 1.1 / 1.6
+    assert quantum_utilization(A100_HALF_V100_FULL) == pytest.approx(0.6875)
+    assert quantum_utilization([]) is None
+
+
+def test_compute_entropy_normalised() -> None:
+    # p = 5/11, 6/11; H = -(5/11 ln 5/11 + 6/11 ln 6/11) = 0.689009; / ln 2 = 0.994030
+    assert compute_entropy(A100_HALF_V100_FULL) == pytest.approx(0.994030, abs=1e-6)
+    assert compute_entropy([(1.0, 0.8)] * 4) == pytest.approx(1.0)
+    assert compute_entropy([(1.0, 1.0), (1.0, 0.0), (1.0, 0.0)]) == pytest.approx(0.0)
+    assert compute_entropy([(1.0, 0.0), (1.0, 0.0)]) is None
+    assert compute_entropy([(0.6, 0.3)]) == 1.0
+
+
+def test_quantum_dispersion_is_coefficient_of_variation() -> None:
+    # loads 0.5, 0.6: mean 0.55, population std 0.05 -> 0.090909
+    assert quantum_dispersion(A100_HALF_V100_FULL) == pytest.approx(0.0909091, abs=1e-6)
+    # loads 1, 0, 0: mean 1/3, std sqrt(2)/3 -> sqrt(2), above the 0.7 balancing threshold
+    assert quantum_dispersion([(1.0, 1.0), (1.0, 0.0), (1.0, 0.0)]) == pytest.approx(math.sqrt(2))
+    assert quantum_dispersion([(1.0, 0.0)]) is None
+
+
+def test_ccr_memory_pressure_energy() -> None:
+    assert communication_compute_ratio(0.3, 1.0) == pytest.approx(0.3)
+    assert communication_compute_ratio(1.0, 0.0) is None
+    # 12.5 GB at 12.5 GB/s = 1 s of link time against 4 s of GPU busy time
+    assert estimated_ccr(12.5e9, 12.5e9, 4.0) == pytest.approx(0.25)
+    assert memory_pressure([(30.0, 32.0), (8.0, 32.0)], 4.0, 16.0) == pytest.approx(0.9375)
+    assert memory_pressure([(8.0, 32.0)], 2.0, 16.0) == pytest.approx(0.875)
+    assert memory_pressure([], None, None) is None
+    assert energy_per_sample(500.0, 1000) == pytest.approx(0.5)
+    assert energy_per_sample(500.0, 0) is None
+
+
+@pytest.mark.parametrize(
+    ("model", "q"),
+    [
+        ("Tesla V100S-PCIE-32GB", 0.6),
+        ("NVIDIA A100-SXM4-80GB", 1.0),
+        ("NVIDIA H100 PCIe", 2.42),
+        ("NVIDIA H100 80GB HBM3", 3.17),
+        ("Tesla T4", 0.21),
+        ("Quadro RTX 6000", None),
+    ],
+)
+def test_quantum_coefficient_longest_match(model: str, q: float | None) -> None:
+    assert quantum_coefficient(model, TABLE) == q
+
+
+def _snapshot(ts: float, comm: float, compute: float, energy: float, samples: float) -> Snapshot:
+    readings = []
+    for gpu, (util, used) in enumerate([(0.5, 16e9), (1.0, 30e9)]):
+        labels = {"gpu": str(gpu), "uuid": f"GPU-{gpu}"}
+        readings += [
+            Reading("hyperagent_gpu_info", 1, {**labels, "model": "Tesla V100S-PCIE-32GB"},
+                    Kind.INFO),
+            Reading("hyperagent_gpu_utilization_ratio", util, labels),
+            Reading("hyperagent_gpu_memory_used_bytes", used, labels),
+            Reading("hyperagent_gpu_memory_total_bytes", 32e9, labels),
+            Reading("hyperagent_gpu_energy_joules_total", energy / 2, labels, Kind.COUNTER),
+        ]
+    job = {"job_id": "j"}
+    readings += [
+        Reading("hyperagent_host_memory_available_bytes", 12e9),
+        Reading("hyperagent_host_memory_total_bytes", 16e9),
+        Reading("hyperagent_job_communication_seconds_total", comm, job, Kind.COUNTER),
+        Reading("hyperagent_job_compute_seconds_total", compute, job, Kind.COUNTER),
+        Reading("hyperagent_job_samples_total", samples, job, Kind.COUNTER),
+    ]
+    return Snapshot(ts, "n", tuple(readings))
+
+
+def test_derive_from_snapshots() -> None:
+    before = _snapshot(10.0, comm=1.0, compute=4.0, energy=100.0, samples=0)
+    after = _snapshot(11.0, comm=2.0, compute=8.0, energy=300.0, samples=400)
+    out = {(r.name, tuple(sorted(r.labels.items()))): r.value for r in derive(after, before, TABLE)}
+    # V100 q = 0.6 on both: (0.6*0.5 + 0.6*1.0) / 1.2
+    assert out[("hyperagent_qu_ratio", ())] == pytest.approx(0.75)
+    assert out[("hyperagent_memory_pressure_ratio", ())] == pytest.approx(30 / 32)
+    assert out[("hyperagent_ccr_ratio", (("method", "reported"),))] == pytest.approx(0.25)
+    assert out[("hyperagent_energy_per_sample_joules", ())] == pytest.approx(0.5)
+    assert out[("hyperagent_gpu_quantum_coefficient", (("gpu", "0"), ("uuid", "GPU-0")))] == 0.6
+    first = {r.name for r in derive(before, None, TABLE)}
+    assert "hyperagent_ccr_ratio" not in first and "hyperagent_energy_per_sample_joules" not in first
+    assert "hyperagent_qu_ratio" in first
