@@ -1,0 +1,157 @@
+"""MQTT codec, signatures, and the connection loop against a real mosquitto on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import aiomqtt
+import orjson
+import pytest
+
+from hyperagent import bus
+from hyperagent.errors import PayloadError
+
+KEY = b"k" * 32
+
+
+def test_topics() -> None:
+    t = bus.Topics("prod")
+    assert t.telemetry("n1") == "hyperagent/v1/prod/node/n1/telemetry"
+    assert t.settings("j") == "hyperagent/v1/prod/job/j/settings"
+    assert t.name_in(t.ack("llama")) == "llama"
+    with pytest.raises(PayloadError):
+        t.name_in("hyperagent/v1/other/job/j/ack")
+
+
+def test_sign_and_verify() -> None:
+    message = bus.sign({"job": "j", "version": 3, "settings": {"bucket_mb": 8}}, KEY)
+    assert bus.verify(message, KEY)
+    assert not bus.verify(message, b"x" * 32)
+    assert not bus.verify({**message, "version": 4}, KEY)
+    assert not bus.verify({**message, "settings": {"bucket_mb": 16}}, KEY)
+    assert not bus.verify({k: v for k, v in message.items() if k != "hmac"}, KEY)
+    assert bus.verify(orjson.loads(bus.encode(message)), KEY)  # survives the wire
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        (b"{", "ack"),
+        (b'"text"', "ack"),
+        (b'{"schema": 2, "job": "j", "node": "n", "version": 1, "ok": true}', "ack"),
+        (b'{"schema": 1, "job": "j", "node": "n", "version": "1", "ok": true}', "ack"),
+        (b'{"schema": 1, "job": "j", "node": "n", "version": true, "ok": true}', "ack"),
+        (b'{"schema": 1, "job": "j", "node": "n", "version": 1}', "ack"),
+    ],
+)
+def test_invalid_payloads(payload: bytes, kind: str) -> None:
+    with pytest.raises(PayloadError):
+        bus.decode(payload, kind)
+
+
+def test_valid_ack() -> None:
+    payload = bus.encode({"job": "j", "node": "n", "version": 1, "ok": True})
+    assert bus.decode(payload, "ack")["version"] == 1
+
+
+async def _collect(url_port: int, topic: str, count: int, timeout_s: float = 10) -> list[bytes]:
+    got: list[bytes] = []
+    async with aiomqtt.Client("127.0.0.1", url_port, identifier="test-listener") as client:
+        await client.subscribe(topic, qos=1)
+        async with asyncio.timeout(timeout_s):
+            async for message in client.messages:
+                got.append(bytes(message.payload))  # type: ignore[arg-type]
+                if len(got) >= count:
+                    break
+    return got
+
+
+async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    topics = bus.Topics("t")
+    received: list[tuple[str, bytes]] = []
+
+    async def handler(topic: str, payload: bytes) -> None:
+        received.append((topic, payload))
+        raise RuntimeError("a broken handler must not stop the link")
+
+    link = bus.MqttLink(
+        "127.0.0.1", mosquitto.port, "node-a",
+        will=bus.status_message(topics, "node-a", "offline"),
+        on_connect=lambda: [bus.status_message(topics, "node-a", "online")],
+    )
+    link.subscribe(topics.settings("+"), 1, handler)
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(10):
+            await link.connected.wait()
+        status = await _collect(mosquitto.port, topics.status("node-a"), 1)
+        assert bus.decode(status[0], "status")["state"] == "online"  # retained
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port) as other:
+            await other.publish(topics.settings("j"), b"one", qos=1)
+            await other.publish(topics.settings("j"), b"two", qos=1)
+        async with asyncio.timeout(10):
+            while len(received) < 2:
+                await asyncio.sleep(0.01)
+        assert [p for _, p in received] == [b"one", b"two"] and link.handler_errors == 2
+        for i in range(5):
+            link.publish(topics.report("j"), f"r{i}".encode(), qos=1)
+        assert await link.flush(10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_outbox_is_bounded_while_broker_is_down(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    mosquitto.stop()
+    link = bus.MqttLink("127.0.0.1", mosquitto.port, "node-b", outbox_size=10,
+                        backoff_min_s=0.1, backoff_max_s=0.3)
+    task = asyncio.create_task(link.run())
+    try:
+        for i in range(100):
+            link.publish("hyperagent/v1/t/node/b/telemetry", str(i).encode())  # never blocks
+        link.publish("hyperagent/v1/t/job/j/report", b"keep", qos=1)
+        assert link.dropped == 90 and link.queued == 11
+        await asyncio.sleep(0.5)
+        assert not link.connected.is_set()
+        mosquitto.start()
+        listener = asyncio.create_task(_collect(mosquitto.port, "hyperagent/v1/t/job/j/report", 1))
+        await asyncio.sleep(0.3)
+        got = await listener
+        assert got == [b"keep"]
+        assert await link.flush(10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_last_will_says_offline_when_a_node_dies(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    script = textwrap.dedent(f"""
+        import asyncio
+        from hyperagent import bus
+        async def main():
+            t = bus.Topics("t")
+            link = bus.MqttLink("127.0.0.1", {mosquitto.port}, "node-c", keepalive_s=5,
+                will=bus.status_message(t, "node-c", "offline"),
+                on_connect=lambda: [bus.status_message(t, "node-c", "online")])
+            task = asyncio.create_task(link.run())
+            await link.connected.wait()
+            print("up", flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 20)
+        assert line.strip() == b"up"
+        listener = asyncio.create_task(_collect(mosquitto.port, "hyperagent/v1/t/node/node-c/status", 2))
+        await asyncio.sleep(0.3)
+        child.kill()
+        states = [bus.decode(p, "status")["state"] for p in await listener]
+        assert states == ["online", "offline"]
+    finally:
+        child.kill()
+        child.wait(10)

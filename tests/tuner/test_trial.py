@@ -1,0 +1,78 @@
+"""Settle / measure / score on step reports (job time, not wall time)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hyperagent.job import StepReport
+from hyperagent.tuner.trial import MeasurementPlan, Phase, TrialMeasurement, score
+
+
+def step(version: int, samples: int = 100, step_s: float = 0.5, rank: int = 0,
+         loss: float | None = 1.0) -> StepReport:
+    return StepReport("j", rank, samples, step_s, step_s * 0.8, step_s * 0.2, loss, version)
+
+
+def test_settles_then_measures_in_windows() -> None:
+    plan = MeasurementPlan(settle_steps=10, settle_s=3.0, measure_steps=8, measure_s=2.0, windows=4)
+    m = TrialMeasurement(version=2, plan=plan)
+    assert m.add(step(1)) is None  # older version ignored
+    phases = [m.add(step(2)) for _ in range(10)]
+    # 10 steps of 0.5 s = 5 s >= 3 s: settles on the 10th step
+    assert phases[:9] == [None] * 9 and phases[9] is Phase.MEASURING
+    for i in range(8):
+        # windows of two steps: 200, 400, 200, 400 samples/s
+        samples = 100 if i // 2 % 2 == 0 else 200
+        changed = m.add(step(2, samples=samples))
+        assert changed is (Phase.DONE if i == 7 else None)
+    r = m.result()
+    assert r.windows == [200.0, 400.0, 200.0, 400.0]
+    assert r.throughput == 300.0 and r.samples == 1200 and r.steps == 8 and r.seconds == 4.0
+    assert m.add(step(2)) is None
+
+
+def test_settle_waits_for_time_as_well_as_steps() -> None:
+    m = TrialMeasurement(1, MeasurementPlan(settle_steps=2, settle_s=3.0, measure_steps=1,
+                                            measure_s=0.0, windows=1))
+    results = [m.add(step(1, step_s=0.5)) for _ in range(6)]
+    assert results.index(Phase.MEASURING) == 5  # 6 x 0.5 s reaches 3 s
+
+
+def test_two_ranks_sum_their_throughput() -> None:
+    m = TrialMeasurement(1, MeasurementPlan(0, 0.0, 2, 0.0, 1))
+    for _ in range(2):
+        m.add(step(1, samples=50, rank=0))
+        m.add(step(1, samples=50, rank=1))
+    m.add(step(1, samples=50, rank=0))
+    m.add(step(1, samples=50, rank=1))
+    assert m.phase is Phase.DONE
+    assert m.result().throughput == pytest.approx(200.0)  # two ranks x 100 samples/s
+
+
+def test_nonfinite_loss_ends_the_trial() -> None:
+    m = TrialMeasurement(1, MeasurementPlan())
+    assert m.add(step(1, loss=math.nan)) is Phase.DONE
+    assert m.result().nonfinite_loss
+
+
+def test_plan_from_dict_rejects_garbage() -> None:
+    assert MeasurementPlan.from_dict(MeasurementPlan().to_dict()) == MeasurementPlan()
+    with pytest.raises(ValueError):
+        MeasurementPlan.from_dict({"settle_steps": 1})
+    with pytest.raises(ValueError):
+        MeasurementPlan.from_dict({**MeasurementPlan().to_dict(), "windows": 0})
+
+
+def test_score_objectives() -> None:
+    reports = [
+        {"throughput": 100.0, "samples": 1000, "energy_j": 500.0, "nonfinite_loss": False},
+        {"throughput": 120.0, "samples": 1000, "energy_j": 1500.0, "nonfinite_loss": False},
+    ]
+    assert score(reports, "throughput") == 220.0
+    assert score(reports, "energy") == pytest.approx(1.0)  # 2000 samples / 2000 J
+    assert score([{**reports[0], "energy_j": None}], "energy") is None
+    assert score([{**reports[0], "nonfinite_loss": True}], "throughput") is None
+    with pytest.raises(ValueError):
+        score(reports, "latency")
