@@ -1,0 +1,188 @@
+"""The agent against a real mosquitto: telemetry out, signed settings in, acks, power caps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import pytest
+
+from conftest import REPO, free_port, wait_for_port
+from hyperagent import bus
+from hyperagent.agent import Agent
+from hyperagent.config import build_config
+from hyperagent.job import JobReporter
+from hyperagent.sources import Hardware
+from hyperagent.testing.fake_nvml import FakeNvml
+
+KEY = b"s" * 32
+
+
+def limits_w(nvml: FakeNvml) -> set[float]:
+    return {
+        nvml.nvmlDeviceGetEnforcedPowerLimit(nvml.nvmlDeviceGetHandleByIndex(i)) / 1000
+        for i in range(nvml.nvmlDeviceGetCount())
+    }
+
+
+class Harness:
+    def __init__(self, agent: Agent, nvml: FakeNvml, port: int, socket_path: Path) -> None:
+        self.agent, self.nvml, self.port, self.socket_path = agent, nvml, port, socket_path
+        self.topics = bus.Topics("c")
+        self.acks: list[dict[str, Any]] = []
+
+    async def send(self, version: int, settings: dict[str, Any], key: bytes = KEY,
+                   nodes: list[str] | None = None) -> None:
+        message = {"job": "j", "version": version, "trial": None, "nodes": nodes or ["n1"],
+                   "settings": settings, "backend": {}, "plan": None, "issued_at": 1.0}
+        async with aiomqtt.Client("127.0.0.1", self.port) as client:
+            await client.publish(self.topics.settings("j"), bus.encode(bus.sign(message, key)),
+                                 qos=1, retain=True)
+
+
+@pytest.fixture
+async def harness(mosquitto, tmp_path: Path, nvidia_smi_dir: Path) -> AsyncIterator[Harness]:  # type: ignore[no-untyped-def]
+    config = build_config({
+        "node": "n1", "cluster": "c",
+        "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
+        "agent": {"interval_s": 0.2, "metrics_address": ""},
+        "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
+        "actuation": {"max_power_w": 225},
+    })
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    h = Harness(agent, nvml, mosquitto.port, tmp_path / "job.sock")
+    task = asyncio.create_task(agent.run())
+    async with asyncio.timeout(10):
+        await agent.ready.wait()
+        await agent.link.connected.wait()  # type: ignore[union-attr]
+    yield h
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def until(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+async def test_settings_applied_acked_and_handed_to_the_job(harness: Harness) -> None:
+    reporter = JobReporter("j", socket_path=harness.socket_path)
+    reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+    await until(lambda: "j" in harness.agent.job_source.jobs)  # type: ignore[union-attr]
+    async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
+        await listener.subscribe(harness.topics.ack("j"), qos=1)
+        await harness.send(1, {"bucket_mb": 8, "chunk_kb": 256, "allreduce": "ring",
+                               "power_cap_w": 175})
+        async with asyncio.timeout(10):
+            message = await anext(aiter(listener.messages))
+        ack = bus.decode(message.payload, "ack")  # type: ignore[arg-type]
+    assert ack["ok"] and ack["version"] == 1 and ack["node"] == "n1"
+    assert ack["applied"]["power_cap_w"] == [175.0] * 8
+    assert limits_w(harness.nvml) == {175.0}
+    await until(lambda: reporter.poll_settings() is not None or reporter.version == 1)
+    assert reporter.applied.settings == {"bucket_mb": 8, "chunk_kb": 256, "allreduce": "ring"}  # type: ignore[union-attr]
+    reporter.close()
+
+
+async def test_forged_stale_foreign_and_out_of_bounds_settings_change_nothing(
+    harness: Harness,
+) -> None:
+    agent = harness.agent
+    await harness.send(5, {"power_cap_w": 150})
+    await until(lambda: agent.applied_versions.get("j") == 5)
+    await harness.send(6, {"power_cap_w": 100}, key=b"x" * 32)
+    await until(lambda: agent.stats.rejected["bad_signature"] == 1)
+    await harness.send(4, {"power_cap_w": 125})
+    await until(lambda: agent.stats.rejected["stale"] == 1)
+    await harness.send(7, {"power_cap_w": 125}, nodes=["some-other-node"])
+    await harness.send(8, {"power_cap_w": 240})  # above this node's max_power_w = 225
+    await until(lambda: agent.stats.rejected["refused"] == 1)
+    assert limits_w(harness.nvml) == {150.0}
+    assert agent.applied_versions["j"] == 5 and agent.stats.applied == 1
+    snapshot = await agent.collect_once()
+    assert snapshot.value("hyperagent_settings_rejected_total", reason="bad_signature") == 1
+
+
+async def test_telemetry_carries_indicators(harness: Harness) -> None:
+    async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
+        await listener.subscribe(harness.topics.telemetry("n1"), qos=0)
+        async with asyncio.timeout(10):
+            message = await anext(aiter(listener.messages))
+    payload = bus.decode(message.payload, "telemetry")  # type: ignore[arg-type]
+    assert 0 < payload["indicators"]["qu_ratio"] < 1
+    names = {r[0] for r in payload["readings"]}
+    assert {"hyperagent_gpu_power_watts", "hyperagent_source_up", "hyperagent_qu_ratio"} <= names
+
+
+async def test_power_limits_restored_when_the_agent_stops(
+    mosquitto, tmp_path: Path, nvidia_smi_dir: Path  # type: ignore[no-untyped-def]
+) -> None:
+    config = build_config({"node": "n1", "cluster": "c", "mqtt": {"url": mosquitto.url},
+                           "agent": {"metrics_address": ""},
+                           "sources": {"job": {"socket": str(tmp_path / "j.sock")}}})
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    task = asyncio.create_task(agent.run())
+    await until(lambda: agent.link.connected.is_set())  # type: ignore[union-attr]
+    h = Harness(agent, nvml, mosquitto.port, tmp_path / "j.sock")
+    await h.send(1, {"power_cap_w": 125})
+    await until(lambda: limits_w(nvml) == {125.0})
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert limits_w(nvml) == {250.0}
+
+
+def test_replay_serves_metrics_that_promtool_accepts(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "hyperagent.cli", "agent",
+         "--replay", str(REPO / "fixtures/replay/v100s-8gpu-training"), "--no-broker",
+         "--metrics-address", f"127.0.0.1:{port}", "--interval", "0.2"],
+        stderr=subprocess.PIPE, env=env,
+    )
+    try:
+        wait_for_port(port, 30)
+        body = b""
+        for _ in range(50):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                body = r.read()
+            if b"hyperagent_qu_ratio" in body:
+                break
+            subprocess.run(["sleep", "0.1"], check=True)
+        text = body.decode()
+        assert text.count("hyperagent_gpu_power_watts{") == 8
+        for name in ("hyperagent_qu_ratio", "hyperagent_memory_pressure_ratio",
+                     "hyperagent_compute_entropy_ratio", "hyperagent_quantum_dispersion_ratio",
+                     'hyperagent_source_up{source="nvml",target="local"} 1.0'):
+            assert name in text
+        assert "_created" not in text
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is not installed: apt-get install -y prometheus"
+        check = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
+                               timeout=30)
+        assert check.returncode == 0 and not check.stdout and not check.stderr, check
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=20)
+    assert agent.returncode == 0, err.decode()
+
+
+def test_replay_of_a_directory_without_a_capture_fails_clearly(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "agent", "--replay", str(tmp_path), "--no-broker"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--replay" in result.stderr and "nvidia-smi.xml" in result.stderr
