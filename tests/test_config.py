@@ -109,3 +109,10 @@ def test_check_config_reads_the_key_file(tmp_path: Path) -> None:
     result = _check(path)
     assert result.returncode == 2
     assert "security.settings_key_file" in result.stderr
+
+
+def test_shipped_example_config_is_valid() -> None:
+    from conftest import REPO
+
+    config = load_config(REPO / "systemd" / "hyperagent.toml")
+    assert config.cluster == "prod" and config.coordinator.jobs[0].id == "llama-ft"
