@@ -141,6 +141,19 @@ def verify(message: Mapping[str, Any], key: bytes) -> bool:
     return hmac.compare_digest(tag, expected)
 
 
+async def _await_mqtt(call: Awaitable[Any]) -> Any:
+    """Await an aiomqtt call; re-raise a cancellation it swallowed.
+
+    aiomqtt waits with ``asyncio.wait_for``, which on Python 3.11 can swallow a cancellation
+    that races with completion, leaving a stopping daemon waiting forever.
+    """
+    result = await call
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return result
+
+
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     topic: str
@@ -257,11 +270,13 @@ class MqttLink:
             self._was_up = True
             log.info("mqtt connected to %s:%s as %s", self.host, self.port, self.client_id)
             for outgoing in self.on_connect() if self.on_connect else []:
-                await client.publish(
-                    outgoing.topic, outgoing.payload, outgoing.qos, outgoing.retain, timeout=10
+                await _await_mqtt(
+                    client.publish(
+                        outgoing.topic, outgoing.payload, outgoing.qos, outgoing.retain, timeout=10
+                    )
                 )
             for topic_filter, qos, _ in self._handlers:
-                await client.subscribe(topic_filter, qos, timeout=10)
+                await _await_mqtt(client.subscribe(topic_filter, qos, timeout=10))
             self.connected.set()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._send_loop(client), name="mqtt-send")
@@ -277,8 +292,10 @@ class MqttLink:
             queue = self._reliable if self._reliable else self._telemetry
             message = queue.popleft()
             try:
-                await client.publish(
-                    message.topic, message.payload, message.qos, message.retain, timeout=10
+                await _await_mqtt(
+                    client.publish(
+                        message.topic, message.payload, message.qos, message.retain, timeout=10
+                    )
                 )
             except aiomqtt.MqttError:
                 if message.qos > 0:

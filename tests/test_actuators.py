@@ -39,7 +39,7 @@ def test_fake_rejects_what_nvml_rejects(nvidia_smi_dir: Path) -> None:
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "tesla-t4.xml")
     nvml.nvmlInit()
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
-    low, high = nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)
+    _, high = nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         nvml.nvmlDeviceSetPowerManagementLimit(handle, high + 1000)
     # the actuator never asks for that: it clamps first

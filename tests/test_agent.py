@@ -15,8 +15,8 @@ from typing import Any
 
 import aiomqtt
 import pytest
-
 from conftest import REPO, free_port, wait_for_port
+
 from hyperagent import bus
 from hyperagent.agent import Agent
 from hyperagent.config import build_config
@@ -40,24 +40,41 @@ class Harness:
         self.topics = bus.Topics("c")
         self.acks: list[dict[str, Any]] = []
 
-    async def send(self, version: int, settings: dict[str, Any], key: bytes = KEY,
-                   nodes: list[str] | None = None) -> None:
-        message = {"job": "j", "version": version, "trial": None, "nodes": nodes or ["n1"],
-                   "settings": settings, "backend": {}, "plan": None, "issued_at": 1.0}
+    async def send(
+        self,
+        version: int,
+        settings: dict[str, Any],
+        key: bytes = KEY,
+        nodes: list[str] | None = None,
+    ) -> None:
+        message = {
+            "job": "j",
+            "version": version,
+            "trial": None,
+            "nodes": nodes or ["n1"],
+            "settings": settings,
+            "backend": {},
+            "plan": None,
+            "issued_at": 1.0,
+        }
         async with aiomqtt.Client("127.0.0.1", self.port) as client:
-            await client.publish(self.topics.settings("j"), bus.encode(bus.sign(message, key)),
-                                 qos=1, retain=True)
+            await client.publish(
+                self.topics.settings("j"), bus.encode(bus.sign(message, key)), qos=1, retain=True
+            )
 
 
 @pytest.fixture
 async def harness(mosquitto, tmp_path: Path, nvidia_smi_dir: Path) -> AsyncIterator[Harness]:  # type: ignore[no-untyped-def]
-    config = build_config({
-        "node": "n1", "cluster": "c",
-        "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
-        "agent": {"interval_s": 0.2, "metrics_address": ""},
-        "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
-        "actuation": {"max_power_w": 225},
-    })
+    config = build_config(
+        {
+            "node": "n1",
+            "cluster": "c",
+            "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
+            "agent": {"interval_s": 0.2, "metrics_address": ""},
+            "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
+            "actuation": {"max_power_w": 225},
+        }
+    )
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
     agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
     h = Harness(agent, nvml, mosquitto.port, tmp_path / "job.sock")
@@ -82,8 +99,9 @@ async def test_settings_applied_acked_and_handed_to_the_job(harness: Harness) ->
     await until(lambda: "j" in harness.agent.job_source.jobs)  # type: ignore[union-attr]
     async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
         await listener.subscribe(harness.topics.ack("j"), qos=1)
-        await harness.send(1, {"bucket_mb": 8, "chunk_kb": 256, "allreduce": "ring",
-                               "power_cap_w": 175})
+        await harness.send(
+            1, {"bucket_mb": 8, "chunk_kb": 256, "allreduce": "ring", "power_cap_w": 175}
+        )
         async with asyncio.timeout(10):
             message = await anext(aiter(listener.messages))
         ack = bus.decode(message.payload, "ack")  # type: ignore[arg-type]
@@ -126,11 +144,19 @@ async def test_telemetry_carries_indicators(harness: Harness) -> None:
 
 
 async def test_power_limits_restored_when_the_agent_stops(
-    mosquitto, tmp_path: Path, nvidia_smi_dir: Path  # type: ignore[no-untyped-def]
+    mosquitto,
+    tmp_path: Path,
+    nvidia_smi_dir: Path,  # type: ignore[no-untyped-def]
 ) -> None:
-    config = build_config({"node": "n1", "cluster": "c", "mqtt": {"url": mosquitto.url},
-                           "agent": {"metrics_address": ""},
-                           "sources": {"job": {"socket": str(tmp_path / "j.sock")}}})
+    config = build_config(
+        {
+            "node": "n1",
+            "cluster": "c",
+            "mqtt": {"url": mosquitto.url},
+            "agent": {"metrics_address": ""},
+            "sources": {"job": {"socket": str(tmp_path / "j.sock")}},
+        }
+    )
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
     agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
     task = asyncio.create_task(agent.run())
@@ -147,10 +173,21 @@ def test_replay_serves_metrics_that_promtool_accepts(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "hyperagent.cli", "agent",
-         "--replay", str(REPO / "fixtures/replay/v100s-8gpu-training"), "--no-broker",
-         "--metrics-address", f"127.0.0.1:{port}", "--interval", "0.2"],
-        stderr=subprocess.PIPE, env=env,
+        [
+            sys.executable,
+            "-m",
+            "hyperagent.cli",
+            "agent",
+            "--replay",
+            str(REPO / "fixtures/replay/v100s-8gpu-training"),
+            "--no-broker",
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+            "--interval",
+            "0.2",
+        ],
+        stderr=subprocess.PIPE,
+        env=env,
     )
     try:
         wait_for_port(port, 30)
@@ -163,15 +200,20 @@ def test_replay_serves_metrics_that_promtool_accepts(tmp_path: Path) -> None:
             subprocess.run(["sleep", "0.1"], check=True)
         text = body.decode()
         assert text.count("hyperagent_gpu_power_watts{") == 8
-        for name in ("hyperagent_qu_ratio", "hyperagent_memory_pressure_ratio",
-                     "hyperagent_compute_entropy_ratio", "hyperagent_quantum_dispersion_ratio",
-                     'hyperagent_source_up{source="nvml",target="local"} 1.0'):
+        for name in (
+            "hyperagent_qu_ratio",
+            "hyperagent_memory_pressure_ratio",
+            "hyperagent_compute_entropy_ratio",
+            "hyperagent_quantum_dispersion_ratio",
+            'hyperagent_source_up{source="nvml",target="local"} 1.0',
+        ):
             assert name in text
         assert "_created" not in text
         promtool = shutil.which("promtool")
         assert promtool, "promtool is not installed: apt-get install -y prometheus"
-        check = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
-                               timeout=30)
+        check = subprocess.run(
+            [promtool, "check", "metrics"], input=body, capture_output=True, timeout=30
+        )
         assert check.returncode == 0 and not check.stdout and not check.stderr, check
     finally:
         agent.send_signal(signal.SIGTERM)
@@ -182,7 +224,9 @@ def test_replay_serves_metrics_that_promtool_accepts(tmp_path: Path) -> None:
 def test_replay_of_a_directory_without_a_capture_fails_clearly(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "hyperagent.cli", "agent", "--replay", str(tmp_path), "--no-broker"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "--replay" in result.stderr and "nvidia-smi.xml" in result.stderr

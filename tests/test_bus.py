@@ -78,7 +78,9 @@ async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  #
         raise RuntimeError("a broken handler must not stop the link")
 
     link = bus.MqttLink(
-        "127.0.0.1", mosquitto.port, "node-a",
+        "127.0.0.1",
+        mosquitto.port,
+        "node-a",
         will=bus.status_message(topics, "node-a", "offline"),
         on_connect=lambda: [bus.status_message(topics, "node-a", "online")],
     )
@@ -106,8 +108,9 @@ async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  #
 
 async def test_outbox_is_bounded_while_broker_is_down(mosquitto) -> None:  # type: ignore[no-untyped-def]
     mosquitto.stop()
-    link = bus.MqttLink("127.0.0.1", mosquitto.port, "node-b", outbox_size=10,
-                        backoff_min_s=0.1, backoff_max_s=0.3)
+    link = bus.MqttLink(
+        "127.0.0.1", mosquitto.port, "node-b", outbox_size=10, backoff_min_s=0.1, backoff_max_s=0.3
+    )
     task = asyncio.create_task(link.run())
     try:
         for i in range(100):
@@ -147,7 +150,9 @@ async def test_last_will_says_offline_when_a_node_dies(mosquitto) -> None:  # ty
         assert child.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 20)
         assert line.strip() == b"up"
-        listener = asyncio.create_task(_collect(mosquitto.port, "hyperagent/v1/t/node/node-c/status", 2))
+        listener = asyncio.create_task(
+            _collect(mosquitto.port, "hyperagent/v1/t/node/node-c/status", 2)
+        )
         await asyncio.sleep(0.3)
         child.kill()
         states = [bus.decode(p, "status")["state"] for p in await listener]

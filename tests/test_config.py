@@ -66,8 +66,14 @@ def test_every_problem_names_its_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(path)
     keys = {p.key for p in e.value.problems}
-    assert {"agent.interval_s", "agent.metrics_address", "mqtt.url", "mqtt.bogus",
-            "coordinator.jobs.0.nodes", "coordinator.jobs.0.backend"} <= keys
+    assert {
+        "agent.interval_s",
+        "agent.metrics_address",
+        "mqtt.url",
+        "mqtt.bogus",
+        "coordinator.jobs.0.nodes",
+        "coordinator.jobs.0.backend",
+    } <= keys
     assert e.value.file == str(path)
     assert next(p for p in e.value.problems if p.key == "mqtt.bogus").reason == "unknown key"
 
@@ -84,7 +90,9 @@ def test_syntax_error_and_missing_file(tmp_path: Path) -> None:
 def _check(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hyperagent.cli", "check-config", str(path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

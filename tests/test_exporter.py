@@ -18,9 +18,15 @@ from hyperagent.sources.nvml import NvmlSource
 from hyperagent.testing.fake_nvml import FakeNvml
 
 GOLDEN = Path(__file__).parent / "golden"
-CAPTURES = ["gtx-8card.xml", "gtx-1card.xml", "a100-sxm4-v12.xml", "a10g.xml", "tesla-t4.xml",
-            "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt",
-            "linux-x86_64__nvidia-l40s__595.80.txt"]
+CAPTURES = [
+    "gtx-8card.xml",
+    "gtx-1card.xml",
+    "a100-sxm4-v12.xml",
+    "a10g.xml",
+    "tesla-t4.xml",
+    "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt",
+    "linux-x86_64__nvidia-l40s__595.80.txt",
+]
 
 
 class Clock:
@@ -51,7 +57,7 @@ async def test_metrics_match_golden(capture: str, nvidia_smi_dir: Path) -> None:
     if os.environ.get("HYPERAGENT_UPDATE_GOLDEN"):
         golden.parent.mkdir(exist_ok=True)
         golden.write_bytes(text)
-    assert text.decode() == golden.read_text(), f"rerun with HYPERAGENT_UPDATE_GOLDEN=1 to accept"
+    assert text.decode() == golden.read_text(), "rerun with HYPERAGENT_UPDATE_GOLDEN=1 to accept"
 
 
 async def test_v100s_values(nvidia_smi_dir: Path) -> None:
@@ -61,8 +67,9 @@ async def test_v100s_values(nvidia_smi_dir: Path) -> None:
     await source.start()
     clock.now = 10.0
     readings = await source.read()
-    server.collector.update([*readings, *derive(Snapshot(0, "n", tuple(readings)), None,
-                                                DEFAULT_QUANTUM_COEFFICIENTS)])
+    server.collector.update(
+        [*readings, *derive(Snapshot(0, "n", tuple(readings)), None, DEFAULT_QUANTUM_COEFFICIENTS)]
+    )
     get = server.registry.get_sample_value
     uuid = "GPU-76098dc1-d3bc-9a1b-7ea6-f7b48837829e"
     labels = {"gpu": "0", "uuid": uuid}
@@ -73,8 +80,13 @@ async def test_v100s_values(nvidia_smi_dir: Path) -> None:
     assert get("hyperagent_gpu_power_limit_min_watts", labels) == 100
     # the fake integrates the recorded draw: 232.8 W for 10 s
     assert get("hyperagent_gpu_energy_joules_total", labels) == pytest.approx(2328, abs=0.01)
-    assert get("hyperagent_gpu_info", {**labels, "model": "Tesla V100S-PCIE-32GB",
-                                       "driver": "460.73.01"}) == 1
+    assert (
+        get(
+            "hyperagent_gpu_info",
+            {**labels, "model": "Tesla V100S-PCIE-32GB", "driver": "460.73.01"},
+        )
+        == 1
+    )
     assert 0 < get("hyperagent_qu_ratio") < 1
     assert get("hyperagent_memory_pressure_ratio") > 0.9
 
@@ -96,8 +108,9 @@ async def test_promtool_check_metrics_is_clean(capture: str, nvidia_smi_dir: Pat
     if promtool is None:
         pytest.fail("promtool is not installed: apt-get install -y prometheus (bash .ci/run does)")
     text = await exposition(nvidia_smi_dir / capture)
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                            timeout=30)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, timeout=30
+    )
     assert result.returncode == 0 and not result.stdout and not result.stderr, (
         result.stdout + result.stderr
     ).decode()

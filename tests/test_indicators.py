@@ -78,8 +78,9 @@ def _snapshot(ts: float, comm: float, compute: float, energy: float, samples: fl
     for gpu, (util, used) in enumerate([(0.5, 16e9), (1.0, 30e9)]):
         labels = {"gpu": str(gpu), "uuid": f"GPU-{gpu}"}
         readings += [
-            Reading("hyperagent_gpu_info", 1, {**labels, "model": "Tesla V100S-PCIE-32GB"},
-                    Kind.INFO),
+            Reading(
+                "hyperagent_gpu_info", 1, {**labels, "model": "Tesla V100S-PCIE-32GB"}, Kind.INFO
+            ),
             Reading("hyperagent_gpu_utilization_ratio", util, labels),
             Reading("hyperagent_gpu_memory_used_bytes", used, labels),
             Reading("hyperagent_gpu_memory_total_bytes", 32e9, labels),
@@ -107,5 +108,7 @@ def test_derive_from_snapshots() -> None:
     assert out[("hyperagent_energy_per_sample_joules", ())] == pytest.approx(0.5)
     assert out[("hyperagent_gpu_quantum_coefficient", (("gpu", "0"), ("uuid", "GPU-0")))] == 0.6
     first = {r.name for r in derive(before, None, TABLE)}
-    assert "hyperagent_ccr_ratio" not in first and "hyperagent_energy_per_sample_joules" not in first
+    assert (
+        "hyperagent_ccr_ratio" not in first and "hyperagent_energy_per_sample_joules" not in first
+    )
     assert "hyperagent_qu_ratio" in first

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hyperagent.job import JobReporter, JobSettings, StepReport, decode, encode_step, parse_step
 from hyperagent.errors import PayloadError
+from hyperagent.job import JobReporter, JobSettings, StepReport, decode, encode_step, parse_step
 from hyperagent.sources.job import JobSource
 
 
@@ -67,10 +67,11 @@ async def test_reports_and_settings_over_the_socket(tmp_path: Path) -> None:
         assert readings[("hyperagent_job_nonfinite_loss_total", "train-1")] == 1
         assert ("hyperagent_job_loss", "train-1") in readings
 
-        sent = source.send_settings("train-1", JobSettings(7, {"bucket_mb": 8}, {"NCCL_ALGO": "Ring"}))
+        sent = source.send_settings(
+            "train-1", JobSettings(7, {"bucket_mb": 8}, {"NCCL_ALGO": "Ring"})
+        )
         assert sent == 1
-        got = None
-        await _until(lambda: (got := reporter.poll_settings()) is not None or reporter.version == 7)
+        await _until(lambda: reporter.poll_settings() is not None or reporter.version == 7)
         assert reporter.version == 7 and reporter.applied is not None
         assert reporter.applied.settings == {"bucket_mb": 8}
         assert reporter.poll_settings() is None  # handed out once

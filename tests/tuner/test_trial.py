@@ -10,8 +10,9 @@ from hyperagent.job import StepReport
 from hyperagent.tuner.trial import MeasurementPlan, Phase, TrialMeasurement, score
 
 
-def step(version: int, samples: int = 100, step_s: float = 0.5, rank: int = 0,
-         loss: float | None = 1.0) -> StepReport:
+def step(
+    version: int, samples: int = 100, step_s: float = 0.5, rank: int = 0, loss: float | None = 1.0
+) -> StepReport:
     return StepReport("j", rank, samples, step_s, step_s * 0.8, step_s * 0.2, loss, version)
 
 
@@ -34,8 +35,9 @@ def test_settles_then_measures_in_windows() -> None:
 
 
 def test_settle_waits_for_time_as_well_as_steps() -> None:
-    m = TrialMeasurement(1, MeasurementPlan(settle_steps=2, settle_s=3.0, measure_steps=1,
-                                            measure_s=0.0, windows=1))
+    m = TrialMeasurement(
+        1, MeasurementPlan(settle_steps=2, settle_s=3.0, measure_steps=1, measure_s=0.0, windows=1)
+    )
     results = [m.add(step(1, step_s=0.5)) for _ in range(6)]
     assert results.index(Phase.MEASURING) == 5  # 6 x 0.5 s reaches 3 s
 

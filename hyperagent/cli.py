@@ -1,0 +1,276 @@
+"""Command-line entry points: agent, coordinator, demo, check-config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from hyperagent import __version__
+from hyperagent.config import Config, load_config
+from hyperagent.errors import ConfigError, ConfigProblem
+
+log = logging.getLogger("hyperagent")
+
+
+class LogfmtFormatter(logging.Formatter):
+    """One event per line: time, level, logger and message as logfmt (journald-friendly)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage().replace("\\", "\\\\").replace('"', '\\"')
+        line = (
+            f"ts={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')} level={record.levelname.lower()} "
+            f'logger={record.name} msg="{message}"'
+        )
+        if record.exc_info:
+            error = self.formatException(record.exc_info).replace("\n", "\\n").replace('"', "'")
+            line += f' error="{error}"'
+        return line
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogfmtFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if getattr(args, "node", None):
+        out["node"] = args.node
+    if getattr(args, "cluster", None):
+        out["cluster"] = args.cluster
+    if getattr(args, "broker", None):
+        out["mqtt.url"] = args.broker
+        out["mqtt.enabled"] = True
+    if getattr(args, "no_broker", False):
+        out["mqtt.enabled"] = False
+    if getattr(args, "metrics_address", None) is not None:
+        out["agent.metrics_address"] = args.metrics_address
+    if getattr(args, "interval", None):
+        out["agent.interval_s"] = args.interval
+    replay = getattr(args, "replay", None)
+    if replay is not None:
+        capture = Path(replay) / "nvidia-smi.xml"
+        if not capture.is_file():
+            raise ConfigError(
+                [ConfigProblem("--replay", f"{replay} holds no nvidia-smi.xml to replay")]
+            )
+        out["sources.nvml.dump"] = str(capture)
+        out["sources.host.enabled"] = False
+        out["sources.job.enabled"] = False
+    return out
+
+
+def read_settings_key(config: Config) -> bytes | None:
+    """The HMAC key for settings messages, or None when none is configured."""
+    path = config.security.settings_key_file
+    if path is None:
+        return None
+    try:
+        key = path.read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(
+            [ConfigProblem("security.settings_key_file", f"{path}: {e.strerror}")]
+        ) from e
+    if len(key) < 16:
+        raise ConfigError(
+            [ConfigProblem("security.settings_key_file", f"{path}: key shorter than 16 bytes")]
+        )
+    return key
+
+
+def _run(main: Coroutine[Any, Any, Any]) -> int:
+    """Run ``main`` until it ends or SIGTERM/SIGINT cancels it (its cleanup runs)."""
+
+    async def wrapper() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        await main
+
+    try:
+        asyncio.run(wrapper())
+    except asyncio.CancelledError:
+        log.info("stopped")
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from hyperagent.agent import Agent
+
+    config = load_config(args.config, _overrides(args))
+    agent = Agent.from_config(config, settings_key=read_settings_key(config))
+    return _run(agent.run())
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from hyperagent import bus
+    from hyperagent.coordinator import Coordinator
+
+    config = load_config(args.config, _overrides(args))
+    key = read_settings_key(config)
+    problems = []
+    if key is None:
+        problems.append(ConfigProblem("security.settings_key_file", "required by the coordinator"))
+    if not config.coordinator.jobs:
+        problems.append(ConfigProblem("coordinator.jobs", "no job to tune"))
+    if not config.mqtt.enabled:
+        problems.append(ConfigProblem("mqtt.enabled", "the coordinator needs the broker"))
+    if problems:
+        raise ConfigError(problems, str(args.config))
+    assert key is not None
+    link = bus.link_from_config(
+        config, f"hyperagent-coordinator-{config.cluster}", persistent_session=True
+    )
+    return _run(Coordinator(config, link, key).run())
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    read_settings_key(config)
+    print(
+        f"{args.file}: OK (node {config.node}, cluster {config.cluster}, "
+        f"{len(config.coordinator.jobs)} job(s) to tune)"
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hyperagent.demo import embedded_broker, run_demo
+
+    problems = []
+    if not 1 <= args.nodes <= 64:
+        problems.append(ConfigProblem("--nodes", "must be between 1 and 64"))
+    if not 1 <= args.trials <= 500:
+        problems.append(ConfigProblem("--trials", "must be between 1 and 500"))
+    if problems:
+        raise ConfigError(problems)
+    console = Console()
+    progress = Progress(
+        TextColumn("[bold]trial"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    task = progress.add_task("starting", total=args.trials)
+
+    def on_trial(state: Any, record: Any) -> None:
+        best = f"{state.best[1]:.1f}" if state.best else "-"
+        gain = f"{state.gain:+.1%}" if state.gain is not None else "-"
+        score = f"{record.score:.1f}" if record.score is not None else record.status
+        s = record.settings
+        progress.console.print(
+            f"trial {record.index + 1:>3}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
+            f"chunk {s['chunk_kb']:>5} KiB  {s.get('allreduce', ''):<16} "
+            f"cap {s.get('power_cap_w', '-')!s:>5} W  -> {score}"
+        )
+        progress.update(task, completed=len(state.trials), description=f"best {best}  gain {gain}")
+
+    async def demo(url: str) -> Any:
+        with progress:
+            return await run_demo(
+                url, args.nodes, args.trials, args.seed, on_trial=on_trial, objective=args.objective
+            )
+
+    unit = "samples/s" if args.objective == "throughput" else "samples/J"
+    console.print(
+        f"hyperagent demo: {args.nodes} simulated nodes x 8 GPUs, "
+        f"objective {args.objective} ({unit}), {args.trials} trials"
+    )
+    if args.broker:
+        result = asyncio.run(demo(args.broker))
+    else:
+        with embedded_broker() as url:
+            console.print(f"embedded MQTT broker on {url}")
+            result = asyncio.run(demo(url))
+    state = result.state
+    if state.best is None or state.gain is None:
+        console.print("[red]no trial produced a measurement[/red]")
+        return 1
+    console.print(f"starting settings: {result.start_settings}  ->  {state.baseline:.1f} {unit}")
+    console.print(f"best settings:     {result.best_settings}  ->  {state.best[1]:.1f} {unit}")
+    console.print(
+        f"[bold green]gain over the starting settings: {state.gain:+.1%}[/bold green] "
+        f"measured ({result.simulated_gain:+.1%} on the noiseless model), "
+        f"{len(state.trials)} trials, published as settings v{state.final_version}"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyperagent", description="GPU-cluster monitoring agent and closed-loop tuner."
+    )
+    parser.add_argument("--version", action="version", version=f"hyperagent {__version__}")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    agent = sub.add_parser("agent", help="run the node agent")
+    agent.add_argument("--config", type=Path, help="TOML configuration file")
+    agent.add_argument(
+        "--replay",
+        type=Path,
+        metavar="DIR",
+        help="replay a capture directory (DIR/nvidia-smi.xml) instead of hardware",
+    )
+    agent.add_argument(
+        "--metrics-address", metavar="HOST:PORT", help='serve /metrics here ("" disables)'
+    )
+    broker = agent.add_mutually_exclusive_group()
+    broker.add_argument("--broker", metavar="URL", help="MQTT broker, mqtt://HOST:PORT")
+    broker.add_argument("--no-broker", action="store_true", help="do not connect to MQTT")
+    agent.add_argument("--node", help="node name (default: hostname)")
+    agent.add_argument("--cluster", help="cluster name")
+    agent.add_argument("--interval", type=float, help="seconds between collections")
+    agent.set_defaults(func=cmd_agent)
+
+    coordinator = sub.add_parser("coordinator", help="run the cluster coordinator")
+    coordinator.add_argument("--config", type=Path, required=True)
+    coordinator.add_argument("--broker", metavar="URL")
+    coordinator.add_argument("--cluster")
+    coordinator.set_defaults(func=cmd_coordinator)
+
+    demo = sub.add_parser("demo", help="the whole loop on this machine, on simulated nodes")
+    demo.add_argument("--nodes", type=int, default=4)
+    demo.add_argument("--trials", type=int, default=30)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--objective", choices=["throughput", "energy"], default="throughput")
+    demo.add_argument("--broker", metavar="URL", help="use this broker instead of an embedded one")
+    demo.set_defaults(func=cmd_demo)
+
+    check = sub.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=cmd_check_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level if args.command != "demo" else "warning")
+    try:
+        return int(args.func(args))
+    except ConfigError as e:
+        where = f"{e.file}: " if e.file else ""
+        for problem in e.problems:
+            print(f"{where}{problem.key}: {problem.reason}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

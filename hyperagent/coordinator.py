@@ -1,0 +1,258 @@
+"""The cluster daemon: per job, the trial protocol over MQTT around a Tuner.
+
+ask -> publish signed settings v (retained) -> wait for every node's ack of v -> the agents
+settle and measure -> wait for every node's report of v -> score -> tell. After the trial
+budget or on convergence it publishes the best settings, without a measurement plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperagent import bus
+from hyperagent.config import Config, JobTuningSection
+from hyperagent.errors import PayloadError
+from hyperagent.tuner import SearchSpace, Tuner
+from hyperagent.tuner.trial import MeasurementPlan, score
+
+log = logging.getLogger(__name__)
+
+POWER_AVERAGING_WINDOW_S = 1.0
+"""NVML averages board power over about a second; a power change settles for 3x that."""
+
+
+@dataclass
+class TrialRecord:
+    """One finished trial of one job."""
+
+    index: int
+    version: int
+    settings: dict[str, Any]
+    score: float | None
+    status: str
+    """ok, no_ack, refused, timeout or nonfinite_loss."""
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class JobState:
+    """What the coordinator knows about one job's tuning."""
+
+    config: JobTuningSection
+    space: SearchSpace
+    tuner: Tuner
+    version: int = 0
+    trials: list[TrialRecord] = field(default_factory=list)
+    baseline: float | None = None
+    best: tuple[dict[str, Any], float] | None = None
+    final_version: int | None = None
+    done: bool = False
+    acks: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    reports: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @property
+    def gain(self) -> float | None:
+        """Best score over the baseline (the starting settings), minus one."""
+        if self.best is None or not self.baseline:
+            return None
+        return self.best[1] / self.baseline - 1
+
+
+TrialCallback = Callable[[JobState, TrialRecord], None]
+
+
+class Coordinator:
+    """Tunes every job of ``config.coordinator.jobs``; ``run`` returns when all are done."""
+
+    def __init__(
+        self,
+        config: Config,
+        link: bus.MqttLink,
+        settings_key: bytes,
+        on_trial: TrialCallback | None = None,
+    ) -> None:
+        self.config = config
+        self.link = link
+        self.key = settings_key
+        self.topics = bus.Topics(config.cluster)
+        self.on_trial = on_trial
+        self.invalid_payloads = 0
+        self.jobs: dict[str, JobState] = {}
+        for job in config.coordinator.jobs:
+            space = SearchSpace.default(job.backend, len(job.nodes), job.power_limits_w)
+            start = job.start.model_dump()
+            if start["power_cap_w"] is None and job.power_limits_w:
+                start["power_cap_w"] = job.power_limits_w[1]
+            tuner = Tuner(space, seed=job.seed, start=start)
+            self.jobs[job.id] = JobState(job, space, tuner)
+        link.subscribe(self.topics.ack("+"), 1, self._on_ack)
+        link.subscribe(self.topics.report("+"), 1, self._on_report)
+        link.subscribe(self.topics.settings("+"), 1, self._on_settings)
+
+    async def run(self) -> None:
+        """Run the MQTT link and every job's tuning; return once every tuning is finished."""
+        async with asyncio.TaskGroup() as tasks:
+            link_task = tasks.create_task(self.link.run(), name="mqtt")
+            jobs = [
+                tasks.create_task(self.tune(state), name=f"tune-{job}")
+                for job, state in self.jobs.items()
+            ]
+            await asyncio.gather(*jobs)
+            await self.link.flush(timeout_s=10)
+            link_task.cancel()
+
+    async def _on_settings(self, topic: str, payload: bytes) -> None:
+        """Learn the last retained version so versions keep rising across restarts."""
+        if not payload:
+            return
+        try:
+            message = bus.decode(payload, "settings")
+        except PayloadError:
+            return
+        state = self.jobs.get(message["job"])
+        if state is not None and bus.verify(message, self.key):
+            state.version = max(state.version, message["version"])
+
+    async def _on_ack(self, topic: str, payload: bytes) -> None:
+        await self._store(payload, "ack", lambda s: s.acks)
+
+    async def _on_report(self, topic: str, payload: bytes) -> None:
+        await self._store(payload, "report", lambda s: s.reports)
+
+    async def _store(self, payload: bytes, kind: str, table: Callable[[JobState], Any]) -> None:
+        try:
+            message = bus.decode(payload, kind)
+        except PayloadError as e:
+            self.invalid_payloads += 1
+            log.warning("dropped an invalid %s: %s", kind, e)
+            return
+        state = self.jobs.get(message["job"])
+        if state is None or message["node"] not in state.config.nodes:
+            return
+        async with state.changed:
+            table(state).setdefault(message["version"], {})[message["node"]] = message
+            state.changed.notify_all()
+
+    async def _collect(
+        self,
+        state: JobState,
+        table: dict[int, dict[str, dict[str, Any]]],
+        version: int,
+        timeout_s: float,
+    ) -> dict[str, dict[str, Any]]:
+        """Every node's message for ``version`` (or what arrived before the timeout)."""
+        nodes = set(state.config.nodes)
+
+        def complete() -> bool:
+            return nodes <= set(table.get(version, {}))
+
+        try:
+            async with asyncio.timeout(timeout_s), state.changed:
+                await state.changed.wait_for(complete)
+        except TimeoutError:
+            pass
+        return dict(table.get(version, {}))
+
+    def _publish_settings(
+        self,
+        state: JobState,
+        settings: dict[str, Any],
+        plan: MeasurementPlan | None,
+        trial: int | None,
+    ) -> int:
+        state.version += 1
+        message = bus.sign(
+            {
+                "job": state.config.id,
+                "version": state.version,
+                "trial": trial,
+                "nodes": list(state.config.nodes),
+                "settings": settings,
+                "backend": state.space.backend_mapping(settings),
+                "plan": plan.to_dict() if plan else None,
+                "issued_at": time.time(),
+            },
+            self.key,
+        )
+        self.link.publish(self.topics.settings(state.config.id), bus.encode(message), 1, True)
+        return state.version
+
+    def _plan(self, state: JobState, settings: dict[str, Any]) -> MeasurementPlan:
+        p = state.config.plan
+        settle_s = p.settle_s
+        previous = state.trials[-1].settings if state.trials else None
+        if previous is None or previous.get("power_cap_w") != settings.get("power_cap_w"):
+            settle_s = max(settle_s, 3 * POWER_AVERAGING_WINDOW_S)
+        return MeasurementPlan(p.settle_steps, settle_s, p.measure_steps, p.measure_s, p.windows)
+
+    async def run_trial(self, state: JobState, settings: dict[str, Any]) -> TrialRecord:
+        """One trial: publish, wait for acks, wait for measurements, score."""
+        began = time.monotonic()
+        index = len(state.trials)
+        version = self._publish_settings(state, settings, self._plan(state, settings), index)
+        cfg = state.config
+        acks = await self._collect(state, state.acks, version, cfg.ack_timeout_s)
+        record = TrialRecord(index, version, settings, None, "ok")
+        refused = {n: a.get("error") for n, a in acks.items() if not a["ok"]}
+        if refused:
+            record.status = "refused"
+            log.warning("%s v%d refused by %s", cfg.id, version, refused)
+        elif len(acks) < len(cfg.nodes):
+            record.status = "no_ack"
+            log.warning(
+                "%s v%d: no ack from %s", cfg.id, version, sorted(set(cfg.nodes) - set(acks))
+            )
+        else:
+            reports = await self._collect(state, state.reports, version, cfg.trial_timeout_s)
+            record.reports = reports
+            if len(reports) < len(cfg.nodes):
+                record.status = "timeout"
+            elif any(r["nonfinite_loss"] for r in reports.values()):
+                record.status = "nonfinite_loss"
+            else:
+                record.score = score(list(reports.values()), cfg.objective)
+        record.seconds = time.monotonic() - began
+        return record
+
+    async def tune(self, state: JobState) -> JobState:
+        """The whole tuning of one job; ends by publishing the best settings."""
+        cfg = state.config
+        await self.link.connected.wait()
+        await asyncio.sleep(0.5)  # let retained settings arrive so versions keep rising
+        for _ in range(cfg.trials):
+            settings = state.tuner.ask()
+            record = await self.run_trial(state, settings)
+            state.trials.append(record)
+            if record.score is not None:
+                state.tuner.tell(settings, record.score)
+                if state.baseline is None and record.index == 0:
+                    state.baseline = record.score
+                if state.best is None or record.score > state.best[1]:
+                    state.best = (settings, record.score)
+            else:
+                worst = min((s for _, s in state.tuner.observations), default=0.0)
+                state.tuner.tell(settings, 0.5 * worst)
+            if self.on_trial:
+                self.on_trial(state, record)
+            if state.tuner.n_told >= cfg.patience and state.tuner.converged(cfg.patience):
+                log.info("%s converged after %d trials", cfg.id, len(state.trials))
+                break
+        final = state.best[0] if state.best else state.trials[0].settings
+        state.final_version = self._publish_settings(state, final, None, None)
+        await self._collect(state, state.acks, state.final_version, cfg.ack_timeout_s)
+        state.done = True
+        log.info(
+            "%s: best %s score %s gain %s",
+            cfg.id,
+            final,
+            state.best[1] if state.best else None,
+            state.gain,
+        )
+        return state

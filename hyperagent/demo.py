@@ -1,0 +1,267 @@
+"""The whole loop on one machine: broker, coordinator, N agents over fake GPUs, a simulated job.
+
+Each node is a real Agent (fake NVML replaying an 8 x V100S capture taken under training load)
+with a simulated training rank reporting through a real JobReporter. The coordinator tunes the
+job over MQTT; the agents cap the fake GPUs' power and hand the other knobs to the job, whose
+speed and power follow the applied settings. Time inside the job runs ``speedup`` x faster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hyperagent import bus
+from hyperagent.agent import Agent
+from hyperagent.config import Config, build_config
+from hyperagent.coordinator import Coordinator, JobState, TrialRecord
+from hyperagent.job import JobReporter
+from hyperagent.sim import JobModel
+from hyperagent.sources import Hardware
+from hyperagent.testing.fake_nvml import FakeNvml
+
+log = logging.getLogger(__name__)
+
+DEMO_CAPTURE = "gtx-8card.xml"
+JOB = "demo-job"
+JOB_DEFAULTS = {"bucket_mb": 25, "chunk_kb": 4096, "allreduce": "ring"}
+"""What the simulated job runs before any setting arrives: PyTorch DDP's 25 MB buckets."""
+
+
+def demo_capture() -> Path:
+    """The packaged 8 x V100S-PCIE-32GB ``nvidia-smi -q -x`` capture taken under training load."""
+    return Path(str(resources.files("hyperagent").joinpath("data", DEMO_CAPTURE)))
+
+
+class VirtualClock:
+    """Job time of one simulated node: advanced by the steps it runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class SimulatedNode:
+    """One node: fake GPUs, an agent over them, and one simulated training rank."""
+
+    name: str
+    nvml: FakeNvml
+    clock: VirtualClock
+    agent: Agent
+    reporter: JobReporter
+    versions_run: list[int] = field(default_factory=list)
+
+    def power_cap_w(self) -> float:
+        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
+        return self.nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
+
+
+async def run_rank(
+    node: SimulatedNode, model: JobModel, speedup: float, rng: random.Random
+) -> None:
+    """Train forever: apply new settings at step boundaries, step, report."""
+    knobs: dict[str, Any] = dict(JOB_DEFAULTS)
+    node.nvml.nvmlInit()
+    gpus = node.nvml.nvmlDeviceGetCount()
+    while True:
+        new = node.reporter.poll_settings()
+        if new is not None:
+            knobs = dict(new.settings)
+        step = model.step({**knobs, "power_cap_w": node.power_cap_w()}, rng)
+        for i in range(gpus):
+            node.nvml.set_load(
+                i, util_gpu_pct=round(step.gpu_util * 100), power_draw_w=step.gpu_power_w
+            )
+        node.clock.advance(step.step_s)
+        if not node.versions_run or node.versions_run[-1] != node.reporter.version:
+            node.versions_run.append(node.reporter.version)
+        node.reporter.report_step(step.samples, step.step_s, step.compute_s, step.comm_s, loss=2.0)
+        await asyncio.sleep(step.step_s / speedup)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def embedded_broker() -> Any:
+    """An MQTT broker (rumqttd via iotcore) on a free loopback port; yields its URL."""
+    from iotcore import Broker
+
+    port = free_port()
+    broker = Broker(port=port, listen="127.0.0.1")
+    broker.start()
+    try:
+        yield f"mqtt://127.0.0.1:{port}"
+    finally:
+        broker.stop()
+
+
+@dataclass
+class DemoResult:
+    state: JobState
+    nodes: list[SimulatedNode]
+    model: JobModel
+
+    @property
+    def start_settings(self) -> dict[str, Any]:
+        return self.state.trials[0].settings
+
+    @property
+    def best_settings(self) -> dict[str, Any]:
+        assert self.state.best is not None
+        return self.state.best[0]
+
+    @property
+    def simulated_gain(self) -> float:
+        """Gain of the chosen settings over the starting ones on the noiseless model."""
+        objective = self.state.config.objective
+        return (
+            self.model.score(self.best_settings, objective)
+            / self.model.score(self.start_settings, objective)
+            - 1
+        )
+
+
+def cluster_config(
+    broker_url: str,
+    nodes: int,
+    trials: int,
+    seed: int,
+    workdir: Path,
+    objective: str,
+    power_limits_w: tuple[float, float],
+) -> dict[str, Any]:
+    """Raw config shared by the demo's agents and coordinator."""
+    return {
+        "cluster": "demo",
+        "mqtt": {"url": broker_url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
+        "agent": {"interval_s": 1.0, "metrics_address": "", "state_dir": str(workdir)},
+        "sources": {"host": {"enabled": False}},
+        "coordinator": {
+            "jobs": [
+                {
+                    "id": JOB,
+                    "nodes": [f"node-{i}" for i in range(nodes)],
+                    "backend": "nccl",
+                    "objective": objective,
+                    "trials": trials,
+                    "patience": max(10, trials // 2),
+                    "power_limits_w": list(power_limits_w),
+                    "seed": seed,
+                    "ack_timeout_s": 10,
+                    "trial_timeout_s": 60,
+                }
+            ]
+        },
+    }
+
+
+@contextlib.asynccontextmanager
+async def simulated_cluster(
+    broker_url: str,
+    nodes: int,
+    trials: int,
+    seed: int = 0,
+    *,
+    objective: str = "throughput",
+    params_b: float = 1.3,
+    speedup: float = 40.0,
+    key: bytes | None = None,
+    on_trial: Callable[[JobState, TrialRecord], None] | None = None,
+) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
+    """Agents and simulated ranks running in the background, and a coordinator ready to run."""
+    key = key or os.urandom(32)
+    capture = demo_capture()
+    probe = FakeNvml.from_capture(capture)
+    probe.nvmlInit()
+    low_mw, high_mw = probe.nvmlDeviceGetPowerManagementLimitConstraints(
+        probe.nvmlDeviceGetHandleByIndex(0)
+    )
+    low, high = low_mw / 1000, high_mw / 1000
+    with tempfile.TemporaryDirectory(prefix="hyperagent-demo-") as tmp:
+        workdir = Path(tmp)
+        raw = cluster_config(broker_url, nodes, trials, seed, workdir, objective, (low, high))
+        model = JobModel(
+            params_b=params_b,
+            nodes=nodes,
+            gpus_per_node=probe.nvmlDeviceGetCount(),
+            power_limits_w=(low, high),
+        )
+        sim_nodes = []
+        for i in range(nodes):
+            name = f"node-{i}"
+            config = build_config(
+                raw, {"node": name, "sources.job.socket": str(workdir / f"{name}.sock")}
+            )
+            clock = VirtualClock()
+            nvml = FakeNvml.from_capture(capture, clock=clock)
+            agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=key)
+            reporter = JobReporter(JOB, rank=0, socket_path=config.sources.job.socket)
+            sim_nodes.append(SimulatedNode(name, nvml, clock, agent, reporter))
+        coordinator_config: Config = build_config(raw, {"node": "coordinator"})
+        link = bus.link_from_config(
+            coordinator_config, "hyperagent-coordinator", persistent_session=True
+        )
+        coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)
+        rng = random.Random(seed)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                background = [
+                    tasks.create_task(n.agent.run(), name=f"agent-{n.name}") for n in sim_nodes
+                ]
+                for n in sim_nodes:
+                    await n.agent.ready.wait()
+                    await n.agent.link.connected.wait()  # type: ignore[union-attr]
+                background += [
+                    tasks.create_task(
+                        run_rank(n, model, speedup, random.Random(rng.random())),
+                        name=f"rank-{n.name}",
+                    )
+                    for n in sim_nodes
+                ]
+                try:
+                    yield coordinator, sim_nodes, model
+                finally:
+                    for task in background:
+                        task.cancel()
+        finally:
+            for n in sim_nodes:
+                n.reporter.close()
+
+
+async def run_demo(
+    broker_url: str,
+    nodes: int,
+    trials: int,
+    seed: int,
+    on_trial: Callable[[JobState, TrialRecord], None] | None = None,
+    **kwargs: Any,
+) -> DemoResult:
+    """Tune the simulated job end to end; returns when the best settings are published."""
+    async with simulated_cluster(broker_url, nodes, trials, seed, on_trial=on_trial, **kwargs) as (
+        coordinator,
+        sim_nodes,
+        model,
+    ):
+        await coordinator.run()
+        state = coordinator.jobs[JOB]
+        return DemoResult(state, sim_nodes, model)

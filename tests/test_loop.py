@@ -1,0 +1,47 @@
+"""The whole loop through a real mosquitto: coordinator, three agents, simulated training ranks."""
+
+from __future__ import annotations
+
+from hyperagent.demo import JOB, simulated_cluster
+
+
+def limits_w(nvml) -> set[float]:  # type: ignore[no-untyped-def]
+    return {
+        nvml.nvmlDeviceGetEnforcedPowerLimit(nvml.nvmlDeviceGetHandleByIndex(i)) / 1000
+        for i in range(nvml.nvmlDeviceGetCount())
+    }
+
+
+async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    async with simulated_cluster(mosquitto.url, nodes=3, trials=10, seed=1, speedup=100) as (
+        coordinator,
+        nodes,
+        model,
+    ):
+        await coordinator.run()
+        state = coordinator.jobs[JOB]
+        names = {n.name for n in nodes}
+
+        assert len(state.trials) == 10 and all(t.status == "ok" for t in state.trials)
+        for trial in state.trials:
+            acks = state.acks[trial.version]
+            assert set(acks) == names and all(a["ok"] for a in acks.values())
+            assert set(trial.reports) == names
+        assert set(state.acks[state.final_version]) == names  # the final settings were acked
+
+        assert state.best is not None
+        best = state.best[0]
+        for node in nodes:
+            assert node.agent.applied_versions[JOB] == state.final_version
+            assert limits_w(node.nvml) == {float(best["power_cap_w"])}
+            job_knobs = {k: v for k, v in best.items() if k != "power_cap_w"}
+            assert node.reporter.applied is not None
+            assert node.reporter.applied.version == state.final_version
+            assert dict(node.reporter.applied.settings) == job_knobs
+            # the rank switched versions in order, at step boundaries
+            assert node.versions_run == sorted(node.versions_run)
+
+        start = state.trials[0].settings
+        assert model.throughput(best) > model.throughput(start)
+    for node in nodes:  # agents stopped: the original limits are back
+        assert limits_w(node.nvml) == {250.0}
