@@ -1,0 +1,215 @@
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from hyperagent.sim import JobModel
+from hyperagent.tuner import SearchSpace, Tuner
+
+SPACE = SearchSpace.default("nccl", nodes=16, power_limits_w=(200, 400))
+
+
+def bowl(settings: Mapping[str, object]) -> float:
+    """A deterministic objective peaking at bucket 64, chunk 8192, 300 W, tree."""
+    bucket = math.log2(float(settings["bucket_mb"]))  # type: ignore[arg-type]
+    chunk = math.log2(float(settings["chunk_kb"]))  # type: ignore[arg-type]
+    power = float(settings.get("power_cap_w", 300))  # type: ignore[arg-type]
+    algorithm = 0.0 if settings["allreduce"] == "tree" else 0.5
+    return 100 - (bucket - 6) ** 2 - (chunk - 13) ** 2 - ((power - 300) / 50) ** 2 - algorithm
+
+
+def test_asks_are_json_safe_python_values_inside_the_space() -> None:
+    tuner = Tuner(SPACE, seed=3)
+    for _ in range(12):
+        settings = tuner.ask()
+        assert SPACE.contains(settings)
+        assert {type(v) for k, v in settings.items() if k != "allreduce"} <= {int}
+        assert type(settings["allreduce"]) is str
+        assert json.loads(json.dumps(settings)) == settings
+        tuner.tell(settings, bowl(settings))
+    for settings, score in tuner.observations:
+        assert all(type(v) in (int, str) for v in settings.values())
+        assert type(score) is float
+
+
+def test_seeds_come_first_then_nothing_repeats() -> None:
+    tuner = Tuner(SPACE, seed=0)
+    first = tuner.ask()
+    assert first == {"bucket_mb": 32, "chunk_kb": 4096, "power_cap_w": 400, "allreduce": "ring"}
+    tuner.tell(first, bowl(first))
+    second = tuner.ask()
+    assert second == SPACE.recommended(base=first)
+    assert second == {**first, "chunk_kb": 1024}
+    tuner.tell(second, bowl(second))
+    seen = {tuple(first.values()), tuple(second.values())}
+    for _ in range(15):
+        settings = tuner.ask()
+        key = tuple(settings.values())
+        assert key not in seen
+        seen.add(key)
+        tuner.tell(settings, bowl(settings))
+
+
+def test_start_is_snapped_and_a_seed_equal_to_it_is_skipped() -> None:
+    start = {"bucket_mb": 25, "chunk_kb": 1000, "power_cap_w": 310, "allreduce": "ring"}
+    tuner = Tuner(SPACE, seed=0, start=start)
+    first = tuner.ask()
+    assert first == {"bucket_mb": 32, "chunk_kb": 1024, "power_cap_w": 300, "allreduce": "ring"}
+    tuner.tell(first, 1.0)
+    assert tuner.ask() != first
+
+
+def test_ask_is_stable_until_tell() -> None:
+    tuner = Tuner(SPACE, seed=0)
+    assert tuner.ask() == tuner.ask()
+    tuner.tell(tuner.ask(), 1.0)
+    assert tuner.ask() == tuner.ask()
+
+
+def test_a_seed_waits_until_it_is_told() -> None:
+    tuner = Tuner(SPACE, seed=0)
+    first = tuner.ask()
+    foreign = {"bucket_mb": 2, "chunk_kb": 64, "power_cap_w": 225, "allreduce": "tree"}
+    tuner.tell(foreign, 5.0)
+    assert tuner.ask() == first
+
+
+def test_tell_of_settings_never_asked_and_seed_skipping() -> None:
+    tuner = Tuner(SPACE, seed=0)
+    defaults = SPACE.defaults()
+    foreign = {
+        "bucket_mb": np.int64(8),
+        "chunk_kb": 512,
+        "power_cap_w": np.float64(250.0),
+        "allreduce": "tree",
+    }
+    tuner.tell(foreign, 3.0)
+    tuner.tell(defaults, 2.0)
+    assert tuner.n_told == 2
+    assert tuner.observations[0] == (
+        {"bucket_mb": 8, "chunk_kb": 512, "power_cap_w": 250, "allreduce": "tree"},
+        3.0,
+    )
+    assert tuner.ask() == SPACE.recommended(base=defaults)
+
+
+def test_tell_rejects_points_outside_the_space_and_bad_scores() -> None:
+    tuner = Tuner(SPACE, seed=0)
+    settings = tuner.ask()
+    with pytest.raises(ValueError, match="snap"):
+        tuner.tell({**settings, "bucket_mb": 25}, 1.0)
+    with pytest.raises(ValueError, match="snap"):
+        tuner.tell({**settings, "allreduce": "halving_doubling"}, 1.0)
+    with pytest.raises(ValueError, match="score"):
+        tuner.tell(settings, math.nan)
+    with pytest.raises(ValueError, match="score"):
+        tuner.tell(settings, "fast")  # type: ignore[arg-type]
+    assert tuner.n_told == 0
+
+
+def test_best() -> None:
+    tuner = Tuner(SPACE, seed=0)
+    assert tuner.best is None
+    scores = [5.0, 9.0, 7.0]
+    asked = []
+    for score in scores:
+        settings = tuner.ask()
+        asked.append(settings)
+        tuner.tell(settings, score)
+    assert tuner.best == (asked[1], 9.0)
+
+
+def test_best_once_the_model_exists_is_a_measured_point() -> None:
+    tuner = Tuner(SPACE, seed=1)
+    for _ in range(15):
+        settings = tuner.ask()
+        tuner.tell(settings, bowl(settings))
+    best = tuner.best
+    assert best is not None
+    measured = {tuple(s.values()): v for s, v in tuner.observations}
+    assert measured[tuple(best[0].values())] == best[1]
+    assert best[1] >= sorted(measured.values())[-3]
+
+
+def test_converged() -> None:
+    tuner = Tuner(SPACE, seed=0)
+    with pytest.raises(ValueError):
+        tuner.converged(0)
+    for score in (10.0, 12.0, 12.05, 11.0, 12.1):
+        tuner.tell(tuner.ask(), score)
+    assert not tuner.converged(patience=5)
+    assert tuner.converged(patience=3)
+    assert not tuner.converged(patience=3, min_improvement=0.001)
+    assert not tuner.converged(patience=4)
+    tuner.tell(tuner.ask(), 20.0)
+    assert not tuner.converged(patience=3)
+
+
+def test_same_seed_same_proposals() -> None:
+    def run(seed: int) -> list[dict[str, object]]:
+        tuner = Tuner(SPACE, seed=seed)
+        proposals = []
+        for _ in range(9):
+            settings = tuner.ask()
+            proposals.append(settings)
+            tuner.tell(settings, bowl(settings))
+        return proposals
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_every_point_once_before_any_repeat() -> None:
+    space = SearchSpace(
+        backend="nccl", nodes=4, bucket_mb=(1, 2, 4), chunk_kb=(64, 128), allreduce=("ring", "tree")
+    )
+    tuner = Tuner(space, seed=0, n_initial_points=3)
+    seen = set()
+    for _ in range(space.size):
+        settings = tuner.ask()
+        seen.add(tuple(settings.values()))
+        tuner.tell(settings, bowl(settings))
+    assert len(seen) == space.size
+    assert space.contains(tuner.ask())
+
+
+def test_gloo_keeps_its_single_algorithm() -> None:
+    space = SearchSpace.default("gloo", nodes=4, power_limits_w=(100, 250))
+    tuner = Tuner(space, seed=0)
+    for _ in range(8):
+        settings = tuner.ask()
+        assert settings["allreduce"] == "ring"
+        assert space.contains(settings)
+        tuner.tell(settings, bowl(settings))
+
+
+def test_a_single_point_space() -> None:
+    space = SearchSpace(backend="gloo", nodes=2, bucket_mb=(16,), chunk_kb=(64,))
+    tuner = Tuner(space, seed=0)
+    assert tuner.ask() == {"bucket_mb": 16, "chunk_kb": 64, "allreduce": "ring"}
+    tuner.tell(tuner.ask(), 1.0)
+    assert tuner.ask() == {"bucket_mb": 16, "chunk_kb": 64, "allreduce": "ring"}
+    assert tuner.best == ({"bucket_mb": 16, "chunk_kb": 64, "allreduce": "ring"}, 1.0)
+
+
+def test_rejects_unknown_acquisition() -> None:
+    with pytest.raises(ValueError, match="EI"):
+        Tuner(SPACE, acq_func="gp_hedge")
+
+
+@pytest.mark.parametrize("acq_func", ["EI", "LCB"])
+def test_finds_the_simulated_optimum(acq_func: str) -> None:
+    model = JobModel(noise=0.0)
+    space = model.space("nccl")
+    _, optimum = model.optimum(space)
+    tuner = Tuner(space, seed=0, acq_func=acq_func)
+    for _ in range(30):
+        settings = tuner.ask()
+        tuner.tell(settings, model.throughput(settings))
+    best = tuner.best
+    assert best is not None
+    assert model.throughput(best[0]) >= 0.95 * optimum
