@@ -143,6 +143,17 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe(settings: dict[str, Any]) -> str:
+    parts = [
+        f"bucket {settings['bucket_mb']} MiB",
+        f"chunk {settings['chunk_kb']} KiB",
+        str(settings.get("allreduce", "")),
+    ]
+    if settings.get("power_cap_w") is not None:
+        parts.append(f"cap {settings['power_cap_w']} W")
+    return ", ".join(parts)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -173,9 +184,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         score = f"{record.score:.1f}" if record.score is not None else record.status
         s = record.settings
         progress.console.print(
-            f"trial {record.index + 1:>3}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
-            f"chunk {s['chunk_kb']:>5} KiB  {s.get('allreduce', ''):<16} "
-            f"cap {s.get('power_cap_w', '-')!s:>5} W  -> {score}"
+            f"{record.index + 1:>3}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
+            f"chunk {s['chunk_kb']:>5} KiB  {s.get('allreduce', ''):<16.16} "
+            f"{s.get('power_cap_w', '-')!s:>4} W  {score:>8}"
         )
         progress.update(task, completed=len(state.trials), description=f"best {best}  gain {gain}")
 
@@ -200,8 +211,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if state.best is None or state.gain is None:
         console.print("[red]no trial produced a measurement[/red]")
         return 1
-    console.print(f"starting settings: {result.start_settings}  ->  {state.baseline:.1f} {unit}")
-    console.print(f"best settings:     {result.best_settings}  ->  {state.best[1]:.1f} {unit}")
+    console.print(
+        f"starting settings: {_describe(result.start_settings)}: {state.baseline:.1f} {unit}"
+    )
+    console.print(
+        f"best settings:     {_describe(result.best_settings)}: {state.best[1]:.1f} {unit}"
+    )
     console.print(
         f"[bold green]gain over the starting settings: {state.gain:+.1%}[/bold green] "
         f"measured ({result.simulated_gain:+.1%} on the noiseless model), "

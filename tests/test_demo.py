@@ -1,0 +1,33 @@
+"""README's first command, shortened: the demo on its embedded broker runs to the end."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+
+def test_demo_prints_best_settings_and_gain() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "demo", "--nodes", "2", "--trials", "5"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "embedded MQTT broker on mqtt://127.0.0.1:" in out
+    assert re.search(r"best settings: +bucket \d+ MiB, chunk \d+ KiB, \w+, cap \d+ W", out)
+    assert re.search(r"gain over the starting settings: [+-]\d+\.\d%", out)
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "demo", "--nodes", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "--nodes" in result.stderr
