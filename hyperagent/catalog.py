@@ -39,6 +39,7 @@ HELP: dict[str, str] = {
     "hyperagent_job_loss": "Loss of the last reported step.",
     "hyperagent_job_nonfinite_loss_total": "Steps that reported a NaN or infinite loss.",
     "hyperagent_job_settings_version": "Settings version the agent last applied for the job.",
+    "hyperagent_job_invalid_reports_total": "Job-socket datagrams dropped as invalid.",
     # Indicators
     "hyperagent_qu_ratio": "Quantum utilisation: sum(q_i u_i) / sum(q_i) over the GPUs.",
     "hyperagent_ccr_ratio": "Communication/compute time ratio over the last window.",
