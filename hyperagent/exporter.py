@@ -22,21 +22,22 @@ from hyperagent.readings import Kind, Reading, by_name
 def _families(readings: Sequence[Reading]) -> Iterator[Metric]:
     for name, group in by_name(readings).items():
         kind = group[0].kind
-        labelnames = sorted(set().union(*(r.labels for r in group)))
         if kind is Kind.INFO:
-            family: Metric = InfoMetricFamily(name.removesuffix("_info"), help_text(name))
+            info = InfoMetricFamily(name.removesuffix("_info"), help_text(name))
             for r in group:
-                family.add_metric([], dict(r.labels))
-        elif kind is Kind.COUNTER:
+                info.add_metric([], dict(r.labels))
+            yield info
+            continue
+        labelnames = sorted(set().union(*(r.labels for r in group)))
+        family: CounterMetricFamily | GaugeMetricFamily
+        if kind is Kind.COUNTER:
             family = CounterMetricFamily(
                 name.removesuffix("_total"), help_text(name), labels=labelnames
             )
-            for r in group:
-                family.add_metric([r.labels.get(k, "") for k in labelnames], r.value)
         else:
             family = GaugeMetricFamily(name, help_text(name), labels=labelnames)
-            for r in group:
-                family.add_metric([r.labels.get(k, "") for k in labelnames], r.value)
+        for r in group:
+            family.add_metric([r.labels.get(k, "") for k in labelnames], r.value)
         yield family
 
 

@@ -6,6 +6,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -150,7 +151,7 @@ class NvmlSource:
             ("hyperagent_gpu_sm_clock_hertz", nv.NVML_CLOCK_SM),
             ("hyperagent_gpu_memory_clock_hertz", nv.NVML_CLOCK_MEM),
         ):
-            mhz = self._call(gpu, "clock", lambda c=clock: nv.nvmlDeviceGetClockInfo(h, c))
+            mhz = self._call(gpu, "clock", partial(nv.nvmlDeviceGetClockInfo, h, clock))
             if mhz is not None:
                 gauge(name, mhz * 1e6)
         return out

@@ -124,7 +124,7 @@ def _xml_gpu(index: int, gpu: ET.Element, driver: str) -> GpuRecord:
         index=index,
         name=_text(gpu, "product_name") or "",
         uuid=_text(gpu, "uuid") or "",
-        pci_bus_id=_text(gpu, "pci/pci_bus_id") or gpu.get("id", ""),
+        pci_bus_id=_text(gpu, "pci/pci_bus_id") or gpu.get("id") or "",
         driver=driver,
         util_gpu_pct=num("utilization/gpu_util", _PERCENT),
         util_mem_pct=num("utilization/memory_util", _PERCENT),
