@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import psutil
 
 from hyperagent.readings import Reading
 
 
-def parse_host(cpu_percent: float, memory: object, swap: object) -> list[Reading]:
+def parse_host(cpu_percent: float, memory: Any, swap: Any) -> list[Reading]:
     """Readings from psutil's cpu_percent(), virtual_memory() and swap_memory() results."""
     return [
         Reading("hyperagent_host_cpu_utilization_ratio", cpu_percent / 100),
-        Reading("hyperagent_host_memory_total_bytes", float(memory.total)),  # type: ignore[attr-defined]
-        Reading("hyperagent_host_memory_available_bytes", float(memory.available)),  # type: ignore[attr-defined]
-        Reading("hyperagent_host_swap_total_bytes", float(swap.total)),  # type: ignore[attr-defined]
-        Reading("hyperagent_host_swap_used_bytes", float(swap.used)),  # type: ignore[attr-defined]
+        Reading("hyperagent_host_memory_total_bytes", float(memory.total)),
+        Reading("hyperagent_host_memory_available_bytes", float(memory.available)),
+        Reading("hyperagent_host_swap_total_bytes", float(swap.total)),
+        Reading("hyperagent_host_swap_used_bytes", float(swap.used)),
     ]
 
 
