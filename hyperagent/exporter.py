@@ -16,6 +16,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import CollectorRegistry
 
 from hyperagent.catalog import help_text
+from hyperagent.errors import ConfigError, ConfigProblem
 from hyperagent.readings import Kind, Reading, by_name
 
 
@@ -72,9 +73,16 @@ class MetricsServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._server, self._thread = start_http_server(
-            self.port, addr=self.host, registry=self.registry
-        )
+        """Start serving; raises ConfigError naming the address when it cannot be bound."""
+        try:
+            self._server, self._thread = start_http_server(
+                self.port, addr=self.host, registry=self.registry
+            )
+        except OSError as e:
+            problem = ConfigProblem(
+                "agent.metrics_address", f"{self.host}:{self.port}: {e.strerror}"
+            )
+            raise ConfigError([problem]) from e
         self.port = self._server.server_port
 
     def stop(self) -> None:

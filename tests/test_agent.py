@@ -230,3 +230,30 @@ def test_replay_of_a_directory_without_a_capture_fails_clearly(tmp_path: Path) -
     )
     assert result.returncode == 2
     assert "--replay" in result.stderr and "nvidia-smi.xml" in result.stderr
+
+
+def test_metrics_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hyperagent.cli",
+                "agent",
+                "--no-broker",
+                "--replay",
+                str(REPO / "fixtures/replay/v100s-8gpu-training"),
+                "--metrics-address",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"agent.metrics_address: 127.0.0.1:{port}: Address already in use" in result.stderr

@@ -124,3 +124,17 @@ def test_shipped_example_config_is_valid() -> None:
 
     config = load_config(REPO / "systemd" / "hyperagent.toml")
     assert config.cluster == "prod" and config.coordinator.jobs[0].id == "llama-ft"
+
+
+def test_coordinator_refuses_to_start_without_key_or_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('cluster = "c"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "coordinator", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "security.settings_key_file: required by the coordinator" in result.stderr
+    assert "coordinator.jobs: no job to tune" in result.stderr
