@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -43,12 +44,18 @@ def require_binary(name: str, package: str) -> str:
 class Mosquitto:
     """A real mosquitto broker on a loopback port, stoppable and restartable."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, persistent: bool = False) -> None:
         self.binary = require_binary("mosquitto", "mosquitto")
         self.port = free_port()
         self.conf = workdir / "mosquitto.conf"
+        persistence = (
+            f"persistence true\npersistence_location {workdir}/\n"
+            if persistent
+            else "persistence false\n"
+        )
+        keep_user = "user root\n" if os.geteuid() == 0 else ""  # else it drops to "mosquitto"
         self.conf.write_text(
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\n{persistence}{keep_user}"
             "max_queued_messages 100000\n"
         )
         self.log = workdir / "mosquitto.log"
@@ -76,6 +83,15 @@ class Mosquitto:
 @pytest.fixture
 def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
     broker = Mosquitto(tmp_path)
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def persistent_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    """A mosquitto that keeps sessions and queued messages across a restart."""
+    broker = Mosquitto(tmp_path, persistent=True)
     broker.start()
     yield broker
     broker.stop()

@@ -106,25 +106,37 @@ async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  #
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_outbox_is_bounded_while_broker_is_down(mosquitto) -> None:  # type: ignore[no-untyped-def]
-    mosquitto.stop()
+async def test_outbox_is_bounded_while_broker_is_down(persistent_mosquitto) -> None:  # type: ignore[no-untyped-def]
+    broker = persistent_mosquitto
+    report_topic = "hyperagent/v1/t/job/j/report"
+    # a listener with a persistent session, so it cannot miss what arrives while it is away
+    async with aiomqtt.Client(
+        "127.0.0.1", broker.port, identifier="listener", clean_session=False
+    ) as listener:
+        await listener.subscribe(report_topic, qos=1)
+    broker.stop()
     link = bus.MqttLink(
-        "127.0.0.1", mosquitto.port, "node-b", outbox_size=10, backoff_min_s=0.1, backoff_max_s=0.3
+        "127.0.0.1", broker.port, "node-b", outbox_size=10, backoff_min_s=0.1, backoff_max_s=0.3
     )
     task = asyncio.create_task(link.run())
     try:
         for i in range(100):
             link.publish("hyperagent/v1/t/node/b/telemetry", str(i).encode())  # never blocks
-        link.publish("hyperagent/v1/t/job/j/report", b"keep", qos=1)
+        link.publish(report_topic, b"keep", qos=1)
         assert link.dropped == 90 and link.queued == 11
         await asyncio.sleep(0.5)
         assert not link.connected.is_set()
-        mosquitto.start()
-        listener = asyncio.create_task(_collect(mosquitto.port, "hyperagent/v1/t/job/j/report", 1))
-        await asyncio.sleep(0.3)
-        got = await listener
-        assert got == [b"keep"]
+        broker.start()
         assert await link.flush(10)
+        got = []
+        async with aiomqtt.Client(
+            "127.0.0.1", broker.port, identifier="listener", clean_session=False
+        ) as listener:
+            async with asyncio.timeout(10):
+                async for message in listener.messages:
+                    got.append(bytes(message.payload))  # type: ignore[arg-type]
+                    break
+        assert got == [b"keep"]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
