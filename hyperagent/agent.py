@@ -18,7 +18,9 @@ from hyperagent.exporter import MetricsServer, SnapshotCollector
 from hyperagent.indicators import derive
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.readings import Kind, Reading, Snapshot
+from hyperagent.replay import Recorder
 from hyperagent.sources import Hardware, build_sources
+from hyperagent.sources.base import Source
 from hyperagent.sources.job import JobSource
 from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import SourceRunner
@@ -57,15 +59,23 @@ class Agent:
         link: bus.MqttLink | None = None,
         settings_key: bytes | None = None,
         metrics: MetricsServer | None = None,
+        recorder: Recorder | None = None,
+        sources: list[Source] | None = None,
     ) -> None:
+        """``sources`` default to the ones ``config`` enables, over ``hardware``."""
         self.config = config
+        self.recorder = recorder
         self.node = config.node
         self.topics = bus.Topics(config.cluster)
         self.hardware = hardware
-        self.runner = SourceRunner(build_sources(config, hardware), config.sources.timeout_s)
+        if sources is None:
+            sources = build_sources(config, hardware)
+        self.runner = SourceRunner(sources, config.sources.timeout_s)
         self.job_source = next((s for s in self.runner.sources if isinstance(s, JobSource)), None)
         self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
-        self.actuator = PowerCapActuator(hardware.nvml) if config.actuation.power_cap else None
+        self.actuator = None
+        if config.actuation.power_cap and hardware.nvml is not None:
+            self.actuator = PowerCapActuator(hardware.nvml)
         self.link = link
         self.settings_key = settings_key
         self.metrics = metrics
@@ -86,7 +96,12 @@ class Agent:
 
     @classmethod
     def from_config(
-        cls, config: Config, hardware: Hardware | None = None, settings_key: bytes | None = None
+        cls,
+        config: Config,
+        hardware: Hardware | None = None,
+        settings_key: bytes | None = None,
+        sources: list[Source] | None = None,
+        recorder: Recorder | None = None,
     ) -> Agent:
         """An agent wired as the config says (broker link, metrics server)."""
         link = None
@@ -103,6 +118,8 @@ class Agent:
             link=link,
             settings_key=settings_key,
             metrics=metrics,
+            recorder=recorder,
+            sources=sources,
         )
 
     async def run(self) -> None:
@@ -145,9 +162,14 @@ class Agent:
 
     async def collect_once(self) -> Snapshot:
         """One cycle: read every source, derive indicators, expose and publish."""
-        readings = await self.runner.read_all()
-        readings.extend(self._self_readings())
-        snapshot = Snapshot(time.time(), self.node, tuple(readings))
+        by_source = await self.runner.read_by_source()
+        now = time.time()
+        if self.recorder is not None:
+            self.recorder.write(now, by_source)
+        readings = [r for batch in by_source.values() for r in batch]
+        readings += self.runner.health_readings()
+        readings += self._self_readings()
+        snapshot = Snapshot(now, self.node, tuple(readings))
         indicators = derive(snapshot, self.snapshot, self.config.indicators.quantum_coefficients)
         snapshot = Snapshot(snapshot.ts, self.node, (*readings, *indicators))
         self.snapshot = snapshot

@@ -28,6 +28,9 @@ HELP: dict[str, str] = {
     "hyperagent_host_memory_available_bytes": "Memory available without swapping.",
     "hyperagent_host_swap_used_bytes": "Swap space in use.",
     "hyperagent_host_swap_total_bytes": "Swap space configured.",
+    "hyperagent_host_numa_balancing_mode": (
+        "kernel.numa_balancing: 0 off, 1 automatic NUMA migration, 2 memory tiering."
+    ),
     # Training job step reports
     "hyperagent_job_steps_total": "Training steps reported by the job on this node.",
     "hyperagent_job_samples_total": "Samples processed by the job on this node.",
@@ -57,6 +60,9 @@ HELP: dict[str, str] = {
     "hyperagent_source_up": "1 when the source's last read succeeded.",
     "hyperagent_source_duration_seconds": "Duration of the source's last read.",
     "hyperagent_source_errors_total": "Failed reads of the source.",
+    "hyperagent_source_last_success_timestamp_seconds": (
+        "Unix time of the source's last successful read."
+    ),
     "hyperagent_mqtt_connected": "1 while connected to the MQTT broker.",
     "hyperagent_mqtt_dropped_total": "Outgoing MQTT messages dropped because the outbox was full.",
     "hyperagent_mqtt_invalid_payloads_total": "Incoming MQTT payloads that failed validation.",

@@ -9,11 +9,15 @@ import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyperagent import __version__
 from hyperagent.config import Config, load_config
 from hyperagent.errors import ConfigError, ConfigProblem
+
+if TYPE_CHECKING:
+    from hyperagent.agent import Agent
+    from hyperagent.replay import Recorder
 
 log = logging.getLogger("hyperagent")
 
@@ -54,16 +58,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["agent.metrics_address"] = args.metrics_address
     if getattr(args, "interval", None):
         out["agent.interval_s"] = args.interval
-    replay = getattr(args, "replay", None)
-    if replay is not None:
-        capture = Path(replay) / "nvidia-smi.xml"
-        if not capture.is_file():
-            raise ConfigError(
-                [ConfigProblem("--replay", f"{replay} holds no nvidia-smi.xml to replay")]
-            )
-        out["sources.nvml.dump"] = str(capture)
-        out["sources.host.enabled"] = False
-        out["sources.job.enabled"] = False
     return out
 
 
@@ -103,12 +97,48 @@ def _run(main: Coroutine[Any, Any, Any]) -> int:
     return 0
 
 
-def cmd_agent(args: argparse.Namespace) -> int:
+def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None = None) -> Agent:
     from hyperagent.agent import Agent
+    from hyperagent.sources import capture_sources
 
+    key = read_settings_key(config)
+    if args.replay is None:
+        return Agent.from_config(config, settings_key=key, recorder=recorder)
+    sources, hardware = capture_sources(args.replay, config)
+    return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
     config = load_config(args.config, _overrides(args))
-    agent = Agent.from_config(config, settings_key=read_settings_key(config))
-    return _run(agent.run())
+    return _run(_agent(args, config).run())
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from hyperagent.replay import RECORDING_FILE, Recorder
+
+    if args.duration <= 0:
+        raise ConfigError([ConfigProblem("--duration", "must be positive")])
+    overrides = {**_overrides(args), "mqtt.enabled": False, "agent.metrics_address": ""}
+    config = load_config(args.config, overrides)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / RECORDING_FILE
+    with path.open("wb") as out:
+        recorder = Recorder(out, config.node, config.agent.interval_s)
+        agent = _agent(args, config, recorder)
+
+        async def record() -> None:
+            try:
+                async with asyncio.timeout(args.duration):
+                    await agent.run()
+            except TimeoutError:
+                pass
+
+        _run(record())
+    print(
+        f"recorded {recorder.frames} frames of {', '.join(s.name for s in agent.runner.sources)}"
+        f" to {path}"
+    )
+    return 0
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -253,6 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--cluster", help="cluster name")
     agent.add_argument("--interval", type=float, help="seconds between collections")
     agent.set_defaults(func=cmd_agent)
+
+    record = sub.add_parser("record", help="record every source into a capture directory")
+    record.add_argument("--out", type=Path, required=True, metavar="DIR")
+    record.add_argument("--duration", type=float, required=True, metavar="SECONDS")
+    record.add_argument("--config", type=Path)
+    record.add_argument("--replay", type=Path, metavar="DIR", help="record a capture directory")
+    record.add_argument("--node")
+    record.add_argument("--interval", type=float, help="seconds between collections")
+    record.set_defaults(func=cmd_record)
 
     coordinator = sub.add_parser("coordinator", help="run the cluster coordinator")
     coordinator.add_argument("--config", type=Path, required=True)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hyperagent.config import Config
+from hyperagent.errors import ConfigError, ConfigProblem
+from hyperagent.replay import RECORDING_FILE, Player, RecordedSource, load_recording
 from hyperagent.sources.base import Source
 from hyperagent.sources.host import HostSource
 from hyperagent.sources.job import JobSource
@@ -40,6 +43,41 @@ SOURCES: dict[str, SourceFactory] = {
     "job": lambda config, hw: JobSource(config.sources.job.socket),
 }
 """Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
+
+
+def capture_sources(directory: Path, config: Config) -> tuple[list[Source], Hardware]:
+    """Sources replaying what a capture directory holds (see README: capture directories).
+
+    Raises ConfigError naming ``--replay`` when the directory holds nothing to replay.
+    """
+    from hyperagent.testing.fake_nvml import FakeNvml
+
+    sources: list[Source] = []
+    nvml = None
+    smi = directory / "nvidia-smi.xml"
+    if smi.is_file():
+        nvml = FakeNvml.from_capture(smi)
+        sources.append(NvmlSource(nvml))
+    recording = directory / RECORDING_FILE
+    if recording.is_file():
+        player = Player(load_recording(recording))
+        provided = {s.name for s in sources}
+        sources += [
+            RecordedSource(name, player)
+            for name in player.recording.source_names
+            if name not in provided
+        ]
+    if not sources:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "--replay",
+                    f"{directory} holds no capture to replay "
+                    f"(nvidia-smi.xml, {RECORDING_FILE}, ...)",
+                )
+            ]
+        )
+    return sources, Hardware(nvml=nvml)
 
 
 def build_sources(config: Config, hardware: Hardware) -> list[Source]:

@@ -20,6 +20,7 @@ class _Health:
     started: bool = False
     errors: int = 0
     duration_s: float = 0.0
+    last_success: float = 0.0
     last_problem: str = field(default="")
 
 
@@ -48,12 +49,18 @@ class SourceRunner:
         health.started = True
         return True
 
+    async def read_by_source(self) -> dict[str, list[Reading]]:
+        """One collection cycle: the readings of every source that succeeded, by source name."""
+        results = await asyncio.gather(*(self._read(s) for s in self.sources))
+        by_source: dict[str, list[Reading]] = {}
+        for source, batch in zip(self.sources, results, strict=True):
+            if self._health[id(source)].up:
+                by_source.setdefault(source.name, []).extend(batch)
+        return by_source
+
     async def read_all(self) -> list[Reading]:
         """One collection cycle: every source's readings plus per-source health readings."""
-        results = await asyncio.gather(*(self._read(s) for s in self.sources))
-        readings: list[Reading] = []
-        for batch in results:
-            readings.extend(batch)
+        readings = [r for batch in (await self.read_by_source()).values() for r in batch]
         readings.extend(self.health_readings())
         return readings
 
@@ -70,6 +77,7 @@ class SourceRunner:
             self._note_failure(source, e, "read")
             return []
         health.duration_s = time.perf_counter() - began
+        health.last_success = time.time()
         if not health.up and health.last_problem:
             log.info("source recovered", extra={"source": source.name, "target": source.target})
         health.up = True
@@ -94,7 +102,7 @@ class SourceRunner:
         health.last_problem = problem
 
     def health_readings(self) -> list[Reading]:
-        """hyperagent_source_{up,duration_seconds,errors_total} for every source."""
+        """up, duration, errors and last success time of every source."""
         out = []
         for source in self.sources:
             h = self._health[id(source)]
@@ -104,6 +112,12 @@ class SourceRunner:
                 Reading("hyperagent_source_duration_seconds", h.duration_s, labels, unit="s")
             )
             out.append(Reading("hyperagent_source_errors_total", h.errors, labels, Kind.COUNTER))
+            if h.last_success:
+                out.append(
+                    Reading(
+                        "hyperagent_source_last_success_timestamp_seconds", h.last_success, labels
+                    )
+                )
         return out
 
     async def close(self) -> None:

@@ -1,0 +1,202 @@
+"""Recordings: a time series of every source's readings, written by ``hyperagent record`` and
+replayed through the agent as if the sources were live.
+
+The format is JSON lines: a header, then one line per collection cycle::
+
+    {"format": "hyperagent-recording", "version": 1, "node": "gpu-017", "interval_s": 1.0}
+    {"ts": 1790000000.5, "sources": {"nvml": [[name, labels, value, kind], ...], "host": [...]}}
+
+Replay follows a clock (wall time scaled by ``speed``, or a virtual clock in tests): the frame
+shown is the last one whose recorded time has passed; after the last frame it stays there, so
+counters stop rather than reset.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from hyperagent.errors import SourceError, SourceUnavailable
+from hyperagent.readings import Kind, Reading
+
+FORMAT = "hyperagent-recording"
+VERSION = 1
+RECORDING_FILE = "recording.jsonl"
+
+
+class RecordingError(SourceError):
+    """A recording is missing, malformed or of an unknown version."""
+
+
+def encode_readings(readings: Iterable[Reading]) -> list[list[Any]]:
+    return [[r.name, dict(r.labels), r.value, r.kind.value] for r in readings]
+
+
+def decode_readings(rows: Any, where: str) -> list[Reading]:
+    """Readings from recorded rows; raises RecordingError naming ``where`` on bad rows."""
+    if not isinstance(rows, list):
+        raise RecordingError(f"{where}: readings must be a list")
+    out = []
+    for row in rows:
+        if (
+            not isinstance(row, list)
+            or len(row) != 4
+            or not isinstance(row[0], str)
+            or not isinstance(row[1], dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in row[1].items())
+            or isinstance(row[2], bool)
+            or not isinstance(row[2], int | float)
+            or row[3] not in ("gauge", "counter", "info")
+        ):
+            raise RecordingError(f"{where}: bad reading {str(row)[:120]}")
+        out.append(Reading(row[0], float(row[2]), row[1], Kind(row[3])))
+    return out
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One recorded collection cycle."""
+
+    ts: float
+    sources: Mapping[str, list[Reading]]
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A parsed recording: header fields and frames in time order."""
+
+    node: str
+    interval_s: float
+    frames: Sequence[Frame]
+
+    @property
+    def source_names(self) -> list[str]:
+        names: dict[str, None] = {}
+        for frame in self.frames:
+            names.update(dict.fromkeys(frame.sources))
+        return list(names)
+
+    @property
+    def duration_s(self) -> float:
+        return self.frames[-1].ts - self.frames[0].ts if self.frames else 0.0
+
+
+def load_recording(path: Path) -> Recording:
+    """Parse a recording file; raises RecordingError with the line number of a bad line."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise RecordingError(f"{path}: {e.strerror}") from e
+    if not lines:
+        raise RecordingError(f"{path}: empty")
+    try:
+        header = orjson.loads(lines[0])
+    except orjson.JSONDecodeError as e:
+        raise RecordingError(f"{path}:1: not JSON: {e}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise RecordingError(f"{path}:1: not a hyperagent recording")
+    if header.get("version") != VERSION:
+        raise RecordingError(f"{path}:1: unsupported version {header.get('version')!r}")
+    frames: list[Frame] = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            data = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            raise RecordingError(f"{where}: not JSON: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("ts"), int | float):
+            raise RecordingError(f"{where}: a frame needs a numeric ts")
+        sources = data.get("sources")
+        if not isinstance(sources, dict):
+            raise RecordingError(f"{where}: a frame needs a sources object")
+        frame = Frame(
+            float(data["ts"]),
+            {name: decode_readings(rows, f"{where} {name}") for name, rows in sources.items()},
+        )
+        if frames and frame.ts < frames[-1].ts:
+            raise RecordingError(f"{where}: frames go back in time")
+        frames.append(frame)
+    if not frames:
+        raise RecordingError(f"{path}: no frames")
+    return Recording(str(header.get("node", "")), float(header.get("interval_s", 1.0)), frames)
+
+
+class Recorder:
+    """Writes a recording, one frame per ``write`` call (flushed, so a crash loses one line)."""
+
+    def __init__(self, out: IO[bytes], node: str, interval_s: float) -> None:
+        self.out = out
+        self.frames = 0
+        header = {
+            "format": FORMAT,
+            "version": VERSION,
+            "node": node,
+            "interval_s": interval_s,
+            "started": time.time(),
+        }
+        out.write(orjson.dumps(header) + b"\n")
+
+    def write(self, ts: float, sources: Mapping[str, Iterable[Reading]]) -> None:
+        frame = {"ts": ts, "sources": {name: encode_readings(r) for name, r in sources.items()}}
+        self.out.write(orjson.dumps(frame) + b"\n")
+        self.out.flush()
+        self.frames += 1
+
+
+class Player:
+    """Which frame of a recording is current, by a clock scaled by ``speed``."""
+
+    def __init__(
+        self,
+        recording: Recording,
+        clock: Callable[[], float] = time.monotonic,
+        speed: float = 1.0,
+    ) -> None:
+        self.recording = recording
+        self.clock = clock
+        self.speed = speed
+        self._start = clock()
+        self._times = [f.ts for f in recording.frames]
+
+    @property
+    def position_s(self) -> float:
+        """Recorded seconds played so far."""
+        return (self.clock() - self._start) * self.speed
+
+    @property
+    def finished(self) -> bool:
+        return self.position_s >= self.recording.duration_s
+
+    def frame(self) -> Frame:
+        at = self._times[0] + self.position_s
+        index = max(bisect.bisect_right(self._times, at) - 1, 0)
+        return self.recording.frames[index]
+
+
+class RecordedSource:
+    """Replays one recorded source's readings from the player's current frame."""
+
+    def __init__(self, name: str, player: Player) -> None:
+        self.name = name
+        self.target = "recording"
+        self.player = player
+
+    async def start(self) -> None:
+        return None
+
+    async def read(self) -> list[Reading]:
+        readings = self.player.frame().sources.get(self.name)
+        if readings is None:
+            raise SourceUnavailable(f"the recording has no {self.name} readings at this time")
+        return list(readings)
+
+    async def close(self) -> None:
+        return None

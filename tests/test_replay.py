@@ -1,0 +1,179 @@
+"""Recordings: the format, and record -> replay round trips through the real commands."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port, wait_for_port
+from prometheus_client.parser import text_string_to_metric_families
+
+from hyperagent.readings import Kind, Reading
+from hyperagent.replay import (
+    Player,
+    RecordedSource,
+    Recorder,
+    RecordingError,
+    load_recording,
+)
+from hyperagent.sources.base import Source
+
+CAPTURE = REPO / "fixtures" / "replay" / "v100s-8gpu-training"
+HEADER = b'{"format": "hyperagent-recording", "version": 1}\n'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recording_roundtrip_and_player(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    recorder = Recorder(out, "n1", 1.0)
+    for i in range(3):
+        recorder.write(
+            100.0 + i,
+            {
+                "nvml": [
+                    Reading(
+                        "hyperagent_gpu_energy_joules_total", 10.0 * i, {"gpu": "0"}, Kind.COUNTER
+                    )
+                ],
+                "host": [Reading("hyperagent_host_cpu_utilization_ratio", 0.1 * i)],
+            },
+        )
+    path = tmp_path / "recording.jsonl"
+    path.write_bytes(out.getvalue())
+    recording = load_recording(path)
+    assert recording.node == "n1" and recording.duration_s == 2.0
+    assert recording.source_names == ["nvml", "host"]
+    clock = Clock()
+    player = Player(recording, clock, speed=2.0)
+    assert player.frame().ts == 100.0
+    clock.now = 0.6  # 1.2 recorded seconds
+    assert player.frame().ts == 101.0 and not player.finished
+    clock.now = 50
+    assert player.frame().ts == 102.0 and player.finished  # holds the last frame
+    assert player.frame().sources["nvml"][0].kind is Kind.COUNTER
+
+
+async def test_recorded_source_replays_readings(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    Recorder(out, "n1", 1.0).write(
+        5.0, {"job": [Reading("hyperagent_job_loss", 2.5, {"job_id": "j"})]}
+    )
+    path = tmp_path / "recording.jsonl"
+    path.write_bytes(out.getvalue())
+    source: Source = RecordedSource("job", Player(load_recording(path), Clock()))
+    assert [(r.name, r.value) for r in await source.read()] == [("hyperagent_job_loss", 2.5)]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "empty"),
+        (b'{"format": "other"}\n', "not a hyperagent recording"),
+        (b'{"format": "hyperagent-recording", "version": 9}\n', "unsupported version"),
+        (HEADER, "no frames"),
+        (HEADER + b'{"ts": "x"}\n', ":2: a frame needs"),
+        (
+            HEADER + b'{"ts": 1, "sources": {"a": [[1]]}}\n',
+            ":2 a: bad reading",
+        ),
+        (
+            HEADER + b'{"ts": 2, "sources": {}}\n{"ts": 1, "sources": {}}\n',
+            ":3: frames go back in time",
+        ),
+        (HEADER + b"not json\n", ":2: not JSON"),
+    ],
+)
+def test_bad_recordings_are_clear_errors(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "recording.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(RecordingError, match=message):
+        load_recording(path)
+
+
+def samples(text: str, prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith(prefix)
+    }
+
+
+def test_record_then_replay_serves_the_same_metrics(tmp_path: Path) -> None:
+    out = tmp_path / "captured"
+    recorded = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperagent.cli",
+            "record",
+            "--replay",
+            str(CAPTURE),
+            "--out",
+            str(out),
+            "--duration",
+            "1.5",
+            "--interval",
+            "0.25",
+            "--node",
+            "n1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert recorded.returncode == 0, recorded.stderr
+    assert "frames of nvml to" in recorded.stdout
+    recording = load_recording(out / "recording.jsonl")
+    assert len(recording.frames) >= 4
+    last = {
+        (r.name, tuple(sorted(r.labels.items()))): r.value
+        for r in recording.frames[-1].sources["nvml"]
+    }
+    assert sum(name == "hyperagent_gpu_power_watts" for name, _ in last) == 8
+
+    port = free_port()
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hyperagent.cli",
+            "agent",
+            "--replay",
+            str(out),
+            "--no-broker",
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+            "--interval",
+            "0.2",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for_port(port, 30)
+        time.sleep(recording.duration_s + 0.5)  # past the end: the last frame holds
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=20)
+    served = samples(text, "hyperagent_gpu_")
+    served = {k: v for k, v in served.items() if k[0] != "hyperagent_gpu_quantum_coefficient"}
+    expected = {
+        (name.removesuffix("_info") + ("_info" if name.endswith("_info") else ""), labels): v
+        for (name, labels), v in last.items()
+    }
+    assert served == expected
+    assert 'hyperagent_source_up{source="nvml",target="recording"} 1.0' in text
