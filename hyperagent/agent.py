@@ -17,6 +17,7 @@ from hyperagent.errors import ActuationError, PayloadError
 from hyperagent.exporter import MetricsServer, SnapshotCollector
 from hyperagent.indicators import derive
 from hyperagent.job import JobSettings, StepReport
+from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading, Snapshot
 from hyperagent.replay import Recorder
 from hyperagent.sources import Hardware, build_sources
@@ -61,9 +62,12 @@ class Agent:
         metrics: MetricsServer | None = None,
         recorder: Recorder | None = None,
         sources: list[Source] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         """``sources`` default to the ones ``config`` enables, over ``hardware``."""
         self.config = config
+        self.notifier = notifier or Notifier()
+        self.last_collection = time.monotonic()
         self.recorder = recorder
         self.node = config.node
         self.topics = bus.Topics(config.cluster)
@@ -132,10 +136,18 @@ class Agent:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._collect_loop(), name="collect")
                 tasks.create_task(self._trial_loop(), name="trials")
+                tasks.create_task(self.notifier.watchdog(self._alive), name="watchdog")
                 if self.link is not None:
                     tasks.create_task(self.link.run(), name="mqtt")
         finally:
+            self.notifier.stopping()
             await self._shutdown()
+            self.notifier.close()
+
+    def _alive(self) -> bool:
+        """Collections keep coming (the watchdog's test)."""
+        stalled_after = 3 * self.config.agent.interval_s + self.config.sources.timeout_s
+        return time.monotonic() - self.last_collection < stalled_after
 
     async def _shutdown(self) -> None:
         if self.actuator is not None and self.actuator.original_mw:
@@ -152,7 +164,12 @@ class Agent:
         next_due = time.monotonic()
         while True:
             await self.collect_once()
-            self.ready.set()
+            if not self.ready.is_set():
+                self.ready.set()
+                where = (
+                    f", /metrics on {self.metrics.host}:{self.metrics.port}" if self.metrics else ""
+                )
+                self.notifier.ready(f"collecting {len(self.runner.sources)} sources{where}")
             next_due += interval
             delay = next_due - time.monotonic()
             if delay < 0:
@@ -175,6 +192,7 @@ class Agent:
         self.snapshot = snapshot
         self.collector.update(snapshot.readings)
         self.collections += 1
+        self.last_collection = time.monotonic()
         if self.link is not None:
             self.link.publish(
                 self.topics.telemetry(self.node), telemetry_payload(snapshot, indicators)

@@ -17,6 +17,7 @@ from typing import Any
 from hyperagent import bus
 from hyperagent.config import Config, JobTuningSection
 from hyperagent.errors import PayloadError
+from hyperagent.notify import Notifier
 from hyperagent.tuner import SearchSpace, Tuner
 from hyperagent.tuner.trial import MeasurementPlan, score
 
@@ -77,8 +78,10 @@ class Coordinator:
         link: bus.MqttLink,
         settings_key: bytes,
         on_trial: TrialCallback | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.config = config
+        self.notifier = notifier or Notifier()
         self.link = link
         self.key = settings_key
         self.topics = bus.Topics(config.cluster)
@@ -98,15 +101,23 @@ class Coordinator:
 
     async def run(self) -> None:
         """Run the MQTT link and every job's tuning; return once every tuning is finished."""
-        async with asyncio.TaskGroup() as tasks:
-            link_task = tasks.create_task(self.link.run(), name="mqtt")
-            jobs = [
-                tasks.create_task(self.tune(state), name=f"tune-{job}")
-                for job, state in self.jobs.items()
-            ]
-            await asyncio.gather(*jobs)
-            await self.link.flush(timeout_s=10)
-            link_task.cancel()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                link_task = tasks.create_task(self.link.run(), name="mqtt")
+                watchdog = tasks.create_task(self.notifier.watchdog(lambda: True), name="watchdog")
+                jobs = [
+                    tasks.create_task(self.tune(state), name=f"tune-{job}")
+                    for job, state in self.jobs.items()
+                ]
+                self.notifier.ready(f"tuning {len(jobs)} job(s)")
+                await asyncio.gather(*jobs)
+                self.notifier.status("tuning finished; publishing the best settings")
+                await self.link.flush(timeout_s=10)
+                link_task.cancel()
+                watchdog.cancel()
+        finally:
+            self.notifier.stopping()
+            self.notifier.close()
 
     async def _on_settings(self, topic: str, payload: bytes) -> None:
         """Learn the last retained version so versions keep rising across restarts."""
@@ -241,6 +252,8 @@ class Coordinator:
                 state.tuner.tell(settings, 0.5 * worst)
             if self.on_trial:
                 self.on_trial(state, record)
+            best = f"{state.best[1]:.4g}" if state.best else "none"
+            self.notifier.status(f"{cfg.id}: trial {len(state.trials)}/{cfg.trials}, best {best}")
             if state.tuner.n_told >= cfg.patience and state.tuner.converged(cfg.patience):
                 log.info("%s converged after %d trials", cfg.id, len(state.trials))
                 break

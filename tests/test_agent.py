@@ -15,7 +15,6 @@ from typing import Any
 
 import aiomqtt
 import pytest
-from conftest import REPO, free_port, wait_for_port
 
 from hyperagent import bus
 from hyperagent.agent import Agent
@@ -23,6 +22,8 @@ from hyperagent.config import build_config
 from hyperagent.job import JobReporter
 from hyperagent.sources import Hardware
 from hyperagent.testing.fake_nvml import FakeNvml
+
+from conftest import REPO, free_port, wait_for_port
 
 KEY = b"s" * 32
 

@@ -7,9 +7,10 @@ import re
 
 import promql_parser
 import pytest
-from conftest import REPO
 
 from hyperagent.catalog import HELP
+
+from conftest import REPO
 
 DASHBOARDS = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
 

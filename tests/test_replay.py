@@ -10,7 +10,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, wait_for_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from hyperagent.readings import Kind, Reading
@@ -22,6 +21,8 @@ from hyperagent.replay import (
     load_recording,
 )
 from hyperagent.sources.base import Source
+
+from conftest import REPO, free_port, wait_for_port
 
 CAPTURE = REPO / "fixtures" / "replay" / "v100s-8gpu-training"
 HEADER = b'{"format": "hyperagent-recording", "version": 1}\n'
