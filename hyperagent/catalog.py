@@ -68,6 +68,21 @@ HELP: dict[str, str] = {
     "hyperagent_mqtt_invalid_payloads_total": "Incoming MQTT payloads that failed validation.",
     "hyperagent_settings_rejected_total": "Settings messages the agent refused, by reason.",
     "hyperagent_settings_applied_total": "Settings versions the agent applied.",
+    # Coordinator
+    "hyperagent_coordinator_invalid_payloads_total": "MQTT payloads the coordinator dropped.",
+    "hyperagent_node_online": "1 while the node's retained MQTT status says online.",
+    "hyperagent_node_status_timestamp_seconds": "Unix time of the node's last status message.",
+    "hyperagent_tuner_settings_version": "Version of the settings last published for the job.",
+    "hyperagent_tuner_done": "1 once the job's tuning finished and its best settings went out.",
+    "hyperagent_tuner_trials_total": "Finished trials of the job, by outcome.",
+    "hyperagent_tuner_baseline_score": "Score of the job's starting settings (higher is better).",
+    "hyperagent_tuner_best_score": "Best score measured so far for the job.",
+    "hyperagent_tuner_last_score": "Score of the job's last measured trial.",
+    "hyperagent_tuner_trial_started_timestamp_seconds": (
+        "Unix time the running trial's settings went out."
+    ),
+    "hyperagent_tuner_setting": "Numeric knob of the settings last published (bucket, chunk, cap).",
+    "hyperagent_tuner_allreduce_info": "AllReduce algorithm of the settings last published.",
 }
 
 

@@ -144,6 +144,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from hyperagent import bus
     from hyperagent.coordinator import Coordinator
+    from hyperagent.exporter import MetricsServer
 
     config = load_config(args.config, _overrides(args))
     key = read_settings_key(config)
@@ -160,7 +161,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     link = bus.link_from_config(
         config, f"hyperagent-coordinator-{config.cluster}", persistent_session=True
     )
-    return _run(Coordinator(config, link, key).run())
+    coordinator = Coordinator(config, link, key)
+    address = config.coordinator.metrics_address
+    if not address:
+        return _run(coordinator.run())
+    metrics = MetricsServer(address, coordinator.collector)
+    metrics.start()
+    try:
+        return _run(coordinator.run())
+    finally:
+        metrics.stop()
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

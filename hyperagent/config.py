@@ -180,7 +180,10 @@ class JobTuningSection(_Model):
 
 
 class CoordinatorSection(_Model):
+    metrics_address: str = f"127.0.0.1:{DEFAULT_METRICS_PORT + 1}"
     jobs: tuple[JobTuningSection, ...] = ()
+
+    _address = field_validator("metrics_address")(_check_address)
 
 
 class Config(_Model):

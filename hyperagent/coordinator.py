@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,9 @@ from typing import Any
 from hyperagent import bus
 from hyperagent.config import Config, JobTuningSection
 from hyperagent.errors import PayloadError
+from hyperagent.exporter import SnapshotCollector
 from hyperagent.notify import Notifier
+from hyperagent.readings import Kind, Reading
 from hyperagent.tuner import SearchSpace, Tuner
 from hyperagent.tuner.trial import MeasurementPlan, score
 
@@ -54,6 +57,10 @@ class JobState:
     best: tuple[dict[str, Any], float] | None = None
     final_version: int | None = None
     done: bool = False
+    current: dict[str, Any] = field(default_factory=dict)
+    """The settings last published."""
+    trial_started: float | None = None
+    """Unix time the running trial's settings went out; None between trials."""
     acks: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     reports: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -67,6 +74,45 @@ class JobState:
 
 
 TrialCallback = Callable[[JobState, TrialRecord], None]
+
+
+def job_readings(state: JobState) -> list[Reading]:
+    """The tuning of one job as readings (trials by status, scores, current settings)."""
+    job = {"job_id": state.config.id}
+    scored = {**job, "objective": state.config.objective}
+    out = [
+        Reading("hyperagent_tuner_settings_version", state.version, job),
+        Reading("hyperagent_tuner_done", float(state.done), job),
+    ]
+    for status, count in sorted(Counter(t.status for t in state.trials).items()):
+        out.append(
+            Reading("hyperagent_tuner_trials_total", count, {**job, "status": status}, Kind.COUNTER)
+        )
+    if state.baseline is not None:
+        out.append(Reading("hyperagent_tuner_baseline_score", state.baseline, scored))
+    if state.best is not None:
+        out.append(Reading("hyperagent_tuner_best_score", state.best[1], scored))
+    last = next((t for t in reversed(state.trials) if t.score is not None), None)
+    if last is not None:
+        out.append(Reading("hyperagent_tuner_last_score", last.score or 0.0, scored))
+    if state.trial_started is not None:
+        out.append(
+            Reading("hyperagent_tuner_trial_started_timestamp_seconds", state.trial_started, job)
+        )
+    for knob in ("bucket_mb", "chunk_kb", "power_cap_w"):
+        value = state.current.get(knob)
+        if isinstance(value, int | float):
+            out.append(Reading("hyperagent_tuner_setting", float(value), {**job, "knob": knob}))
+    if "allreduce" in state.current:
+        out.append(
+            Reading(
+                "hyperagent_tuner_allreduce_info",
+                1.0,
+                {**job, "algorithm": str(state.current["allreduce"])},
+                Kind.INFO,
+            )
+        )
+    return out
 
 
 class Coordinator:
@@ -87,6 +133,9 @@ class Coordinator:
         self.topics = bus.Topics(config.cluster)
         self.on_trial = on_trial
         self.invalid_payloads = 0
+        self.collector = SnapshotCollector()
+        self.nodes: dict[str, tuple[bool, float]] = {}
+        """node -> (online, time of its last status message), from the retained status topics."""
         self.jobs: dict[str, JobState] = {}
         for job in config.coordinator.jobs:
             space = SearchSpace.default(job.backend, len(job.nodes), job.power_limits_w)
@@ -98,9 +147,12 @@ class Coordinator:
         link.subscribe(self.topics.ack("+"), 1, self._on_ack)
         link.subscribe(self.topics.report("+"), 1, self._on_report)
         link.subscribe(self.topics.settings("+"), 1, self._on_settings)
+        link.subscribe(self.topics.status("+"), 1, self._on_status)
+        self.update_metrics()
 
-    async def run(self) -> None:
-        """Run the MQTT link and every job's tuning; return once every tuning is finished."""
+    async def run(self, until_tuned: bool = False) -> None:
+        """Run the MQTT link and every job's tuning; afterwards keep watching the nodes (or,
+        with ``until_tuned``, return once every tuning is finished and its settings sent)."""
         try:
             async with asyncio.TaskGroup() as tasks:
                 link_task = tasks.create_task(self.link.run(), name="mqtt")
@@ -111,13 +163,47 @@ class Coordinator:
                 ]
                 self.notifier.ready(f"tuning {len(jobs)} job(s)")
                 await asyncio.gather(*jobs)
-                self.notifier.status("tuning finished; publishing the best settings")
-                await self.link.flush(timeout_s=10)
-                link_task.cancel()
-                watchdog.cancel()
+                self.notifier.status("every job tuned; watching")
+                if until_tuned:
+                    await self.link.flush(timeout_s=10)
+                    link_task.cancel()
+                    watchdog.cancel()
         finally:
             self.notifier.stopping()
             self.notifier.close()
+
+    async def _on_status(self, topic: str, payload: bytes) -> None:
+        if not payload:
+            return
+        try:
+            node = self.topics.name_in(topic)
+            message = bus.decode(payload, "status")
+        except PayloadError as e:
+            self.invalid_payloads += 1
+            log.warning("dropped an invalid status: %s", e)
+            return
+        self.nodes[node] = (message["state"] == "online", float(message["ts"]))
+        self.update_metrics()
+
+    def readings(self) -> list[Reading]:
+        """What the coordinator exposes on /metrics: nodes and every job's tuning."""
+        out = [
+            Reading(
+                "hyperagent_coordinator_invalid_payloads_total",
+                self.invalid_payloads,
+                {},
+                Kind.COUNTER,
+            ),
+        ]
+        for node, (online, ts) in sorted(self.nodes.items()):
+            out.append(Reading("hyperagent_node_online", float(online), {"node": node}))
+            out.append(Reading("hyperagent_node_status_timestamp_seconds", ts, {"node": node}))
+        for state in self.jobs.values():
+            out += job_readings(state)
+        return out
+
+    def update_metrics(self) -> None:
+        self.collector.update(self.readings())
 
     async def _on_settings(self, topic: str, payload: bytes) -> None:
         """Learn the last retained version so versions keep rising across restarts."""
@@ -179,6 +265,9 @@ class Coordinator:
         trial: int | None,
     ) -> int:
         state.version += 1
+        state.current = dict(settings)
+        state.trial_started = time.time() if plan is not None else None
+        self.update_metrics()
         message = bus.sign(
             {
                 "job": state.config.id,
@@ -250,6 +339,7 @@ class Coordinator:
             else:
                 worst = min((s for _, s in state.tuner.observations), default=0.0)
                 state.tuner.tell(settings, 0.5 * worst)
+            self.update_metrics()
             if self.on_trial:
                 self.on_trial(state, record)
             best = f"{state.best[1]:.4g}" if state.best else "none"
@@ -261,6 +351,7 @@ class Coordinator:
         state.final_version = self._publish_settings(state, final, None, None)
         await self._collect(state, state.acks, state.final_version, cfg.ack_timeout_s)
         state.done = True
+        self.update_metrics()
         log.info(
             "%s: best %s score %s gain %s",
             cfg.id,

@@ -262,6 +262,6 @@ async def run_demo(
         sim_nodes,
         model,
     ):
-        await coordinator.run()
+        await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
         return DemoResult(state, sim_nodes, model)

@@ -62,11 +62,11 @@ class SnapshotCollector:
 class MetricsServer:
     """A private registry with one SnapshotCollector, served over HTTP on ``address``."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, collector: SnapshotCollector | None = None) -> None:
         host, _, port = address.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
-        self.collector = SnapshotCollector()
+        self.collector = collector or SnapshotCollector()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self._server: WSGIServer | None = None

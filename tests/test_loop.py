@@ -18,7 +18,7 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         nodes,
         model,
     ):
-        await coordinator.run()
+        await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
         names = {n.name for n in nodes}
 
@@ -45,3 +45,36 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         assert model.throughput(best) > model.throughput(start)
     for node in nodes:  # agents stopped: the original limits are back
         assert limits_w(node.nvml) == {250.0}
+
+
+async def test_coordinator_metrics_describe_the_tuning(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import CollectorRegistry
+
+    async with simulated_cluster(mosquitto.url, nodes=2, trials=4, seed=3, speedup=100) as (
+        coordinator,
+        nodes,
+        _,
+    ):
+        await coordinator.run(until_tuned=True)
+        registry = CollectorRegistry()
+        registry.register(coordinator.collector)
+        get = registry.get_sample_value
+        job = {"job_id": JOB}
+        state = coordinator.jobs[JOB]
+        assert get("hyperagent_tuner_trials_total", {**job, "status": "ok"}) == 4
+        assert get("hyperagent_tuner_done", job) == 1
+        assert (
+            get("hyperagent_tuner_best_score", {**job, "objective": "throughput"})
+            == (
+                state.best[1]  # type: ignore[index]
+            )
+        )
+        assert get("hyperagent_tuner_settings_version", job) == state.final_version
+        assert (
+            get("hyperagent_tuner_setting", {**job, "knob": "power_cap_w"})
+            == (
+                state.best[0]["power_cap_w"]  # type: ignore[index]
+            )
+        )
+        for node in nodes:
+            assert get("hyperagent_node_online", {"node": node.name}) == 1
