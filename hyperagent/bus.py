@@ -24,7 +24,7 @@ import aiomqtt
 import orjson
 
 from hyperagent.config import Config
-from hyperagent.errors import PayloadError
+from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ class MqttLink:
         persistent_session: bool = False,
         username: str | None = None,
         password: str | None = None,
+        tls: aiomqtt.TLSParameters | None = None,
         keepalive_s: int = 30,
         backoff_min_s: float = 0.5,
         backoff_max_s: float = 30.0,
@@ -194,6 +195,7 @@ class MqttLink:
         self.on_connect = on_connect
         self.persistent_session = persistent_session
         self.username, self.password = username, password
+        self.tls = tls
         self.keepalive_s = keepalive_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self._telemetry: deque[Outgoing] = deque(maxlen=outbox_size)
@@ -263,6 +265,7 @@ class MqttLink:
             keepalive=self.keepalive_s,
             username=self.username,
             password=self.password,
+            tls_params=self.tls,
             timeout=10,
         ) as client:
             self._client = client
@@ -340,7 +343,20 @@ def link_from_config(
     """An MqttLink as ``config.mqtt`` says; with ``status_node``, an online status and last will."""
     m = config.mqtt
     topics = Topics(config.cluster)
-    password = m.password_file.read_text().strip() if m.password_file else None
+    password = None
+    if m.password_file is not None:
+        try:
+            password = m.password_file.read_text().strip()
+        except OSError as e:
+            problem = ConfigProblem("mqtt.password_file", f"{m.password_file}: {e.strerror}")
+            raise ConfigError([problem]) from e
+    tls = None
+    if m.tls:
+        tls = aiomqtt.TLSParameters(
+            ca_certs=str(m.tls_ca_file),
+            certfile=str(m.tls_cert_file) if m.tls_cert_file else None,
+            keyfile=str(m.tls_key_file) if m.tls_key_file else None,
+        )
     will = None
     on_connect = None
     if status_node is not None:
@@ -359,6 +375,7 @@ def link_from_config(
         persistent_session=persistent_session,
         username=m.username,
         password=password,
+        tls=tls,
         keepalive_s=m.keepalive_s,
         backoff_min_s=m.reconnect_min_s,
         backoff_max_s=m.reconnect_max_s,

@@ -65,6 +65,11 @@ class MqttSection(_Model):
     client_id: str | None = None
     username: str | None = None
     password_file: Path | None = None
+    tls_ca_file: Path | None = None
+    """CA that signed the broker's certificate; required by mqtts:// URLs."""
+    tls_cert_file: Path | None = None
+    """This client's certificate, when the broker asks for one."""
+    tls_key_file: Path | None = None
     keepalive_s: Annotated[int, Field(ge=5, le=3600)] = 30
     outbox_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     reconnect_min_s: PositiveSeconds = 0.5
@@ -74,13 +79,25 @@ class MqttSection(_Model):
     @classmethod
     def _url(cls, value: str) -> str:
         parts = urlsplit(value)
-        if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
-            raise ValueError(f"expected mqtt://HOST[:PORT], got {value!r}")
+        if parts.scheme not in ("mqtt", "mqtts", "tcp") or not parts.hostname:
+            raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {value!r}")
         try:
             parts.port  # noqa: B018 - validates the port
         except ValueError as e:
             raise ValueError(f"bad port in {value!r}") from e
         return value
+
+    @model_validator(mode="after")
+    def _tls(self) -> MqttSection:
+        if self.tls and self.tls_ca_file is None:
+            raise ValueError("an mqtts:// url needs tls_ca_file")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "mqtts"
 
     @property
     def host(self) -> str:
@@ -88,7 +105,7 @@ class MqttSection(_Model):
 
     @property
     def port(self) -> int:
-        return urlsplit(self.url).port or 1883
+        return urlsplit(self.url).port or (8883 if self.tls else 1883)
 
 
 class NvmlSection(_Model):

@@ -138,3 +138,12 @@ def test_coordinator_refuses_to_start_without_key_or_jobs(tmp_path: Path) -> Non
     assert result.returncode == 2
     assert "security.settings_key_file: required by the coordinator" in result.stderr
     assert "coordinator.jobs: no job to tune" in result.stderr
+
+
+def test_mqtts_needs_a_ca_and_cert_and_key_go_together() -> None:
+    with pytest.raises(ConfigError, match="tls_ca_file"):
+        build_config({"mqtt": {"url": "mqtts://broker:8883"}})
+    with pytest.raises(ConfigError, match="go together"):
+        build_config({"mqtt": {"url": "mqtts://b", "tls_ca_file": "/ca", "tls_cert_file": "/c"}})
+    config = build_config({"mqtt": {"url": "mqtts://b", "tls_ca_file": "/ca"}})
+    assert config.mqtt.tls and config.mqtt.port == 8883

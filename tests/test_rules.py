@@ -41,3 +41,17 @@ def test_every_alert_fires_and_stays_silent_as_tested() -> None:
     tested = "".join(t.read_text() for t in tests)
     for alert in alerts:
         assert f"alertname: {alert}\n" in tested, f"{alert} has no promtool test"
+
+
+def test_shipped_prometheus_config_is_valid(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "rules" / "prometheus.yml").read_text()
+    text = text.replace("/etc/prometheus/rules/", f"{REPO / 'rules'}/").replace(
+        "/etc/prometheus/targets/", f"{REPO / 'rules' / 'targets'}/"
+    )
+    config = tmp_path / "prometheus.yml"
+    config.write_text(text)
+    result = subprocess.run(
+        [promtool(), "check", "config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout + result.stderr
