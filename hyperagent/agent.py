@@ -37,6 +37,8 @@ class _Trial:
     trial: int | None
     measurement: TrialMeasurement
     energy_start_j: float | None = None
+    xid_start: float = 0.0
+    windows_reported: int = 0
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Agent:
             self.job_source.listeners.append(self._on_step)
         if link is not None:
             link.subscribe(self.topics.settings("+"), 1, self._on_settings)
+            link.subscribe(self.topics.coordinator_status(), 1, self._on_coordinator_status)
 
     @classmethod
     def from_config(
@@ -194,8 +197,14 @@ class Agent:
         self.collections += 1
         self.last_collection = time.monotonic()
         if self.link is not None:
+            jobs = {}
+            if self.job_source is not None:
+                jobs = {
+                    j: {"samples": t.samples, "step_s": t.step_s}
+                    for j, t in self.job_source.jobs.items()
+                }
             self.link.publish(
-                self.topics.telemetry(self.node), telemetry_payload(snapshot, indicators)
+                self.topics.telemetry(self.node), telemetry_payload(snapshot, indicators, jobs)
             )
         return snapshot
 
@@ -262,6 +271,19 @@ class Agent:
                 )
             return
         await self._apply(job, message)
+
+    async def _on_coordinator_status(self, topic: str, payload: bytes) -> None:
+        """When the coordinator is lost, its power caps are not left behind."""
+        try:
+            state = bus.decode(payload, "status")["state"] if payload else None
+        except PayloadError:
+            self.stats.invalid_payloads += 1
+            return
+        if state == "offline" and self.actuator is not None and self.actuator.original_mw:
+            restored = await asyncio.to_thread(self.actuator.restore)
+            log.warning(
+                "coordinator offline: restored the original power limit of %d GPU(s)", restored
+            )
 
     def _check_bounds(self, settings: dict[str, Any]) -> str | None:
         cap = settings.get("power_cap_w")
@@ -339,9 +361,13 @@ class Agent:
         trial = self._trials.get(step.job)
         if trial is None:
             return
-        phase = trial.measurement.add(step)
+        measurement = trial.measurement
+        phase = measurement.add(step)
         if phase is not None:
             self._trial_events.put_nowait((trial, phase))
+        elif measurement.completed_windows > trial.windows_reported:
+            trial.windows_reported = measurement.completed_windows
+            self._publish_report(trial, None, partial=True)
 
     async def _energy_j(self) -> float | None:
         if self.nvml_source is None:
@@ -353,6 +379,7 @@ class Agent:
             trial, phase = await self._trial_events.get()
             if phase is Phase.MEASURING:
                 trial.energy_start_j = await self._energy_j()
+                trial.xid_start = self._xid_total()
             elif phase is Phase.DONE:
                 end = await self._energy_j()
                 energy = None
@@ -362,10 +389,19 @@ class Agent:
                 if self._trials.get(trial.job) is trial:
                     del self._trials[trial.job]
 
-    def _publish_report(self, trial: _Trial, energy_j: float | None) -> None:
-        result = trial.measurement.result()
+    def _xid_total(self) -> float:
+        if self.snapshot is None:
+            return 0.0
+        return self.snapshot.total("hyperagent_gpu_xid_errors_total") or 0.0
+
+    def _publish_report(self, trial: _Trial, energy_j: float | None, partial: bool = False) -> None:
+        """The node's measurement of a trial; ``partial`` ones go out after each window so the
+        coordinator can abort a bad trial early."""
         if self.link is None:
             return
+        measurement = trial.measurement
+        result = measurement.so_far() if partial else measurement.result()
+        xid = 0.0 if partial else self._xid_total() - trial.xid_start
         payload = bus.encode(
             {
                 "job": trial.job,
@@ -379,18 +415,26 @@ class Agent:
                 "steps": result.steps,
                 "energy_j": energy_j,
                 "nonfinite_loss": result.nonfinite_loss,
+                "xid_errors": max(xid, 0.0),
+                "partial": partial,
                 "ts": time.time(),
             }
         )
         self.link.publish(self.topics.report(trial.job), payload, qos=1)
-        self.stats.reports_sent += 1
+        if not partial:
+            self.stats.reports_sent += 1
 
 
-def telemetry_payload(snapshot: Snapshot, indicators: list[Reading]) -> bytes:
+def telemetry_payload(
+    snapshot: Snapshot, indicators: list[Reading], jobs: dict[str, Any] | None = None
+) -> bytes:
+    """The node's snapshot for MQTT; ``jobs`` carries each job's running totals (samples and
+    step seconds), from which the coordinator follows throughput after tuning."""
     return bus.encode(
         {
             "node": snapshot.node,
             "ts": snapshot.ts,
+            "jobs": jobs or {},
             "readings": [[r.name, dict(r.labels), r.value] for r in snapshot.readings],
             "indicators": {
                 _indicator_key(r): r.value

@@ -52,6 +52,10 @@ class Topics:
     def ack(self, job: str) -> str:
         return f"{self.root}/job/{job}/ack"
 
+    def coordinator_status(self) -> str:
+        """Retained "online"; the coordinator's last will says "offline"."""
+        return f"{self.root}/coordinator/status"
+
     def name_in(self, topic: str) -> str:
         """The node or job name a topic of this tree is about."""
         parts = topic.split("/")
@@ -332,15 +336,21 @@ class MqttLink:
                 )
 
 
-def status_message(topics: Topics, node: str, state: str) -> Outgoing:
+def status_message(topics: Topics, node: str, state: str, topic: str | None = None) -> Outgoing:
+    """A retained status payload for ``node`` (on its own status topic unless ``topic``)."""
     payload = encode({"node": node, "state": state, "ts": time.time()})
-    return Outgoing(topics.status(node), payload, qos=1, retain=True)
+    return Outgoing(topic or topics.status(node), payload, qos=1, retain=True)
 
 
 def link_from_config(
-    config: Config, client_id: str, status_node: str | None = None, persistent_session: bool = False
+    config: Config,
+    client_id: str,
+    status_node: str | None = None,
+    persistent_session: bool = False,
+    status_topic: str | None = None,
 ) -> MqttLink:
-    """An MqttLink as ``config.mqtt`` says; with ``status_node``, an online status and last will."""
+    """An MqttLink as ``config.mqtt`` says; with ``status_node``, an online status and last
+    will on its status topic (or on ``status_topic``)."""
     m = config.mqtt
     topics = Topics(config.cluster)
     password = None
@@ -360,10 +370,10 @@ def link_from_config(
     will = None
     on_connect = None
     if status_node is not None:
-        will = status_message(topics, status_node, "offline")
+        will = status_message(topics, status_node, "offline", status_topic)
 
         def on_connect() -> list[Outgoing]:
-            return [status_message(topics, status_node, "online")]
+            return [status_message(topics, status_node, "online", status_topic)]
 
     return MqttLink(
         m.host,

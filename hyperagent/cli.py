@@ -142,8 +142,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from hyperagent import bus
-    from hyperagent.coordinator import Coordinator
+    from hyperagent.coordinator import Coordinator, coordinator_link
     from hyperagent.exporter import MetricsServer
 
     config = load_config(args.config, _overrides(args))
@@ -158,9 +157,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if problems:
         raise ConfigError(problems, str(args.config))
     assert key is not None
-    link = bus.link_from_config(
-        config, f"hyperagent-coordinator-{config.cluster}", persistent_session=True
-    )
+    link = coordinator_link(config)
     coordinator = Coordinator(config, link, key)
     address = config.coordinator.metrics_address
     if not address:

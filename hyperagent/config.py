@@ -179,6 +179,23 @@ class JobTuningSection(_Model):
     nodes: Annotated[tuple[Name, ...], Field(min_length=1)]
     backend: Backend = "nccl"
     objective: Objective = "throughput"
+    mode: Literal["tune", "recommend"] = "tune"
+    """recommend: publish nothing; report what would be set, and why."""
+    power_budget_w: Annotated[float, Field(gt=0)] | None = None
+    """Throughput under a power budget: trials whose GPUs average more than this per node are
+    infeasible (a constraint, not a weighted sum)."""
+    abort_below: Annotated[float, Field(ge=0, le=1)] = 0.7
+    """Abort a trial as soon as its partial score is below this fraction of the baseline."""
+    confirm_best: bool = True
+    """Measure the best settings once more before declaring them best."""
+    drift_threshold: Annotated[float, Field(gt=0, le=1)] = 0.15
+    """Re-tune when the job's throughput stays this fraction below the tuned score ..."""
+    drift_sustained_s: PositiveSeconds = 300.0
+    """... for this long."""
+    model_params_b: Annotated[float, Field(gt=0)] | None = None
+    gpu_model: str | None = None
+    """With the node count and backend, identify the job: a finished tuning of the same
+    fingerprint warm-starts the next one."""
     trials: Annotated[int, Field(ge=1, le=10_000)] = 30
     patience: Annotated[int, Field(ge=1)] = 10
     power_limits_w: tuple[float, float] | None = None
@@ -198,6 +215,8 @@ class JobTuningSection(_Model):
 
 class CoordinatorSection(_Model):
     metrics_address: str = f"127.0.0.1:{DEFAULT_METRICS_PORT + 1}"
+    state_dir: Path = Path("/var/lib/hyperagent-coordinator")
+    """Where the tuning journals live (one file per job)."""
     jobs: tuple[JobTuningSection, ...] = ()
 
     _address = field_validator("metrics_address")(_check_address)

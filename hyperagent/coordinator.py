@@ -1,14 +1,21 @@
-"""The cluster daemon: per job, the trial protocol over MQTT around a Tuner.
+"""The cluster daemon: per job, the trial protocol over MQTT around a Tuner, safely.
 
-ask -> publish signed settings v (retained) -> wait for every node's ack of v -> the agents
-settle and measure -> wait for every node's report of v -> score -> tell. After the trial
-budget or on convergence it publishes the best settings, without a measurement plan.
+ask -> journal + publish signed settings v (retained) -> wait for every active node's ack of v
+-> the agents settle and measure (partial reports after each window) -> wait for every active
+node's report of v, aborting early when the partial score falls below ``abort_below`` x the
+baseline -> score -> journal -> tell. A failed trial (missing ack, refusal, timeout, NaN loss,
+XID) rolls the job back to the last known good settings at once. Nodes that go offline or stop
+answering are excluded from scoring while they are away. After the trial budget or on
+convergence the best settings are measured once more, then published without a measurement
+plan; the coordinator keeps watching the job and re-tunes when its throughput drifts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,12 +29,34 @@ from hyperagent.exporter import SnapshotCollector
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
 from hyperagent.tuner import SearchSpace, Tuner
+from hyperagent.tuner.journal import Journal, JournalState
 from hyperagent.tuner.trial import MeasurementPlan, score
 
 log = logging.getLogger(__name__)
 
 POWER_AVERAGING_WINDOW_S = 1.0
 """NVML averages board power over about a second; a power change settles for 3x that."""
+
+ROLLBACK_ON = frozenset({"no_ack", "refused", "timeout", "nonfinite_loss", "xid", "lost_nodes"})
+"""Trial outcomes after which the job goes back to its last known good settings at once."""
+
+
+def coordinator_link(config: Config) -> bus.MqttLink:
+    """The coordinator's MQTT link: a persistent session (reports queue while it restarts)
+    and a retained status whose last will tells the agents it is gone."""
+    topics = bus.Topics(config.cluster)
+    return bus.link_from_config(
+        config,
+        f"hyperagent-coordinator-{config.cluster}",
+        status_node="coordinator",
+        persistent_session=True,
+        status_topic=topics.coordinator_status(),
+    )
+
+
+def fingerprint(job: JobTuningSection) -> str:
+    """What makes two tunings comparable: backend, node count, model size, GPU model."""
+    return f"{job.backend}/{len(job.nodes)}n/{job.model_params_b or '?'}B/{job.gpu_model or '?'}"
 
 
 @dataclass
@@ -39,9 +68,37 @@ class TrialRecord:
     settings: dict[str, Any]
     score: float | None
     status: str
-    """ok, no_ack, refused, timeout or nonfinite_loss."""
+    """ok, aborted, infeasible, refused, no_ack, timeout, nonfinite_loss, xid or lost_nodes."""
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
+
+    def to_journal(self) -> dict[str, Any]:
+        reports = {
+            node: {k: r.get(k) for k in ("throughput", "samples", "seconds", "energy_j", "windows")}
+            for node, r in self.reports.items()
+        }
+        return {
+            "type": "trial",
+            "index": self.index,
+            "version": self.version,
+            "settings": self.settings,
+            "score": self.score,
+            "status": self.status,
+            "reports": reports,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_journal(cls, entry: dict[str, Any]) -> TrialRecord:
+        return cls(
+            entry["index"],
+            entry["version"],
+            entry["settings"],
+            entry["score"],
+            entry["status"],
+            entry.get("reports", {}),
+            entry.get("seconds", 0.0),
+        )
 
 
 @dataclass
@@ -51,19 +108,34 @@ class JobState:
     config: JobTuningSection
     space: SearchSpace
     tuner: Tuner
+    journal: Journal
     version: int = 0
     trials: list[TrialRecord] = field(default_factory=list)
     baseline: float | None = None
     best: tuple[dict[str, Any], float] | None = None
     final_version: int | None = None
     done: bool = False
+    rounds: int = 0
     current: dict[str, Any] = field(default_factory=dict)
     """The settings last published."""
+    last_good: dict[str, Any] | None = None
     trial_started: float | None = None
     """Unix time the running trial's settings went out; None between trials."""
+    recommendation: dict[str, Any] | None = None
+    why: str = ""
+    lost: set[str] = field(default_factory=set)
+    """Nodes excluded from scoring: offline, or silent past a deadline."""
     acks: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     reports: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    partials: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    progress: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    """node -> (samples, step seconds, wall time) of the last telemetry, for drift."""
+    drifting_since: float | None = None
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @property
+    def active_nodes(self) -> list[str]:
+        return [n for n in self.config.nodes if n not in self.lost]
 
     @property
     def gain(self) -> float | None:
@@ -72,17 +144,35 @@ class JobState:
             return None
         return self.best[1] / self.baseline - 1
 
+    def record(self, trial: TrialRecord, penalty: float | None) -> None:
+        """Account a finished trial in the tuner and the running best."""
+        self.trials.append(trial)
+        if trial.score is not None and trial.status == "ok":
+            self.tuner.tell(trial.settings, trial.score)
+            if self.baseline is None and trial.index == 0:
+                self.baseline = trial.score
+            if self.best is None or trial.score > self.best[1]:
+                self.best = (trial.settings, trial.score)
+            if self.last_good is None or self.best[0] == trial.settings:
+                self.last_good = trial.settings
+        elif trial.score is not None:  # aborted: a real, bad partial measurement
+            self.tuner.tell(trial.settings, trial.score)
+        else:
+            self.tuner.tell(trial.settings, penalty if penalty is not None else 0.0)
+
 
 TrialCallback = Callable[[JobState, TrialRecord], None]
 
 
 def job_readings(state: JobState) -> list[Reading]:
-    """The tuning of one job as readings (trials by status, scores, current settings)."""
+    """The tuning of one job as readings (trials by outcome, scores, settings, nodes)."""
     job = {"job_id": state.config.id}
     scored = {**job, "objective": state.config.objective}
     out = [
         Reading("hyperagent_tuner_settings_version", state.version, job),
         Reading("hyperagent_tuner_done", float(state.done), job),
+        Reading("hyperagent_tuner_rounds_total", state.rounds, job, Kind.COUNTER),
+        Reading("hyperagent_tuner_lost_nodes", len(state.lost), job),
     ]
     for status, count in sorted(Counter(t.status for t in state.trials).items()):
         out.append(
@@ -93,30 +183,28 @@ def job_readings(state: JobState) -> list[Reading]:
     if state.best is not None:
         out.append(Reading("hyperagent_tuner_best_score", state.best[1], scored))
     last = next((t for t in reversed(state.trials) if t.score is not None), None)
-    if last is not None:
-        out.append(Reading("hyperagent_tuner_last_score", last.score or 0.0, scored))
+    if last is not None and last.score is not None:
+        out.append(Reading("hyperagent_tuner_last_score", last.score, scored))
     if state.trial_started is not None:
         out.append(
             Reading("hyperagent_tuner_trial_started_timestamp_seconds", state.trial_started, job)
         )
-    for knob in ("bucket_mb", "chunk_kb", "power_cap_w"):
-        value = state.current.get(knob)
-        if isinstance(value, int | float):
-            out.append(Reading("hyperagent_tuner_setting", float(value), {**job, "knob": knob}))
+    for metric, settings in (
+        ("hyperagent_tuner_setting", state.current),
+        ("hyperagent_tuner_recommended_setting", state.recommendation or {}),
+    ):
+        for knob in ("bucket_mb", "chunk_kb", "power_cap_w"):
+            value = settings.get(knob)
+            if isinstance(value, int | float):
+                out.append(Reading(metric, float(value), {**job, "knob": knob}))
     if "allreduce" in state.current:
-        out.append(
-            Reading(
-                "hyperagent_tuner_allreduce_info",
-                1.0,
-                {**job, "algorithm": str(state.current["allreduce"])},
-                Kind.INFO,
-            )
-        )
+        algorithm = {**job, "algorithm": str(state.current["allreduce"])}
+        out.append(Reading("hyperagent_tuner_allreduce_info", 1.0, algorithm, Kind.INFO))
     return out
 
 
 class Coordinator:
-    """Tunes every job of ``config.coordinator.jobs``; ``run`` returns when all are done."""
+    """Tunes every job of ``config.coordinator.jobs``."""
 
     def __init__(
         self,
@@ -137,21 +225,21 @@ class Coordinator:
         self.nodes: dict[str, tuple[bool, float]] = {}
         """node -> (online, time of its last status message), from the retained status topics."""
         self.jobs: dict[str, JobState] = {}
+        state_dir = config.coordinator.state_dir
         for job in config.coordinator.jobs:
             space = SearchSpace.default(job.backend, len(job.nodes), job.power_limits_w)
-            start = job.start.model_dump()
-            if start["power_cap_w"] is None and job.power_limits_w:
-                start["power_cap_w"] = job.power_limits_w[1]
-            tuner = Tuner(space, seed=job.seed, start=start)
-            self.jobs[job.id] = JobState(job, space, tuner)
+            journal = Journal(state_dir / f"{job.id}.jsonl")
+            state = JobState(job, space, Tuner(space, seed=job.seed), journal)
+            self.jobs[job.id] = state
         link.subscribe(self.topics.ack("+"), 1, self._on_ack)
         link.subscribe(self.topics.report("+"), 1, self._on_report)
         link.subscribe(self.topics.settings("+"), 1, self._on_settings)
         link.subscribe(self.topics.status("+"), 1, self._on_status)
+        link.subscribe(self.topics.telemetry("+"), 0, self._on_telemetry)
         self.update_metrics()
 
     async def run(self, until_tuned: bool = False) -> None:
-        """Run the MQTT link and every job's tuning; afterwards keep watching the nodes (or,
+        """Run the MQTT link and every job's tuning; afterwards keep watching the jobs (or,
         with ``until_tuned``, return once every tuning is finished and its settings sent)."""
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -163,47 +251,20 @@ class Coordinator:
                 ]
                 self.notifier.ready(f"tuning {len(jobs)} job(s)")
                 await asyncio.gather(*jobs)
-                self.notifier.status("every job tuned; watching")
+                self.notifier.status("every job tuned")
                 if until_tuned:
                     await self.link.flush(timeout_s=10)
                     link_task.cancel()
                     watchdog.cancel()
+                    return
+                for state in self.jobs.values():
+                    if state.config.mode == "tune":
+                        tasks.create_task(self.watch(state), name=f"watch-{state.config.id}")
         finally:
             self.notifier.stopping()
             self.notifier.close()
 
-    async def _on_status(self, topic: str, payload: bytes) -> None:
-        if not payload:
-            return
-        try:
-            node = self.topics.name_in(topic)
-            message = bus.decode(payload, "status")
-        except PayloadError as e:
-            self.invalid_payloads += 1
-            log.warning("dropped an invalid status: %s", e)
-            return
-        self.nodes[node] = (message["state"] == "online", float(message["ts"]))
-        self.update_metrics()
-
-    def readings(self) -> list[Reading]:
-        """What the coordinator exposes on /metrics: nodes and every job's tuning."""
-        out = [
-            Reading(
-                "hyperagent_coordinator_invalid_payloads_total",
-                self.invalid_payloads,
-                {},
-                Kind.COUNTER,
-            ),
-        ]
-        for node, (online, ts) in sorted(self.nodes.items()):
-            out.append(Reading("hyperagent_node_online", float(online), {"node": node}))
-            out.append(Reading("hyperagent_node_status_timestamp_seconds", ts, {"node": node}))
-        for state in self.jobs.values():
-            out += job_readings(state)
-        return out
-
-    def update_metrics(self) -> None:
-        self.collector.update(self.readings())
+    # -- what comes in -------------------------------------------------------------------
 
     async def _on_settings(self, topic: str, payload: bytes) -> None:
         """Learn the last retained version so versions keep rising across restarts."""
@@ -218,12 +279,12 @@ class Coordinator:
             state.version = max(state.version, message["version"])
 
     async def _on_ack(self, topic: str, payload: bytes) -> None:
-        await self._store(payload, "ack", lambda s: s.acks)
+        await self._store(payload, "ack")
 
     async def _on_report(self, topic: str, payload: bytes) -> None:
-        await self._store(payload, "report", lambda s: s.reports)
+        await self._store(payload, "report")
 
-    async def _store(self, payload: bytes, kind: str, table: Callable[[JobState], Any]) -> None:
+    async def _store(self, payload: bytes, kind: str) -> None:
         try:
             message = bus.decode(payload, kind)
         except PayloadError as e:
@@ -233,9 +294,85 @@ class Coordinator:
         state = self.jobs.get(message["job"])
         if state is None or message["node"] not in state.config.nodes:
             return
+        if kind == "ack":
+            table = state.acks
+        else:
+            table = state.partials if message.get("partial") else state.reports
         async with state.changed:
-            table(state).setdefault(message["version"], {})[message["node"]] = message
+            # keyed by node: a redelivered message replaces itself, it never counts twice
+            table.setdefault(message["version"], {})[message["node"]] = message
             state.changed.notify_all()
+
+    async def _on_status(self, topic: str, payload: bytes) -> None:
+        if not payload:
+            return
+        try:
+            node = self.topics.name_in(topic)
+            message = bus.decode(payload, "status")
+        except PayloadError as e:
+            self.invalid_payloads += 1
+            log.warning("dropped an invalid status: %s", e)
+            return
+        online = message["state"] == "online"
+        self.nodes[node] = (online, float(message["ts"]))
+        for state in self.jobs.values():
+            if node not in state.config.nodes:
+                continue
+            if online and node in state.lost:
+                state.lost.discard(node)
+                log.info("%s: node %s is back", state.config.id, node)
+            elif not online and node not in state.lost:
+                state.lost.add(node)
+                log.warning(
+                    "%s: node %s went offline; excluded from scoring", state.config.id, node
+                )
+            async with state.changed:
+                state.changed.notify_all()
+        self.update_metrics()
+
+    async def _on_telemetry(self, topic: str, payload: bytes) -> None:
+        """Track each tuned job's throughput from its nodes' telemetry (for drift)."""
+        try:
+            node = self.topics.name_in(topic)
+            message = bus.decode(payload, "telemetry")
+        except PayloadError:
+            self.invalid_payloads += 1
+            return
+        jobs = message.get("jobs")
+        if not isinstance(jobs, dict):
+            return
+        for job, totals in jobs.items():
+            state = self.jobs.get(job)
+            if state is None or node not in state.config.nodes or not isinstance(totals, dict):
+                continue
+            samples, step_s = totals.get("samples"), totals.get("step_s")
+            if isinstance(samples, int | float) and isinstance(step_s, int | float):
+                state.progress[node] = (float(samples), float(step_s), float(message["ts"]))
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def readings(self) -> list[Reading]:
+        """What the coordinator exposes on /metrics: nodes and every job's tuning."""
+        out = [
+            Reading(
+                "hyperagent_coordinator_invalid_payloads_total",
+                self.invalid_payloads,
+                {},
+                Kind.COUNTER,
+            ),
+            Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())),
+        ]
+        for node, (online, ts) in sorted(self.nodes.items()):
+            out.append(Reading("hyperagent_node_online", float(online), {"node": node}))
+            out.append(Reading("hyperagent_node_status_timestamp_seconds", ts, {"node": node}))
+        for state in self.jobs.values():
+            out += job_readings(state)
+        return out
+
+    def update_metrics(self) -> None:
+        self.collector.update(self.readings())
+
+    # -- the trial protocol --------------------------------------------------------------
 
     async def _collect(
         self,
@@ -243,12 +380,13 @@ class Coordinator:
         table: dict[int, dict[str, dict[str, Any]]],
         version: int,
         timeout_s: float,
+        abort: Callable[[], bool] = lambda: False,
     ) -> dict[str, dict[str, Any]]:
-        """Every node's message for ``version`` (or what arrived before the timeout)."""
-        nodes = set(state.config.nodes)
+        """Every active node's message for ``version`` (or what came before the timeout, or
+        before ``abort()`` said so). Nodes going offline meanwhile are no longer waited for."""
 
         def complete() -> bool:
-            return nodes <= set(table.get(version, {}))
+            return set(state.active_nodes) <= set(table.get(version, {})) or abort()
 
         try:
             async with asyncio.timeout(timeout_s), state.changed:
@@ -265,6 +403,9 @@ class Coordinator:
         trial: int | None,
     ) -> int:
         state.version += 1
+        state.journal.append(
+            {"type": "published", "version": state.version, "trial": trial, "settings": settings}
+        )
         state.current = dict(settings)
         state.trial_started = time.time() if plan is not None else None
         self.update_metrics()
@@ -287,76 +428,301 @@ class Coordinator:
     def _plan(self, state: JobState, settings: dict[str, Any]) -> MeasurementPlan:
         p = state.config.plan
         settle_s = p.settle_s
-        previous = state.trials[-1].settings if state.trials else None
-        if previous is None or previous.get("power_cap_w") != settings.get("power_cap_w"):
+        if state.current.get("power_cap_w") != settings.get("power_cap_w"):
             settle_s = max(settle_s, 3 * POWER_AVERAGING_WINDOW_S)
         return MeasurementPlan(p.settle_steps, settle_s, p.measure_steps, p.measure_s, p.windows)
 
-    async def run_trial(self, state: JobState, settings: dict[str, Any]) -> TrialRecord:
-        """One trial: publish, wait for acks, wait for measurements, score."""
-        began = time.monotonic()
-        index = len(state.trials)
-        version = self._publish_settings(state, settings, self._plan(state, settings), index)
+    def _score(self, state: JobState, reports: list[dict[str, Any]]) -> float | None:
         cfg = state.config
+        return score(reports, cfg.objective, len(cfg.nodes), cfg.power_budget_w)
+
+    def _should_abort(self, state: JobState, version: int) -> bool:
+        """Every active node's partial measurement puts the trial below the abort line."""
+        if state.baseline is None or not state.config.abort_below:
+            return False
+        partials = state.partials.get(version, {})
+        active = state.active_nodes
+        if not active or not set(active) <= set(partials):
+            return False
+        partial = self._score(state, [partials[n] for n in active])
+        return partial is not None and partial < state.config.abort_below * state.baseline
+
+    async def run_trial(
+        self,
+        state: JobState,
+        settings: dict[str, Any],
+        index: int,
+        version: int | None = None,
+    ) -> TrialRecord:
+        """One trial: publish (unless resuming ``version``), wait for acks, wait for the
+        measurements (or abort early), score."""
+        began = time.monotonic()
+        cfg = state.config
+        if version is None:
+            version = self._publish_settings(state, settings, self._plan(state, settings), index)
         acks = await self._collect(state, state.acks, version, cfg.ack_timeout_s)
         record = TrialRecord(index, version, settings, None, "ok")
         refused = {n: a.get("error") for n, a in acks.items() if not a["ok"]}
         if refused:
             record.status = "refused"
             log.warning("%s v%d refused by %s", cfg.id, version, refused)
-        elif len(acks) < len(cfg.nodes):
-            record.status = "no_ack"
-            log.warning(
-                "%s v%d: no ack from %s", cfg.id, version, sorted(set(cfg.nodes) - set(acks))
-            )
         else:
-            reports = await self._collect(state, state.reports, version, cfg.trial_timeout_s)
-            record.reports = reports
-            if len(reports) < len(cfg.nodes):
-                record.status = "timeout"
-            elif any(r["nonfinite_loss"] for r in reports.values()):
-                record.status = "nonfinite_loss"
-            else:
-                record.score = score(list(reports.values()), cfg.objective)
+            self._lose(state, set(state.active_nodes) - set(acks), f"no ack of v{version}")
+            if not acks:
+                record.status = "no_ack"
+            elif not self._quorum(state):
+                record.status = "lost_nodes"
+        if record.status == "ok":
+            await self._measure(state, record)
         record.seconds = time.monotonic() - began
+        state.trial_started = None
         return record
 
+    async def _measure(self, state: JobState, record: TrialRecord) -> None:
+        """Wait for the active nodes' measurements of the trial, or abort it early."""
+        version = record.version
+        reports = await self._collect(
+            state,
+            state.reports,
+            version,
+            state.config.trial_timeout_s,
+            abort=lambda: self._should_abort(state, version),
+        )
+        active = state.active_nodes
+        if self._should_abort(state, version) and not set(active) <= set(reports):
+            partials = state.partials[version]
+            record.status = "aborted"
+            record.reports = {n: partials[n] for n in active}
+            record.score = self._score(state, list(record.reports.values()))
+            return
+        self._lose(state, set(active) - set(reports), f"no measurement of v{version}")
+        record.reports = {n: reports[n] for n in state.active_nodes if n in reports}
+        usable = list(record.reports.values())
+        if not usable or not self._quorum(state):
+            record.status = "timeout"
+        elif any(r["nonfinite_loss"] for r in usable):
+            record.status = "nonfinite_loss"
+        elif any(r.get("xid_errors") for r in usable):
+            record.status = "xid"
+        else:
+            record.score = self._score(state, usable)
+            if record.score is None:
+                record.status = "infeasible"
+
+    def _lose(self, state: JobState, nodes: set[str], why: str) -> None:
+        for node in sorted(nodes):
+            if node not in state.lost:
+                log.warning(
+                    "%s: node %s lost (%s); excluded from scoring", state.config.id, node, why
+                )
+            state.lost.add(node)
+
+    def _quorum(self, state: JobState) -> bool:
+        return len(state.active_nodes) * 2 >= len(state.config.nodes) and bool(state.active_nodes)
+
+    async def _rollback(self, state: JobState, why: str) -> None:
+        """Put the job back on its last known good settings, without measuring."""
+        good = state.last_good or state.space.defaults()
+        log.warning("%s: %s; rolling back to %s", state.config.id, why, good)
+        version = self._publish_settings(state, good, None, None)
+        await self._collect(state, state.acks, version, state.config.ack_timeout_s)
+
+    def _resume(self, state: JobState, journal: JournalState) -> None:
+        """Bring the tuner and the running best up to what the journal says happened."""
+        state.version = max(state.version, journal.version)
+        for entry in journal.trials:
+            trial = TrialRecord.from_journal(entry)
+            penalty = self._penalty(state)
+            state.record(trial, penalty)
+        if journal.trials:
+            log.info(
+                "%s: resumed %d trials from %s",
+                state.config.id,
+                len(journal.trials),
+                state.journal.path,
+            )
+
+    @staticmethod
+    def _penalty(state: JobState) -> float:
+        scores = [s for _, s in state.tuner.observations]
+        return 0.5 * min(scores) if scores else 0.0
+
+    def _warm_start(self, state: JobState) -> dict[str, Any]:
+        """The best settings of a finished tuning with the same fingerprint, else the start."""
+        start = state.config.start.model_dump()
+        if start["power_cap_w"] is None and state.config.power_limits_w:
+            start["power_cap_w"] = state.config.power_limits_w[1]
+        mine = fingerprint(state.config)
+        for path in sorted(state.journal.path.parent.glob("*.jsonl")):
+            if path == state.journal.path:
+                continue
+            other = Journal(path).load()
+            if other.fingerprint == mine and other.final is not None:
+                log.info("%s: warm start from %s", state.config.id, path)
+                return state.space.snap(other.final["settings"])
+        return state.space.snap(start)
+
     async def tune(self, state: JobState) -> JobState:
-        """The whole tuning of one job; ends by publishing the best settings."""
+        """The whole tuning of one job (resumed from its journal); ends by publishing the best
+        settings, or, in recommend mode, by reporting them without publishing anything."""
         cfg = state.config
+        journal = state.journal.load()
+        if cfg.mode == "recommend":
+            return self._recommend(state, journal)
         await self.link.connected.wait()
-        await asyncio.sleep(0.5)  # let retained settings arrive so versions keep rising
-        for _ in range(cfg.trials):
-            settings = state.tuner.ask()
-            record = await self.run_trial(state, settings)
-            state.trials.append(record)
-            if record.score is not None:
-                state.tuner.tell(settings, record.score)
-                if state.baseline is None and record.index == 0:
-                    state.baseline = record.score
-                if state.best is None or record.score > state.best[1]:
-                    state.best = (settings, record.score)
+        await asyncio.sleep(0.5)  # retained settings arrive: versions keep rising
+        if journal.final is not None and journal.fingerprint == fingerprint(cfg):
+            self._resume(state, journal)
+            state.best = (journal.final["settings"], journal.final["score"])
+            state.baseline = journal.final.get("baseline")
+            state.last_good = journal.final["settings"]
+            await self._finish(state, journal.final["settings"], announce=False)
+            return state
+        if not journal.trials and journal.in_flight is None:
+            state.journal.append({"type": "start", "fingerprint": fingerprint(cfg)})
+        state.tuner = Tuner(state.space, seed=cfg.seed, start=self._warm_start(state))
+        self._resume(state, journal)
+        await self._trials(state, journal.in_flight)
+        return state
+
+    async def _trials(self, state: JobState, in_flight: dict[str, Any] | None = None) -> None:
+        cfg = state.config
+        state.rounds += 1
+        while len(state.trials) < cfg.trials:
+            if in_flight is not None:
+                settings, index = in_flight["settings"], in_flight["trial"]
+                record = await self.run_trial(state, settings, index, in_flight["version"])
+                if record.status in ("no_ack", "timeout", "lost_nodes") and not record.reports:
+                    record = await self.run_trial(state, settings, index)  # measure it anew
+                in_flight = None
             else:
-                worst = min((s for _, s in state.tuner.observations), default=0.0)
-                state.tuner.tell(settings, 0.5 * worst)
+                settings = state.tuner.ask()
+                record = await self.run_trial(state, settings, len(state.trials))
+            state.journal.append(record.to_journal())
+            state.record(record, self._penalty(state))
             self.update_metrics()
             if self.on_trial:
                 self.on_trial(state, record)
             best = f"{state.best[1]:.4g}" if state.best else "none"
             self.notifier.status(f"{cfg.id}: trial {len(state.trials)}/{cfg.trials}, best {best}")
+            if record.status in ROLLBACK_ON:
+                await self._rollback(state, f"trial {record.index} {record.status}")
+                if not self._quorum(state):
+                    await self._wait_for_quorum(state)
             if state.tuner.n_told >= cfg.patience and state.tuner.converged(cfg.patience):
                 log.info("%s converged after %d trials", cfg.id, len(state.trials))
                 break
-        final = state.best[0] if state.best else state.trials[0].settings
+        if cfg.confirm_best and state.best is not None:
+            best_settings = state.best[0]
+            record = await self.run_trial(state, best_settings, len(state.trials))
+            state.journal.append(record.to_journal())
+            state.record(record, self._penalty(state))
+            if self.on_trial:
+                self.on_trial(state, record)
+            confirmed = state.tuner.best
+            if confirmed is not None:
+                state.best = (confirmed[0], confirmed[1])
+        final = state.best[0] if state.best else (state.last_good or state.trials[0].settings)
+        await self._finish(state, final, announce=True)
+
+    async def _wait_for_quorum(self, state: JobState) -> None:
+        log.warning("%s: fewer than half the nodes answer; pausing the tuning", state.config.id)
+        self.notifier.status(f"{state.config.id}: paused, waiting for nodes")
+        async with state.changed:
+            await state.changed.wait_for(lambda: self._quorum(state))
+
+    async def _finish(self, state: JobState, final: dict[str, Any], announce: bool) -> None:
+        cfg = state.config
         state.final_version = self._publish_settings(state, final, None, None)
+        score_ = state.best[1] if state.best else None
+        state.journal.append(
+            {
+                "type": "final",
+                "version": state.final_version,
+                "settings": final,
+                "score": score_,
+                "baseline": state.baseline,
+            }
+        )
         await self._collect(state, state.acks, state.final_version, cfg.ack_timeout_s)
         state.done = True
+        state.last_good = final
         self.update_metrics()
-        log.info(
-            "%s: best %s score %s gain %s",
-            cfg.id,
-            final,
-            state.best[1] if state.best else None,
-            state.gain,
-        )
+        if announce:
+            log.info("%s: best %s score %s gain %s", cfg.id, final, score_, state.gain)
+
+    def _recommend(self, state: JobState, journal: JournalState) -> JobState:
+        """Recommend mode: what tuning would start from, and why; nothing is published."""
+        cfg = state.config
+        if journal.final is not None:
+            state.recommendation = journal.final["settings"]
+            state.why = f"the last finished tuning of this job ({state.journal.path})"
+        else:
+            warm = self._warm_start(state)
+            table = state.space.recommended(len(cfg.nodes), warm)
+            state.recommendation = table
+            state.why = (
+                f"BACKGROUND.md's table for {len(cfg.nodes)} nodes on {cfg.backend} "
+                f"({table.get('allreduce')}, {table.get('chunk_kb')} KiB chunks) over the "
+                "starting settings; no measurement yet"
+            )
+        state.done = True
+        log.info("%s: recommend %s because %s", cfg.id, state.recommendation, state.why)
+        self.notifier.status(f"{cfg.id}: recommending {state.recommendation}")
+        self.update_metrics()
         return state
+
+    # -- after tuning --------------------------------------------------------------------
+
+    def job_throughput(
+        self, state: JobState, previous: dict[str, tuple[float, float, float]]
+    ) -> float | None:
+        """The job's samples/s since ``previous`` from its nodes' telemetry, scaled like a
+        trial's score; None without two points from any node."""
+        rates = []
+        for node, (samples, step_s, _) in state.progress.items():
+            if node in previous and node not in state.lost:
+                d_samples, d_step = samples - previous[node][0], step_s - previous[node][1]
+                if d_step > 0 and d_samples >= 0:
+                    rates.append(d_samples / d_step)
+        if not rates:
+            return None
+        return statistics.fmean(rates) * len(state.config.nodes)
+
+    async def watch(self, state: JobState, interval_s: float = 10.0) -> None:
+        """After tuning: re-tune when throughput stays ``drift_threshold`` below the tuned
+        score for ``drift_sustained_s`` (only for the throughput objective, whose score the
+        telemetry gives directly)."""
+        cfg = state.config
+        if cfg.objective != "throughput":
+            return
+        previous = dict(state.progress)
+        while True:
+            await asyncio.sleep(interval_s)
+            now = self.job_throughput(state, previous)
+            previous = dict(state.progress)
+            if now is None or state.best is None or not math.isfinite(now):
+                continue
+            if now < (1 - cfg.drift_threshold) * state.best[1]:
+                state.drifting_since = state.drifting_since or time.monotonic()
+                if time.monotonic() - state.drifting_since >= cfg.drift_sustained_s:
+                    log.warning(
+                        "%s: throughput %.4g is %.0f%% below the tuned %.4g for %.0fs; re-tuning",
+                        cfg.id,
+                        now,
+                        100 * (1 - now / state.best[1]),
+                        state.best[1],
+                        cfg.drift_sustained_s,
+                    )
+                    await self.retune(state)
+            else:
+                state.drifting_since = None
+
+    async def retune(self, state: JobState) -> None:
+        """A new round of trials from the current best (earlier scores no longer hold)."""
+        start = state.best[0] if state.best else None
+        state.tuner = Tuner(state.space, seed=state.config.seed + state.rounds, start=start)
+        state.trials, state.best, state.baseline = [], None, None
+        state.done, state.drifting_since = False, None
+        state.journal.append({"type": "start", "fingerprint": fingerprint(state.config)})
+        await self._trials(state)

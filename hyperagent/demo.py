@@ -21,10 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hyperagent import bus
 from hyperagent.agent import Agent
 from hyperagent.config import Config, build_config
-from hyperagent.coordinator import Coordinator, JobState, TrialRecord
+from hyperagent.coordinator import Coordinator, JobState, TrialRecord, coordinator_link
 from hyperagent.job import JobReporter
 from hyperagent.sim import JobModel
 from hyperagent.sources import Hardware
@@ -157,6 +156,8 @@ def cluster_config(
         "agent": {"interval_s": 1.0, "metrics_address": "", "state_dir": str(workdir)},
         "sources": {"host": {"enabled": False}},
         "coordinator": {
+            "metrics_address": "",
+            "state_dir": str(workdir / "coordinator"),
             "jobs": [
                 {
                     "id": JOB,
@@ -170,7 +171,7 @@ def cluster_config(
                     "ack_timeout_s": 10,
                     "trial_timeout_s": 60,
                 }
-            ]
+            ],
         },
     }
 
@@ -218,9 +219,7 @@ async def simulated_cluster(
             reporter = JobReporter(JOB, rank=0, socket_path=config.sources.job.socket)
             sim_nodes.append(SimulatedNode(name, nvml, clock, agent, reporter))
         coordinator_config: Config = build_config(raw, {"node": "coordinator"})
-        link = bus.link_from_config(
-            coordinator_config, "hyperagent-coordinator", persistent_session=True
-        )
+        link = coordinator_link(coordinator_config)
         coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)
         rng = random.Random(seed)
         try:

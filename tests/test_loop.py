@@ -22,7 +22,11 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         state = coordinator.jobs[JOB]
         names = {n.name for n in nodes}
 
-        assert len(state.trials) == 10 and all(t.status == "ok" for t in state.trials)
+        # ten trials and the best one measured again; bad ones may end early, none fails
+        assert len(state.trials) == 11 and state.trials[-1].settings == state.trials[
+            [t.score for t in state.trials[:10]].index(max(t.score or 0 for t in state.trials[:10]))
+        ].settings
+        assert {t.status for t in state.trials} <= {"ok", "aborted"}
         for trial in state.trials:
             acks = state.acks[trial.version]
             assert set(acks) == names and all(a["ok"] for a in acks.values())
@@ -61,7 +65,9 @@ async def test_coordinator_metrics_describe_the_tuning(mosquitto) -> None:  # ty
         get = registry.get_sample_value
         job = {"job_id": JOB}
         state = coordinator.jobs[JOB]
-        assert get("hyperagent_tuner_trials_total", {**job, "status": "ok"}) == 4
+        ok = get("hyperagent_tuner_trials_total", {**job, "status": "ok"})
+        aborted = get("hyperagent_tuner_trials_total", {**job, "status": "aborted"}) or 0
+        assert ok + aborted == 5  # four and the confirmation of the best
         assert get("hyperagent_tuner_done", job) == 1
         assert (
             get("hyperagent_tuner_best_score", {**job, "objective": "throughput"})

@@ -90,6 +90,7 @@ def test_coordinator_lifecycle(
     config.write_text(
         f'cluster = "t"\n[mqtt]\nurl = "{mosquitto.url}"\n'
         f'[security]\nsettings_key_file = "{key}"\n'
+        f'[coordinator]\nstate_dir = "{tmp_path / "state"}"\nmetrics_address = ""\n'
         '[[coordinator.jobs]]\nid = "j"\nnodes = ["absent-node"]\nack_timeout_s = 60\n'
     )
     daemon = run_daemon(["coordinator", "--config", str(config)], path)

@@ -117,6 +117,26 @@ class TrialMeasurement:
             return self.phase
         return None
 
+    @property
+    def completed_windows(self) -> int:
+        """Measurement windows every rank has finished (for partial reports)."""
+        if self.phase is Phase.SETTLING or not self._ranks:
+            return 0
+        size = max(1, -(-max(self.plan.measure_steps, self.plan.windows) // self.plan.windows))
+        return min(self.plan.windows, min(len(r.measured) for r in self._ranks.values()) // size)
+
+    def so_far(self) -> Measurement:
+        """The measured steps so far as one window (for partial reports)."""
+        samples = sum(s.samples for r in self._ranks.values() for s in r.measured)
+        seconds = max((r.measured_s for r in self._ranks.values()), default=0.0)
+        throughput = sum(
+            sum(s.samples for s in r.measured) / r.measured_s
+            for r in self._ranks.values()
+            if r.measured_s > 0
+        )
+        steps = sum(len(r.measured) for r in self._ranks.values())
+        return Measurement(samples, seconds, throughput, [throughput], steps, self.nonfinite_loss)
+
     def result(self) -> Measurement:
         """The measurement so far (complete once phase is DONE)."""
         windows = [0.0] * self.plan.windows
@@ -144,15 +164,37 @@ def _split(steps: Sequence[StepReport], parts: int) -> list[Sequence[StepReport]
     return out
 
 
-def score(reports: Sequence[Mapping[str, Any]], objective: str) -> float | None:
-    """The job's score from every node's report: higher is better; None if unmeasurable.
+def node_power_w(report: Mapping[str, Any]) -> float | None:
+    """A node's average GPU power over its measurement, from its energy and time."""
+    energy, seconds = report.get("energy_j"), report.get("seconds")
+    if energy is None or not seconds:
+        return None
+    return float(energy) / float(seconds)
 
-    throughput: sum of node throughputs (samples/s); energy: samples per joule of GPU energy.
+
+def score(
+    reports: Sequence[Mapping[str, Any]],
+    objective: str,
+    nodes: int | None = None,
+    power_budget_w: float | None = None,
+) -> float | None:
+    """The job's score from its nodes' reports: higher is better; None if unmeasurable or,
+    with ``power_budget_w``, infeasible (the nodes' average GPU power is above the budget).
+
+    throughput: samples/s of the whole job, the nodes' mean scaled to ``nodes`` (so a trial
+    that lost a node stays comparable); energy: samples per joule of GPU energy.
     """
     if not reports or any(r["nonfinite_loss"] for r in reports):
         return None
+    if power_budget_w is not None:
+        powers = [node_power_w(r) for r in reports]
+        if any(p is None for p in powers):
+            return None
+        if statistics.fmean(p for p in powers if p is not None) > power_budget_w:
+            return None
     if objective == "throughput":
-        return float(sum(r["throughput"] for r in reports))
+        scale = (nodes or len(reports)) / len(reports)
+        return float(sum(r["throughput"] for r in reports)) * scale
     if objective == "energy":
         energy = [r["energy_j"] for r in reports]
         if any(e is None or e <= 0 for e in energy):

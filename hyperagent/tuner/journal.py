@@ -1,0 +1,116 @@
+"""The tuning journal: every published settings version and every finished trial, on disk.
+
+Append-only JSON lines, one file per job, fsynced per entry: a coordinator killed at any
+point restarts from it without repeating or losing a trial. Entries::
+
+    {"type": "start", "job": ..., "fingerprint": ..., "ts": ...}
+    {"type": "published", "version": 7, "trial": 5, "settings": {...}, "ts": ...}
+    {"type": "trial", "index": 5, "version": 7, "settings": {...}, "score": 812.4,
+     "status": "ok", "reports": {...}, "seconds": 9.1, "ts": ...}
+    {"type": "final", "version": 31, "settings": {...}, "score": 840.2, "baseline": 771.0}
+
+A ``published`` entry with a trial index but no ``trial`` entry is a trial in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from hyperagent.errors import HyperagentError
+
+
+class JournalError(HyperagentError):
+    """A journal file that cannot be read or written; names the file and line."""
+
+
+@dataclass
+class JournalState:
+    """What a journal says about one job."""
+
+    fingerprint: str | None = None
+    version: int = 0
+    """Highest settings version ever published."""
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: dict[str, Any] | None = None
+    """The ``published`` entry of a trial that has no result yet."""
+    final: dict[str, Any] | None = None
+
+
+class Journal:
+    """One job's journal file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> JournalState:
+        """Replay the file (a missing file is an empty journal). A torn last line, from a
+        crash mid-write, is cut off; any other bad line is an error naming it."""
+        state = JournalState()
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return state
+        except OSError as e:
+            raise JournalError(f"{self.path}: {e.strerror}") from e
+        lines = data.splitlines(keepends=True)
+        offset = 0
+        for number, line in enumerate(lines, start=1):
+            try:
+                if line.strip():
+                    self._apply(state, orjson.loads(line))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                if number == len(lines) and not line.endswith(b"\n"):
+                    self._truncate(offset)
+                    break
+                raise JournalError(f"{self.path}:{number}: {e}") from None
+            offset += len(line)
+        return state
+
+    def _truncate(self, size: int) -> None:
+        try:
+            with self.path.open("r+b") as f:
+                f.truncate(size)
+        except OSError as e:
+            raise JournalError(f"{self.path}: {e.strerror}") from e
+
+    @staticmethod
+    def _apply(state: JournalState, entry: Mapping[str, Any]) -> None:
+        kind = entry["type"]
+        if kind == "start":  # a new round of tuning: earlier trials no longer count
+            state.fingerprint = entry.get("fingerprint")
+            state.final = None
+            state.trials = []
+            state.in_flight = None
+        elif kind == "published":
+            state.version = max(state.version, int(entry["version"]))
+            state.in_flight = dict(entry) if entry.get("trial") is not None else None
+        elif kind == "trial":
+            if any(t["index"] == entry["index"] for t in state.trials):
+                raise ValueError(f"trial {entry['index']} recorded twice")
+            state.trials.append(dict(entry))
+            if state.in_flight is not None and state.in_flight["trial"] == entry["index"]:
+                state.in_flight = None
+        elif kind == "final":
+            state.final = dict(entry)
+            state.in_flight = None
+        else:
+            raise ValueError(f"unknown entry type {kind!r}")
+
+    def append(self, entry: Mapping[str, Any]) -> None:
+        """Write one entry durably (flushed and fsynced before returning)."""
+        line = orjson.dumps({**entry, "ts": time.time()}) + b"\n"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("ab") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise JournalError(f"{self.path}: {e.strerror}") from e
