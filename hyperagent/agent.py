@@ -81,7 +81,8 @@ class Agent:
         self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
         self.actuator = None
         if config.actuation.power_cap and hardware.nvml is not None:
-            self.actuator = PowerCapActuator(hardware.nvml)
+            state_file = None if hardware.replayed else config.agent.state_dir / "power-limits.json"
+            self.actuator = PowerCapActuator(hardware.nvml, state_file)
         self.link = link
         self.settings_key = settings_key
         self.metrics = metrics
@@ -132,6 +133,17 @@ class Agent:
     async def run(self) -> None:
         """Serve until cancelled; on the way out restore power limits and close sources."""
         await self.runner.start()
+        if self.actuator is not None:
+            try:
+                recovered = await asyncio.to_thread(self.actuator.recover)
+            except ActuationError as e:
+                log.error("cannot restore the power limits a crashed run left: %s", e)
+            else:
+                if recovered:
+                    log.warning(
+                        "restored the original power limit of %d GPU(s) left by a crashed run",
+                        recovered,
+                    )
         if self.metrics is not None:
             self.metrics.start()
             log.info("serving /metrics on %s:%s", self.metrics.host, self.metrics.port)

@@ -67,6 +67,17 @@ def read_settings_key(config: Config) -> bytes | None:
     if path is None:
         return None
     try:
+        mode = path.stat().st_mode
+        if mode & 0o007:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "security.settings_key_file",
+                        f"{path} is accessible to other users (mode {mode & 0o777:o}); "
+                        "make it 0600 or 0640 root:hyperagent",
+                    )
+                ]
+            )
         key = path.read_bytes().strip()
     except OSError as e:
         raise ConfigError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -65,6 +66,10 @@ class SimulatedNode:
     agent: Agent
     reporter: JobReporter
     versions_run: list[int] = field(default_factory=list)
+    nan_loss: bool = False
+    """Fault injection: the rank reports a NaN loss while this is set."""
+    stalled: bool = False
+    """Fault injection: the rank stops stepping (a hung or crashed job) while this is set."""
 
     def power_cap_w(self) -> float:
         handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
@@ -79,6 +84,9 @@ async def run_rank(
     node.nvml.nvmlInit()
     gpus = node.nvml.nvmlDeviceGetCount()
     while True:
+        if node.stalled:
+            await asyncio.sleep(0.05)
+            continue
         new = node.reporter.poll_settings()
         if new is not None:
             knobs = dict(new.settings)
@@ -90,7 +98,8 @@ async def run_rank(
         node.clock.advance(step.step_s)
         if not node.versions_run or node.versions_run[-1] != node.reporter.version:
             node.versions_run.append(node.reporter.version)
-        node.reporter.report_step(step.samples, step.step_s, step.compute_s, step.comm_s, loss=2.0)
+        loss = math.nan if node.nan_loss else 2.0
+        node.reporter.report_step(step.samples, step.step_s, step.compute_s, step.comm_s, loss)
         await asyncio.sleep(step.step_s / speedup)
 
 
@@ -211,7 +220,12 @@ async def simulated_cluster(
         for i in range(nodes):
             name = f"node-{i}"
             config = build_config(
-                raw, {"node": name, "sources.job.socket": str(workdir / f"{name}.sock")}
+                raw,
+                {
+                    "node": name,
+                    "sources.job.socket": str(workdir / f"{name}.sock"),
+                    "agent.state_dir": str(workdir / name),
+                },
             )
             clock = VirtualClock()
             nvml = FakeNvml.from_capture(capture, clock=clock)

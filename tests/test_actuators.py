@@ -52,3 +52,21 @@ def test_no_permission_is_translated(nvidia_smi_dir: Path) -> None:
     with pytest.raises(NoPermission) as e:
         PowerCapActuator(nvml).apply(150)
     assert e.value.vendor_code == pynvml.NVML_ERROR_NO_PERMISSION
+
+
+def test_originals_survive_a_crash_in_the_state_file(nvidia_smi_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "power-limits.json"
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    PowerCapActuator(nvml, state).apply(150)  # then the process dies without restoring
+    assert state.exists() and limits_w(nvml) == [150.0] * 8
+    restarted = PowerCapActuator(nvml, state)
+    assert restarted.recover() == 8
+    assert limits_w(nvml) == [250.0] * 8 and not state.exists()
+    assert restarted.recover() == 0  # nothing left to do
+
+
+def test_garbage_state_file_is_reported_not_fatal(nvidia_smi_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "power-limits.json"
+    state.write_text("{not json")
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    assert PowerCapActuator(nvml, state).recover() == 0

@@ -71,7 +71,7 @@ async def harness(mosquitto, tmp_path: Path, nvidia_smi_dir: Path) -> AsyncItera
             "node": "n1",
             "cluster": "c",
             "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
-            "agent": {"interval_s": 0.2, "metrics_address": ""},
+            "agent": {"interval_s": 0.2, "metrics_address": "", "state_dir": str(tmp_path)},
             "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
             "actuation": {"max_power_w": 225},
         }
@@ -154,7 +154,7 @@ async def test_power_limits_restored_when_the_agent_stops(
             "node": "n1",
             "cluster": "c",
             "mqtt": {"url": mosquitto.url},
-            "agent": {"metrics_address": ""},
+            "agent": {"metrics_address": "", "state_dir": str(tmp_path)},
             "sources": {"job": {"socket": str(tmp_path / "j.sock")}},
         }
     )

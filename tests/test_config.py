@@ -147,3 +147,15 @@ def test_mqtts_needs_a_ca_and_cert_and_key_go_together() -> None:
         build_config({"mqtt": {"url": "mqtts://b", "tls_ca_file": "/ca", "tls_cert_file": "/c"}})
     config = build_config({"mqtt": {"url": "mqtts://b", "tls_ca_file": "/ca"}})
     assert config.mqtt.tls and config.mqtt.port == 8883
+
+
+def test_a_key_other_users_can_read_is_refused(tmp_path: Path) -> None:
+    key = tmp_path / "settings.key"
+    key.write_text("k" * 64)
+    key.chmod(0o644)
+    path = tmp_path / "k.toml"
+    path.write_text(f'[security]\nsettings_key_file = "{key}"\n')
+    result = _check(path)
+    assert result.returncode == 2 and "accessible to other users (mode 644)" in result.stderr
+    key.chmod(0o640)
+    assert _check(path).returncode == 0

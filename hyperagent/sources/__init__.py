@@ -22,6 +22,8 @@ class Hardware:
 
     nvml: Any
     """The ``pynvml`` module, or an object with its API (hyperagent.testing.fake_nvml)."""
+    replayed: bool = False
+    """True for a capture directory: nothing of it is kept on this machine's disk."""
 
     @classmethod
     def from_config(cls, config: Config) -> Hardware:
@@ -77,7 +79,7 @@ def capture_sources(directory: Path, config: Config) -> tuple[list[Source], Hard
                 )
             ]
         )
-    return sources, Hardware(nvml=nvml)
+    return sources, Hardware(nvml=nvml, replayed=True)
 
 
 def build_sources(config: Config, hardware: Hardware) -> list[Source]:
