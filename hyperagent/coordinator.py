@@ -298,6 +298,9 @@ class Coordinator:
             table = state.acks
         else:
             table = state.partials if message.get("partial") else state.reports
+        if message["node"] in state.lost and kind == "ack":
+            state.lost.discard(message["node"])  # silent for a while, answering again
+            log.info("%s: node %s answers again", state.config.id, message["node"])
         async with state.changed:
             # keyed by node: a redelivered message replaces itself, it never counts twice
             table.setdefault(message["version"], {})[message["node"]] = message

@@ -16,7 +16,7 @@ import os
 import random
 import socket
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -70,6 +70,12 @@ class SimulatedNode:
     """Fault injection: the rank reports a NaN loss while this is set."""
     stalled: bool = False
     """Fault injection: the rank stops stepping (a hung or crashed job) while this is set."""
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def stop(self) -> None:
+        """The node goes away: its agent (which says offline on the way out) and its rank."""
+        for task in self.tasks:
+            task.cancel()
 
     def power_cap_w(self) -> float:
         handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
@@ -196,6 +202,8 @@ async def simulated_cluster(
     params_b: float = 1.3,
     speedup: float = 40.0,
     key: bytes | None = None,
+    job_overrides: Mapping[str, Any] | None = None,
+    coordinator_dir: Path | None = None,
     on_trial: Callable[[JobState, TrialRecord], None] | None = None,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
     """Agents and simulated ranks running in the background, and a coordinator ready to run."""
@@ -210,6 +218,9 @@ async def simulated_cluster(
     with tempfile.TemporaryDirectory(prefix="hyperagent-demo-") as tmp:
         workdir = Path(tmp)
         raw = cluster_config(broker_url, nodes, trials, seed, workdir, objective, (low, high))
+        raw["coordinator"]["jobs"][0].update(job_overrides or {})
+        if coordinator_dir is not None:
+            raw["coordinator"]["state_dir"] = str(coordinator_dir)
         model = JobModel(
             params_b=params_b,
             nodes=nodes,
@@ -238,24 +249,19 @@ async def simulated_cluster(
         rng = random.Random(seed)
         try:
             async with asyncio.TaskGroup() as tasks:
-                background = [
-                    tasks.create_task(n.agent.run(), name=f"agent-{n.name}") for n in sim_nodes
-                ]
+                for n in sim_nodes:
+                    n.tasks.append(tasks.create_task(n.agent.run(), name=f"agent-{n.name}"))
                 for n in sim_nodes:
                     await n.agent.ready.wait()
                     await n.agent.link.connected.wait()  # type: ignore[union-attr]
-                background += [
-                    tasks.create_task(
-                        run_rank(n, model, speedup, random.Random(rng.random())),
-                        name=f"rank-{n.name}",
-                    )
-                    for n in sim_nodes
-                ]
+                for n in sim_nodes:
+                    rank = run_rank(n, model, speedup, random.Random(rng.random()))
+                    n.tasks.append(tasks.create_task(rank, name=f"rank-{n.name}"))
                 try:
                     yield coordinator, sim_nodes, model
                 finally:
-                    for task in background:
-                        task.cancel()
+                    for n in sim_nodes:
+                        n.stop()
         finally:
             for n in sim_nodes:
                 n.reporter.close()

@@ -1,0 +1,189 @@
+"""Each guardrail firing, through a real mosquitto with real agents: early abort, rollback on a
+NaN loss and on a missing ack, a lost node excluded while the tuning completes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from hyperagent.config import build_config
+from hyperagent.coordinator import Coordinator, JobState, coordinator_link
+from hyperagent.demo import JOB, simulated_cluster
+
+from conftest import REPO, Mosquitto
+
+TERRIBLE = {"bucket_mb": 1, "chunk_kb": 64, "power_cap_w": 100, "allreduce": "tree"}
+
+
+@asynccontextmanager
+async def link_running(coordinator: Coordinator) -> AsyncIterator[None]:
+    task = asyncio.create_task(coordinator.link.run())
+    try:
+        async with asyncio.timeout(10):
+            await coordinator.link.connected.wait()
+        await asyncio.sleep(0.3)
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def journal(state: JobState) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in state.journal.path.read_bytes().splitlines()]
+
+
+async def test_a_bad_trial_is_aborted_early(mosquitto: Mosquitto) -> None:
+    async with simulated_cluster(mosquitto.url, nodes=2, trials=3, seed=0, speedup=100) as (
+        coordinator,
+        _,
+        model,
+    ):
+        state = coordinator.jobs[JOB]
+        start = state.space.defaults()
+        assert model.throughput(TERRIBLE) < 0.5 * model.throughput(start)
+        async with link_running(coordinator):
+            baseline = await coordinator.run_trial(state, start, 0)
+            state.record(baseline, None)
+            assert baseline.status == "ok" and state.baseline == baseline.score
+            bad = await coordinator.run_trial(state, TERRIBLE, 1)
+    assert bad.status == "aborted"
+    assert bad.score is not None and bad.score < 0.7 * baseline.score  # type: ignore[operator]
+    plan_steps = state.config.plan.measure_steps
+    assert all(r["partial"] and r["steps"] < plan_steps for r in bad.reports.values())
+
+
+async def test_nan_loss_rolls_back_to_the_last_good_settings(mosquitto: Mosquitto) -> None:
+    def inject(state: JobState, record: Any) -> None:
+        nodes[1].nan_loss = record.index == 1  # trial 2 runs with a diverging loss
+
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=4,
+        seed=5,
+        speedup=100,
+        on_trial=inject,
+        job_overrides={"confirm_best": False, "abort_below": 0},
+    ) as (coordinator, nodes, _):
+        await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+        entries = journal(state)
+    statuses = [t.status for t in state.trials]
+    assert statuses[2] == "nonfinite_loss" and statuses.count("nonfinite_loss") == 1
+    failed = next(i for i, e in enumerate(entries) if e["type"] == "trial" and e["index"] == 2)
+    rollback = entries[failed + 1]
+    good = max(state.trials[:2], key=lambda t: t.score or 0).settings
+    assert rollback["type"] == "published" and rollback["trial"] is None
+    assert rollback["settings"] == good
+    assert set(state.acks[rollback["version"]]) == {"node-0", "node-1"}
+
+
+async def test_a_lost_node_is_excluded_and_the_tuning_completes(mosquitto: Mosquitto) -> None:
+    def lose_one(state: JobState, record: Any) -> None:
+        if record.index == 1:
+            nodes[4].stop()  # one node of five (20%) disappears mid-tuning
+
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=5,
+        trials=5,
+        seed=2,
+        speedup=100,
+        on_trial=lose_one,
+        job_overrides={"ack_timeout_s": 3, "trial_timeout_s": 20},
+    ) as (coordinator, nodes, model):
+        await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+    assert state.done and state.lost == {"node-4"}
+    assert all(t.status in ("ok", "aborted") for t in state.trials)
+    for trial in state.trials[2:]:
+        assert set(trial.reports) == {"node-0", "node-1", "node-2", "node-3"}
+    # scores stay comparable: four nodes' mean scaled to five
+    assert state.best is not None
+    assert abs(state.best[1] - model.throughput(state.best[0])) < 0.1 * state.best[1]
+
+
+def test_a_silent_node_means_no_ack_and_a_rollback(mosquitto: Mosquitto, tmp_path: Path) -> None:
+    key = tmp_path / "settings.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    key.chmod(0o600)
+    raw = {
+        "cluster": "g",
+        "node": "node-1",
+        "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
+        "agent": {"metrics_address": "", "state_dir": str(tmp_path / "agent")},
+        "security": {"settings_key_file": str(key)},
+        "coordinator": {
+            "state_dir": str(tmp_path / "coordinator"),
+            "metrics_address": "",
+            "jobs": [
+                {
+                    "id": "j",
+                    "nodes": ["node-1"],
+                    "trials": 1,
+                    "ack_timeout_s": 2,
+                    "confirm_best": False,
+                    "power_limits_w": [100, 250],
+                }
+            ],
+        },
+    }
+    config_file = tmp_path / "agent.toml"
+    config_file.write_text(
+        f'cluster = "g"\nnode = "node-1"\n[mqtt]\nurl = "{mosquitto.url}"\n'
+        f'[agent]\nstate_dir = "{tmp_path / "agent"}"\n'
+        f'[security]\nsettings_key_file = "{key}"\n'
+    )
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hyperagent.cli",
+            "agent",
+            "--config",
+            str(config_file),
+            "--replay",
+            str(REPO / "fixtures/replay/v100s-8gpu-training"),
+            "--metrics-address",
+            "",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+
+    async def scenario() -> JobState:
+        coordinator = Coordinator(
+            build_config(raw), coordinator_link(build_config(raw)), key.read_bytes().strip()
+        )
+        state = coordinator.jobs["j"]
+        async with link_running(coordinator):
+            async with asyncio.timeout(20):
+                while coordinator.nodes.get("node-1", (False, 0))[0] is False:
+                    await asyncio.sleep(0.05)
+            agent.send_signal(signal.SIGSTOP)  # hung: connected, silent
+            asyncio.get_running_loop().call_later(4, agent.send_signal, signal.SIGCONT)
+            async with asyncio.timeout(60):
+                await coordinator._trials(state)
+        return state
+
+    try:
+        state = asyncio.run(scenario())
+    finally:
+        agent.send_signal(signal.SIGCONT)
+        agent.terminate()
+        agent.wait(20)
+    assert [t.status for t in state.trials] == ["no_ack"]
+    published = [e for e in journal(state) if e["type"] == "published"]
+    trial, rollback, final = published
+    assert trial["trial"] == 0 and rollback["trial"] is None and final["trial"] is None
+    assert rollback["settings"] == state.space.defaults()
+    assert state.acks[rollback["version"]]["node-1"]["ok"]  # the node came back and rolled back
+    assert state.done and not state.lost
