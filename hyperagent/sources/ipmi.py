@@ -1,0 +1,858 @@
+"""BMC sensors and DCMI power over IPMI, through python-ipmi (RMCP+/RMCP) or ipmitool.
+
+``IpmiSource(backend)`` reads one of two backends:
+
+- ``RmcpBackend`` talks to the BMC over the LAN with python-ipmi, which blocks: every call runs in
+  one worker thread owned by the backend, each read is bounded by ``timeout_s``, a read still
+  running when the next is due is refused, and a session that stopped answering is torn down and
+  opened again on the next read. The SDR records are read once per session.
+- ``IpmitoolBackend`` runs ``ipmitool sdr elist`` and ``ipmitool dcmi power reading`` (local
+  ``-I open`` or ``-I lan``/``-I lanplus``) through an injectable ``run_command``;
+  ``capture_runner(DIR)`` answers those commands with ``DIR/ipmitool-sdr.txt`` and
+  ``DIR/ipmitool-dcmi.txt``, so the same backend replays a capture directory.
+
+Sensor metrics carry ``sensor`` (the name the BMC gives, trimmed) and ``entity`` (the IPMI
+entity as ``ID.instance``, empty when the output does not say, as in plain ``ipmitool sdr``):
+power, temperature, fan speed, voltage and current by the sensor's unit, and
+``hyperagent_bmc_sensor_state``, the health the BMC reports for every readable sensor: 0 ok,
+1 non-critical, 2 critical, 3 non-recoverable threshold crossed. A discrete sensor has no
+thresholds, so a readable one is 0, as ipmitool reports it "ok". Sensors the BMC cannot read
+("ns", "na", "disabled", "No Reading") are left out, never reported as zero, and so are readings
+in other units (percent, feet). When two sensors share a name and entity, the first is kept. A BMC
+without DCMI is read for its SDR sensors only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
+from hyperagent.readings import Reading
+
+log = logging.getLogger(__name__)
+
+POWER = "hyperagent_bmc_power_watts"
+TEMPERATURE = "hyperagent_bmc_temperature_celsius"
+FAN_SPEED = "hyperagent_bmc_fan_speed_rpm"
+VOLTAGE = "hyperagent_bmc_voltage_volts"
+CURRENT = "hyperagent_bmc_current_amperes"
+SENSOR_STATE = "hyperagent_bmc_sensor_state"
+DCMI_POWER = "hyperagent_bmc_dcmi_power_watts"
+DCMI_POWER_MIN = "hyperagent_bmc_dcmi_power_min_watts"
+DCMI_POWER_MAX = "hyperagent_bmc_dcmi_power_max_watts"
+DCMI_POWER_AVERAGE = "hyperagent_bmc_dcmi_power_average_watts"
+DCMI_SAMPLING_PERIOD = "hyperagent_bmc_dcmi_sampling_period_seconds"
+
+HELP: dict[str, str] = {
+    POWER: "Power reported by a BMC power sensor (SDR), e.g. the node's input power.",
+    TEMPERATURE: "Temperature reported by a BMC sensor.",
+    FAN_SPEED: "Fan speed reported by a BMC sensor, in revolutions per minute.",
+    VOLTAGE: "Voltage reported by a BMC sensor.",
+    CURRENT: "Current reported by a BMC sensor.",
+    SENSOR_STATE: (
+        "Health the BMC reports for a readable sensor: 0 ok, 1 non-critical, 2 critical, "
+        "3 non-recoverable threshold crossed."
+    ),
+    DCMI_POWER: "Instantaneous node power from the BMC's DCMI power reading.",
+    DCMI_POWER_MIN: "Lowest node power over the DCMI sampling period.",
+    DCMI_POWER_MAX: "Highest node power over the DCMI sampling period.",
+    DCMI_POWER_AVERAGE: "Average node power over the DCMI sampling period.",
+    DCMI_SAMPLING_PERIOD: "Length of the DCMI sampling period the min/max/average cover.",
+}
+
+OK, NON_CRITICAL, CRITICAL, NON_RECOVERABLE = 0, 1, 2, 3
+
+Convert = Callable[[float], float]
+
+
+def _same(value: float) -> float:
+    return value
+
+
+def _celsius_from_fahrenheit(value: float) -> float:
+    return (value - 32) * 5 / 9
+
+
+def _celsius_from_kelvin(value: float) -> float:
+    return value - 273.15
+
+
+_IPMITOOL_UNITS: dict[str, tuple[str, Convert]] = {
+    "degrees C": (TEMPERATURE, _same),
+    "degrees F": (TEMPERATURE, _celsius_from_fahrenheit),
+    "degrees K": (TEMPERATURE, _celsius_from_kelvin),
+    "Volts": (VOLTAGE, _same),
+    "Amps": (CURRENT, _same),
+    "Watts": (POWER, _same),
+    "RPM": (FAN_SPEED, _same),
+}
+_IPMIUTIL_UNITS: dict[str, tuple[str, Convert]] = {
+    "C": (TEMPERATURE, _same),
+    "F": (TEMPERATURE, _celsius_from_fahrenheit),
+    "K": (TEMPERATURE, _celsius_from_kelvin),
+    "V": (VOLTAGE, _same),
+    "A": (CURRENT, _same),
+    "W": (POWER, _same),
+    "RPM": (FAN_SPEED, _same),
+}
+_IPMI_UNIT_CODES: dict[int, tuple[str, Convert]] = {
+    1: (TEMPERATURE, _same),
+    2: (TEMPERATURE, _celsius_from_fahrenheit),
+    3: (TEMPERATURE, _celsius_from_kelvin),
+    4: (VOLTAGE, _same),
+    5: (CURRENT, _same),
+    6: (POWER, _same),
+    18: (FAN_SPEED, _same),
+}
+"""IPMI base unit type codes (IPMI 2.0 table 43-15) of the readings exposed."""
+
+_IPMITOOL_STATUS = {
+    "ok": OK,
+    "nc": NON_CRITICAL,
+    "lnc": NON_CRITICAL,
+    "unc": NON_CRITICAL,
+    "cr": CRITICAL,
+    "lcr": CRITICAL,
+    "ucr": CRITICAL,
+    "nr": NON_RECOVERABLE,
+    "lnr": NON_RECOVERABLE,
+    "unr": NON_RECOVERABLE,
+}
+_IPMIUTIL_STATUS = {
+    "ok": OK,
+    "ok*": OK,
+    "warn-lo": NON_CRITICAL,
+    "warn-hi": NON_CRITICAL,
+    "crit-lo": CRITICAL,
+    "crit-hi": CRITICAL,
+    "belowcrit": NON_RECOVERABLE,
+    "abovecrit": NON_RECOVERABLE,
+}
+_UNREADABLE = {"ns", "na", "disabled", "no reading", "not readable", "init"}
+_NUMBER_AND_UNIT = re.compile(r"^([-+]?\d+(?:\.\d+)?)\s+(\S.*)$")
+_ENTITY = re.compile(r"^\d+\.\d+$")
+
+
+class IpmiError(SourceError):
+    """A BMC request or an IPMI tool failed; ``completion_code`` is the IPMI code when known."""
+
+    def __init__(self, message: str, completion_code: int | None = None) -> None:
+        super().__init__(message)
+        self.completion_code = completion_code
+
+
+@dataclass(frozen=True, slots=True)
+class SensorValue:
+    """One readable sensor, whichever tool read it: its health and, in a known unit, its value."""
+
+    sensor: str
+    entity: str
+    severity: int | None
+    metric: str | None = None
+    value: float | None = None
+
+
+def sensor_readings(values: Iterable[SensorValue]) -> list[Reading]:
+    """Readings of sensor values; of two sensors with the same name and entity the first wins."""
+    out: list[Reading] = []
+    seen: set[tuple[str, str]] = set()
+    for v in values:
+        if (v.sensor, v.entity) in seen:
+            continue
+        seen.add((v.sensor, v.entity))
+        labels = {"sensor": v.sensor, "entity": v.entity}
+        if v.metric is not None and v.value is not None:
+            out.append(Reading(v.metric, v.value, labels))
+        if v.severity is not None:
+            out.append(Reading(SENSOR_STATE, float(v.severity), labels))
+    return out
+
+
+def _value_from_text(
+    reading: str, units: dict[str, tuple[str, Convert]]
+) -> tuple[str, float] | tuple[None, None]:
+    """(metric, value) of a reading such as "12.06 Volts" or "0 Watts, Presence detected"."""
+    match = _NUMBER_AND_UNIT.match(reading.split(",", 1)[0].strip())
+    if match is None:
+        return None, None
+    known = units.get(match.group(2).strip())
+    if known is None:
+        return None, None
+    metric, convert = known
+    return metric, convert(float(match.group(1)))
+
+
+def _ipmitool_value(name: str, entity: str, status: str, reading: str) -> SensorValue | None:
+    severity = _IPMITOOL_STATUS.get(status.lower())
+    if not name or severity is None or reading.lower() in _UNREADABLE:
+        return None
+    metric, value = _value_from_text(reading, _IPMITOOL_UNITS)
+    return SensorValue(name, entity, severity, metric, value)
+
+
+def _table_rows(text: str, columns: int) -> tuple[list[list[str]], int]:
+    """The rows of a ``|``-separated table with ``columns`` fields, and the non-empty line count."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    rows = [
+        fields for line in lines if len(fields := [f.strip() for f in line.split("|")]) == columns
+    ]
+    return rows, len(lines)
+
+
+def parse_sdr_elist(text: str) -> list[Reading]:
+    """Readings of ``ipmitool sdr elist`` output (name | number | status | entity | reading).
+
+    A line that does not have these five fields, or has an unknown status or a malformed entity,
+    is skipped; output with no such line at all raises SourceError.
+    """
+    rows, lines = _table_rows(text, 5)
+    if lines and not rows:
+        raise SourceError("ipmitool sdr elist output has no sensor lines")
+    values = [
+        _ipmitool_value(name, entity, status, reading)
+        for name, _number, status, entity, reading in rows
+        if _ENTITY.match(entity)
+    ]
+    return sensor_readings(v for v in values if v is not None)
+
+
+def parse_sdr(text: str) -> list[Reading]:
+    """Readings of plain ``ipmitool sdr`` output (name | reading | status); ``entity`` is "".
+
+    The plain format cannot tell apart sensors that share a name (a dual-CPU board's two "Temp"
+    sensors): only the first is kept. ``sdr elist`` output names their entities.
+    """
+    rows, lines = _table_rows(text, 3)
+    if lines and not rows:
+        raise SourceError("ipmitool sdr output has no sensor lines")
+    values = [_ipmitool_value(name, "", status, reading) for name, reading, status in rows]
+    return sensor_readings(v for v in values if v is not None)
+
+
+def parse_sdr_output(text: str) -> list[Reading]:
+    """Readings of ``ipmitool sdr elist`` or plain ``ipmitool sdr`` output (told by columns)."""
+    first = next((line for line in text.splitlines() if "|" in line), None)
+    if first is None:
+        if text.strip():
+            raise SourceError("ipmitool sdr output has no sensor lines")
+        return []
+    columns = len(first.split("|"))
+    if columns == 5:
+        return parse_sdr_elist(text)
+    if columns == 3:
+        return parse_sdr(text)
+    raise SourceError(f"unrecognised ipmitool sdr output: {columns} columns in {first.strip()!r}")
+
+
+def parse_ipmiutil_sensor(text: str) -> list[Reading]:
+    """Readings of ``ipmiutil sensor`` output (ID | SDR type | type | num | name | status | value).
+
+    Threshold states (OK, Warn-*, Crit-*, BelowCrit/AboveCrit) give the sensor state; discrete
+    status words ("Working") give none.
+    """
+    rows, lines = _table_rows(text, 7)
+    records = [row for row in rows if re.fullmatch(r"[0-9a-fA-F]{4}", row[0])]
+    if lines and not records:
+        raise SourceError("ipmiutil sensor output has no sensor lines")
+    values = []
+    for _id, _sdr_type, _type, _number, name, status, reading in records:
+        if not name or status.lower() in _UNREADABLE:
+            continue
+        metric, value = _value_from_text(reading, _IPMIUTIL_UNITS)
+        values.append(SensorValue(name, "", _IPMIUTIL_STATUS.get(status.lower()), metric, value))
+    return sensor_readings(values)
+
+
+@dataclass(frozen=True, slots=True)
+class DcmiPower:
+    """A DCMI power reading; ``active`` is false when the BMC measures no power."""
+
+    current_w: float
+    minimum_w: float | None = None
+    maximum_w: float | None = None
+    average_w: float | None = None
+    period_s: float | None = None
+    active: bool = True
+
+
+def dcmi_readings(power: DcmiPower) -> list[Reading]:
+    """Readings of a DCMI power reading; none when the power measurement is not active."""
+    if not power.active:
+        return []
+    out = [Reading(DCMI_POWER, power.current_w)]
+    for name, value in (
+        (DCMI_POWER_MIN, power.minimum_w),
+        (DCMI_POWER_MAX, power.maximum_w),
+        (DCMI_POWER_AVERAGE, power.average_w),
+        (DCMI_SAMPLING_PERIOD, power.period_s),
+    ):
+        if value is not None:
+            out.append(Reading(name, value))
+    return out
+
+
+_DCMI_FIELDS = {
+    "instantaneous power reading": "current_w",
+    "minimum during sampling period": "minimum_w",
+    "maximum during sampling period": "maximum_w",
+    "average power reading over sample period": "average_w",
+}
+
+
+def parse_dcmi_power(text: str) -> list[Reading]:
+    """Readings of ``ipmitool dcmi power reading`` output.
+
+    Raises SourceError when there is no instantaneous reading; an unreadable min/max/average or
+    sampling period is left out; "Power reading state is: deactivated" gives no readings.
+    """
+    watts: dict[str, float] = {}
+    period_s: float | None = None
+    active = True
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip().lower(), value.strip()
+        if key in _DCMI_FIELDS:
+            match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*Watts", value)
+            if match:
+                watts[_DCMI_FIELDS[key]] = float(match.group(1))
+        elif key == "sampling period":
+            match = re.fullmatch(r"(\d+)\s*Seconds\.?", value)
+            if match:
+                period_s = float(match.group(1))
+        elif key == "power reading state is":
+            active = value.lower() != "deactivated"
+    if "current_w" not in watts:
+        raise SourceError("ipmitool dcmi power reading output has no instantaneous power reading")
+    return dcmi_readings(DcmiPower(**watts, period_s=period_s, active=active))
+
+
+class IpmiBackend(Protocol):
+    """Where an IpmiSource gets its readings: one BMC, read by one tool."""
+
+    target: str
+
+    async def read(self) -> list[Reading]:
+        """Sensor and DCMI readings of one sample; SourceError when the BMC cannot be read."""
+        ...
+
+    async def close(self) -> None:
+        """End any session with the BMC."""
+        ...
+
+
+class IpmiSource:
+    """The node's BMC: SDR sensors and the DCMI power reading, through an IpmiBackend."""
+
+    name = "ipmi"
+
+    def __init__(self, backend: IpmiBackend) -> None:
+        self.backend = backend
+        self.target = backend.target
+        self._reading = False
+
+    async def start(self) -> None:
+        return None
+
+    async def read(self) -> list[Reading]:
+        if self._reading:
+            raise SourceError(f"previous BMC read of {self.target} still running")
+        self._reading = True
+        try:
+            return await self.backend.read()
+        finally:
+            self._reading = False
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+RunCommand = Callable[[Sequence[str]], Awaitable[str]]
+"""Runs an argv and returns its standard output (a SourceError when it fails)."""
+
+
+class CommandError(SourceError):
+    """A command exited with a non-zero status; its status and standard error are kept."""
+
+    def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
+        last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
+        super().__init__(f"{Path(argv[0]).name} exited with status {returncode}: {last.strip()}")
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+async def run_subprocess(argv: Sequence[str]) -> str:
+    """Run ``argv`` without a shell and return its standard output.
+
+    Raises SourceUnavailable when the program is not installed and CommandError when it exits
+    non-zero. Cancelling the call (a caller's timeout) kills the process and reaps it.
+    """
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except FileNotFoundError as e:
+        raise SourceUnavailable(f"{argv[0]} is not installed") from e
+    except OSError as e:
+        raise SourceError(f"cannot run {argv[0]}: {e}") from e
+    try:
+        stdout, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    if process.returncode:
+        raise CommandError(argv, process.returncode, stderr.decode(errors="replace"))
+    return stdout.decode(errors="replace")
+
+
+SDR_CAPTURE = "ipmitool-sdr.txt"
+DCMI_CAPTURE = "ipmitool-dcmi.txt"
+
+
+def capture_runner(directory: Path) -> RunCommand:
+    """A RunCommand answering ``ipmitool ... sdr ...`` with ``directory/ipmitool-sdr.txt`` and
+    ``ipmitool ... dcmi power reading`` with ``directory/ipmitool-dcmi.txt``.
+
+    A missing file raises SourceUnavailable (no SDR capture: the source is down quietly; no DCMI
+    capture: the backend reads SDR sensors only).
+    """
+
+    async def run(argv: Sequence[str]) -> str:
+        if list(argv[-3:]) == ["dcmi", "power", "reading"]:
+            path = directory / DCMI_CAPTURE
+        elif "sdr" in argv:
+            path = directory / SDR_CAPTURE
+        else:
+            raise SourceError(f"no capture answers {' '.join(argv)}")
+        try:
+            return await asyncio.to_thread(path.read_text, encoding="utf-8", errors="replace")
+        except FileNotFoundError as e:
+            raise SourceUnavailable(f"no capture {path}") from e
+        except OSError as e:
+            raise SourceError(f"reading capture {path}: {e}") from e
+
+    return run
+
+
+_COMPLETION_CODE = re.compile(r"\(([0-9a-fA-F]{2})\)\s*$", re.MULTILINE)
+_LAN_INTERFACES = ("lan", "lanplus")
+_PRIVILEGES = ("user", "operator", "administrator")
+
+
+class IpmitoolBackend:
+    """The BMC through ``ipmitool sdr elist`` and ``ipmitool dcmi power reading``.
+
+    ``interface="open"`` reads the local BMC (``/dev/ipmi0``; absent device: SourceUnavailable);
+    ``"lan"``/``"lanplus"`` reach ``host:port`` as ``username`` with the password in
+    ``password_file`` (``-f``, never on the command line), ``cipher_suite`` (``-C``) and
+    ``privilege`` (``-L``). A read is bounded by ``timeout_s`` in all (commands are killed on
+    expiry); DCMI gets what is left of it, and a BMC that refuses DCMI is not asked again.
+    """
+
+    def __init__(
+        self,
+        run_command: RunCommand = run_subprocess,
+        *,
+        interface: str = "open",
+        host: str | None = None,
+        port: int = 623,
+        username: str | None = None,
+        password_file: Path | str | None = None,
+        cipher_suite: int | None = None,
+        privilege: str = "user",
+        timeout_s: float = 5.0,
+        dcmi: bool = True,
+        binary: str = "ipmitool",
+        target: str | None = None,
+    ) -> None:
+        if interface not in ("open", *_LAN_INTERFACES):
+            raise ValueError(f"interface must be open, lan or lanplus, not {interface!r}")
+        if interface in _LAN_INTERFACES and not host:
+            raise ValueError(f"interface {interface} needs a host")
+        if privilege.lower() not in _PRIVILEGES:
+            raise ValueError(f"privilege must be one of {', '.join(_PRIVILEGES)}")
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self.run_command = run_command
+        self.timeout_s = timeout_s
+        self.dcmi = dcmi
+        self.target = target or (f"{host}:{port}" if interface in _LAN_INTERFACES else "local")
+        options = [binary, "-I", interface]
+        if interface in _LAN_INTERFACES:
+            options += ["-H", str(host), "-p", str(port), "-L", privilege.upper()]
+            if username is not None:
+                options += ["-U", username]
+            if password_file is not None:
+                options += ["-f", str(password_file)]
+            if cipher_suite is not None and interface == "lanplus":
+                options += ["-C", str(cipher_suite)]
+        self.options = options
+        self._dcmi_supported = dcmi
+
+    async def read(self) -> list[Reading]:
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                sdr = await self._run("sdr", "elist")
+        except TimeoutError as e:
+            raise SourceTimeout(
+                f"ipmitool sdr elist on {self.target} did not finish within {self.timeout_s:g}s"
+            ) from e
+        readings = parse_sdr_output(sdr)
+        if self._dcmi_supported:
+            readings += await self._read_dcmi(deadline)
+        return readings
+
+    async def _read_dcmi(self, deadline: float) -> list[Reading]:
+        try:
+            async with asyncio.timeout_at(deadline):
+                return parse_dcmi_power(await self._run("dcmi", "power", "reading"))
+        except TimeoutError:
+            log.debug("DCMI power reading of %s skipped: no time left", self.target)
+        except SourceUnavailable:
+            self._dcmi_supported = False
+        except IpmiError as e:
+            if e.completion_code is None:
+                log.debug("DCMI power reading of %s skipped: %s", self.target, e)
+            else:
+                self._dcmi_supported = False
+                log.info("BMC %s refuses DCMI power reading (%s); reading SDR only", self.target, e)
+        except SourceError as e:
+            log.debug("DCMI power reading of %s skipped: %s", self.target, e)
+        return []
+
+    async def _run(self, *command: str) -> str:
+        try:
+            return await self.run_command([*self.options, *command])
+        except CommandError as e:
+            if "Could not open device" in e.stderr:
+                raise SourceUnavailable(f"no local BMC device: {e}") from e
+            match = _COMPLETION_CODE.search(e.stderr)
+            raise IpmiError(
+                f"ipmitool {' '.join(command)} on {self.target} failed: {e}",
+                int(match.group(1), 16) if match else None,
+            ) from e
+
+    async def close(self) -> None:
+        return None
+
+
+class _Abandoned(Exception):
+    """The read was given up by the event loop; the worker stops between requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class SensorSample:
+    """A Get Sensor Reading response together with the SDR record of its sensor.
+
+    ``record`` is a python-ipmi SdrFullSensorRecord or SdrCompactSensorRecord; ``states`` holds
+    the threshold comparison bits (threshold sensors) or the asserted states (discrete ones).
+    """
+
+    record: Any
+    raw: int
+    scanning_enabled: bool
+    unavailable: bool
+    states: int
+
+
+def _threshold_severity(states: int) -> int:
+    if states & 0x24:
+        return NON_RECOVERABLE
+    if states & 0x12:
+        return CRITICAL
+    if states & 0x09:
+        return NON_CRITICAL
+    return OK
+
+
+def _analog_value(record: Any, raw: int) -> tuple[str, float] | tuple[None, None]:
+    """(metric, value) of a full sensor record's raw reading in a unit this source exposes."""
+    if not hasattr(record, "convert_sensor_raw_to_value") or record.analog_data_format == 3:
+        return None, None
+    if record.percentage or record.modifier_unit or record.rate_unit:
+        return None, None
+    known = _IPMI_UNIT_CODES.get(record.units_2)
+    if known is None:
+        return None, None
+    from pyipmi.errors import DecodingError  # type: ignore[import-untyped]
+
+    try:
+        value = float(record.convert_sensor_raw_to_value(raw))
+    except (ArithmeticError, ValueError, DecodingError):
+        return None, None
+    if record.linearization == 0:
+        value = round(value, max(0, -record.k2 + max(0, -record.k1)))
+    metric, convert = known
+    return metric, convert(value)
+
+
+def sample_value(sample: SensorSample) -> SensorValue | None:
+    """The SensorValue of one reading, None when the BMC cannot read the sensor."""
+    if not sample.scanning_enabled or sample.unavailable:
+        return None
+    record = sample.record
+    name = record.device_id_string
+    name = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).strip()
+    if not name:
+        return None
+    threshold = record.event_reading_type_code == 0x01
+    severity = _threshold_severity(sample.states) if threshold else OK
+    metric, value = _analog_value(record, sample.raw)
+    return SensorValue(
+        name, f"{record.entity_id}.{record.entity_instance}", severity, metric, value
+    )
+
+
+def parse_sensor_samples(samples: Iterable[SensorSample]) -> list[Reading]:
+    """Readings of Get Sensor Reading responses (what ``ipmitool sdr elist`` would show)."""
+    return sensor_readings(v for s in samples if (v := sample_value(s)) is not None)
+
+
+def read_password_file(path: Path | str) -> str:
+    """The password in an ipmitool ``-f`` file: its first line, without the line ending."""
+    text = Path(path).read_text(encoding="utf-8")
+    return text.splitlines()[0] if text else ""
+
+
+class RmcpBackend:
+    """The BMC at ``host:port`` through python-ipmi: RMCP+ (``"lanplus"``) or RMCP (``"lan"``).
+
+    All python-ipmi calls run in one worker thread of this backend. A read is bounded by
+    ``timeout_s``, each request by ``request_timeout_s`` (default a quarter of it) and retried
+    once; a read still running in the worker when the next one starts makes that one fail at
+    once, and a read that failed or timed out leaves the session to be closed and opened again by
+    the next read. Only sensors the BMC owns (``bmc_address``) are read; ``cipher_suite`` None
+    tries 17 then 3.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int = 623,
+        username: str = "",
+        password: str = "",
+        *,
+        interface: str = "lanplus",
+        cipher_suite: int | None = None,
+        privilege: str = "user",
+        timeout_s: float = 5.0,
+        request_timeout_s: float | None = None,
+        dcmi: bool = True,
+        bmc_address: int = 0x20,
+        keep_alive_s: int = 20,
+    ) -> None:
+        if interface not in _LAN_INTERFACES:
+            raise ValueError(f"interface must be lan or lanplus, not {interface!r}")
+        if privilege.lower() not in _PRIVILEGES:
+            raise ValueError(f"privilege must be one of {', '.join(_PRIVILEGES)}")
+        if timeout_s <= 0 or (request_timeout_s is not None and request_timeout_s <= 0):
+            raise ValueError("timeout_s and request_timeout_s must be positive")
+        self.host, self.port = host, port
+        self.username, self.password = username, password
+        self.interface = interface
+        self.cipher_suite = cipher_suite
+        self.privilege = privilege.lower()
+        self.timeout_s = timeout_s
+        self.request_timeout_s = request_timeout_s or timeout_s / 4
+        self.dcmi = dcmi
+        self.bmc_address = bmc_address
+        self.keep_alive_s = keep_alive_s
+        self.target = f"{host}:{port}"
+        self.sessions_established = 0
+        """Sessions opened so far; a new one follows every failed or abandoned read."""
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ipmi-{host}")
+        self._pending: Future[list[Reading]] | None = None
+        self._abandon = threading.Event()
+        self._ipmi: Any = None
+        self._records: list[Any] | None = None
+        self._dcmi_supported = dcmi
+        self._stale = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether a read is still running in the worker thread."""
+        return self._pending is not None and not self._pending.done()
+
+    async def read(self) -> list[Reading]:
+        if self.busy:
+            raise SourceError(f"BMC {self.target}: the previous read is still running")
+        self._abandon.clear()
+        pending = self._pending = self._worker.submit(self._read_sync)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.wrap_future(pending)
+        except TimeoutError as e:
+            raise SourceTimeout(
+                f"BMC {self.target} did not answer within {self.timeout_s:g}s"
+            ) from e
+        finally:
+            if not pending.done():
+                self._abandon.set()
+
+    async def close(self) -> None:
+        self._abandon.set()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.wrap_future(self._worker.submit(self._disconnect))
+        except TimeoutError:
+            log.warning("closing the session with BMC %s timed out", self.target)
+
+    def _read_sync(self) -> list[Reading]:
+        from pyipmi.errors import CompletionCodeError  # type: ignore[import-untyped]
+
+        try:
+            if self._stale:
+                self._disconnect()
+            if self._ipmi is None:
+                self._connect()
+            readings = parse_sensor_samples(self._read_samples())
+            if self._dcmi_supported:
+                readings += self._read_dcmi()
+            return readings
+        except _Abandoned as e:
+            self._stale = True
+            raise SourceTimeout(f"BMC {self.target}: read abandoned") from e
+        except SourceError:
+            self._stale = True
+            raise
+        except Exception as e:
+            self._stale = True
+            code = e.cc if isinstance(e, CompletionCodeError) else None
+            raise IpmiError(f"reading BMC {self.target} failed: {e!r}", code) from e
+
+    def _connect(self) -> None:
+        import pyipmi  # type: ignore[import-untyped]
+        import pyipmi.interfaces  # type: ignore[import-untyped]
+
+        kind = "rmcpplus" if self.interface == "lanplus" else "rmcp"
+        options: dict[str, Any] = {"keep_alive_interval": self.keep_alive_s, "max_retries": 1}
+        if kind == "rmcpplus":
+            options["cipher_suite"] = self.cipher_suite
+        interface = pyipmi.interfaces.create_interface(kind, **options)
+        ipmi = pyipmi.create_connection(interface)
+        ipmi.session.set_session_type_rmcp(self.host, self.port)
+        ipmi.session.set_auth_type_user(self.username, self.password)
+        ipmi.session.set_priv_level(self.privilege)
+        ipmi.target = pyipmi.Target(ipmb_address=self.bmc_address)
+        try:
+            interface.open()
+            interface.set_timeout(self.request_timeout_s)
+            ipmi.session.establish()
+        except Exception as e:
+            _close_quietly(ipmi)
+            raise IpmiError(
+                f"opening a session with BMC {self.target} failed: {e}", getattr(e, "cc", None)
+            ) from e
+        self._ipmi = ipmi
+        self._records = None
+        self._dcmi_supported = self.dcmi
+        self.sessions_established += 1
+
+    def _disconnect(self) -> None:
+        ipmi, self._ipmi = self._ipmi, None
+        self._records = None
+        self._stale = False
+        if ipmi is not None:
+            _close_quietly(ipmi)
+
+    def _check_abandoned(self) -> None:
+        if self._abandon.is_set():
+            raise _Abandoned
+
+    def _sensor_records(self) -> list[Any]:
+        from pyipmi.sdr import (  # type: ignore[import-untyped]
+            SdrCompactSensorRecord,
+            SdrFullSensorRecord,
+        )
+
+        if self._records is None:
+            records = []
+            for record in self._ipmi.sdr_repository_entries():
+                self._check_abandoned()
+                if (
+                    isinstance(record, (SdrFullSensorRecord, SdrCompactSensorRecord))
+                    and record.owner_id == self.bmc_address
+                ):
+                    records.append(record)
+            self._records = records
+        return self._records
+
+    def _read_samples(self) -> list[SensorSample]:
+        from pyipmi.errors import CompletionCodeError
+
+        records = self._sensor_records()
+        samples = []
+        refused: list[CompletionCodeError] = []
+        for record in records:
+            self._check_abandoned()
+            try:
+                rsp = self._ipmi.send_message_by_name(
+                    "GetSensorReading", sensor_number=record.number, lun=record.owner_lun
+                )
+            except CompletionCodeError as e:
+                refused.append(e)
+                continue
+            samples.append(
+                SensorSample(
+                    record,
+                    rsp.sensor_reading,
+                    # python-ipmi names the response's bit 6 "sensor_scanning_disabled"; in IPMI
+                    # it is set while scanning is enabled (ipmitool reads it the same way).
+                    scanning_enabled=bool(rsp.config.sensor_scanning_disabled),
+                    unavailable=bool(rsp.config.initial_update_in_progress),
+                    states=(rsp.states1 or 0) | ((rsp.states2 or 0) << 8),
+                )
+            )
+        if records and len(refused) == len(records):
+            raise IpmiError(
+                f"BMC {self.target} refused every sensor reading: {refused[0]}", refused[0].cc
+            )
+        return samples
+
+    def _read_dcmi(self) -> list[Reading]:
+        from pyipmi.errors import CompletionCodeError, RetryError
+
+        self._check_abandoned()
+        try:
+            rsp = self._ipmi.get_power_reading(1)
+        except (CompletionCodeError, RetryError, TimeoutError) as e:
+            self._dcmi_supported = False
+            log.info(
+                "BMC %s does not answer DCMI power reading (%s); reading SDR only", self.target, e
+            )
+            return []
+        return dcmi_readings(
+            DcmiPower(
+                float(rsp.current_power),
+                float(rsp.minimum_power),
+                float(rsp.maximum_power),
+                float(rsp.average_power),
+                rsp.period / 1000,
+                active=bool(rsp.reading_state & 0x40),
+            )
+        )
+
+
+def _close_quietly(ipmi: Any) -> None:
+    """Close a python-ipmi session and its socket; a BMC that does not answer is left to expire."""
+    try:
+        ipmi.session.close()
+    except Exception as e:
+        log.debug("closing the BMC session failed: %s", e)
+    finally:
+        ipmi.interface.close()
