@@ -1,8 +1,14 @@
-"""Help text of every metric hyperagent exposes. Rules and dashboards rely on these names."""
+"""Help text of every metric hyperagent exposes. Rules and dashboards rely on these names.
+
+Each source module keeps the help of its own metrics next to the code that makes them; this
+merges them with the agent's and coordinator's own.
+"""
 
 from __future__ import annotations
 
-HELP: dict[str, str] = {
+from hyperagent.sources import ipmi
+
+_CORE: dict[str, str] = {
     # GPUs (NVML)
     "hyperagent_gpu_info": "GPU identity: model and driver version.",
     "hyperagent_gpu_utilization_ratio": "Fraction of the last sample period a kernel ran.",
@@ -84,6 +90,9 @@ HELP: dict[str, str] = {
     "hyperagent_tuner_setting": "Numeric knob of the settings last published (bucket, chunk, cap).",
     "hyperagent_tuner_allreduce_info": "AllReduce algorithm of the settings last published.",
 }
+
+
+HELP: dict[str, str] = {**_CORE, **ipmi.HELP}
 
 
 def help_text(name: str) -> str:

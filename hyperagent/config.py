@@ -123,11 +123,46 @@ class JobSection(_Model):
     socket: Path = Path("/run/hyperagent/job.sock")
 
 
+class IpmiSection(_Model):
+    enabled: bool = True
+    """Without a BMC (no /dev/ipmi0 for the local interface) the source is quietly up 0."""
+    backend: Literal["ipmitool", "rmcp"] = "ipmitool"
+    """ipmitool: runs `ipmitool sdr elist` and `dcmi power reading`; rmcp: python-ipmi."""
+    interface: Literal["open", "lan", "lanplus"] = "open"
+    host: str | None = None
+    port: Annotated[int, Field(gt=0, lt=65536)] = 623
+    username: str | None = None
+    password_file: Path | None = None
+    cipher_suite: Literal[1, 2, 3, 15, 16, 17] | None = None
+    privilege: Literal["user", "operator", "administrator"] = "user"
+    timeout_s: PositiveSeconds = 1.5
+    """Bound of one read; keep it below sources.timeout_s."""
+    dcmi: bool = True
+
+    @model_validator(mode="after")
+    def _lan(self) -> IpmiSection:
+        if self.interface != "open" and not self.host:
+            raise ValueError(f"interface {self.interface} needs a host")
+        if self.backend == "rmcp" and self.interface == "open":
+            raise ValueError("the rmcp backend talks to a BMC over the LAN: set interface and host")
+        return self
+
+
 class SourcesSection(_Model):
     timeout_s: PositiveSeconds = 2.0
     nvml: NvmlSection = NvmlSection()
     host: HostSection = HostSection()
     job: JobSection = JobSection()
+    ipmi: IpmiSection = IpmiSection()
+
+    @model_validator(mode="after")
+    def _bounds(self) -> SourcesSection:
+        if self.ipmi.enabled and self.ipmi.timeout_s >= self.timeout_s:
+            raise ValueError(
+                "sources.ipmi.timeout_s must be below sources.timeout_s, so a slow "
+                "BMC is cut off by its own bound"
+            )
+        return self
 
 
 class IndicatorsSection(_Model):

@@ -169,7 +169,7 @@ def cluster_config(
         "cluster": "demo",
         "mqtt": {"url": broker_url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
         "agent": {"interval_s": 1.0, "metrics_address": "", "state_dir": str(workdir)},
-        "sources": {"host": {"enabled": False}},
+        "sources": {"host": {"enabled": False}, "ipmi": {"enabled": False}},
         "coordinator": {
             "metrics_address": "",
             "state_dir": str(workdir / "coordinator"),

@@ -10,6 +10,7 @@ from typing import Any
 from hyperagent.config import Config
 from hyperagent.errors import ConfigError, ConfigProblem
 from hyperagent.replay import RECORDING_FILE, Player, RecordedSource, load_recording
+from hyperagent.sources import ipmi
 from hyperagent.sources.base import Source
 from hyperagent.sources.host import HostSource
 from hyperagent.sources.job import JobSource
@@ -39,10 +40,45 @@ class Hardware:
 
 SourceFactory = Callable[[Config, Hardware], Source]
 
+
+def ipmi_source(config: Config, hardware: Hardware) -> Source:
+    """The BMC source as ``[sources.ipmi]`` says."""
+    c = config.sources.ipmi
+    backend: ipmi.IpmiBackend
+    if c.backend == "rmcp":
+        assert c.host is not None and c.interface != "open"
+        password = ipmi.read_password_file(c.password_file) if c.password_file else ""
+        backend = ipmi.RmcpBackend(
+            c.host,
+            c.port,
+            c.username or "",
+            password,
+            interface=c.interface,
+            cipher_suite=c.cipher_suite,
+            privilege=c.privilege,
+            timeout_s=c.timeout_s,
+            dcmi=c.dcmi,
+        )
+    else:
+        backend = ipmi.IpmitoolBackend(
+            interface=c.interface,
+            host=c.host,
+            port=c.port,
+            username=c.username,
+            password_file=c.password_file,
+            cipher_suite=c.cipher_suite,
+            privilege=c.privilege,
+            timeout_s=c.timeout_s,
+            dcmi=c.dcmi,
+        )
+    return ipmi.IpmiSource(backend)
+
+
 SOURCES: dict[str, SourceFactory] = {
     "nvml": lambda config, hw: NvmlSource(hw.nvml),
     "host": lambda config, hw: HostSource(),
     "job": lambda config, hw: JobSource(config.sources.job.socket),
+    "ipmi": ipmi_source,
 }
 """Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
 
@@ -60,6 +96,9 @@ def capture_sources(directory: Path, config: Config) -> tuple[list[Source], Hard
     if smi.is_file():
         nvml = FakeNvml.from_capture(smi)
         sources.append(NvmlSource(nvml))
+    if (directory / "ipmitool-sdr.txt").is_file():
+        backend = ipmi.IpmitoolBackend(ipmi.capture_runner(directory), target=directory.name)
+        sources.append(ipmi.IpmiSource(backend))
     recording = directory / RECORDING_FILE
     if recording.is_file():
         player = Player(load_recording(recording))
