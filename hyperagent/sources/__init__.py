@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +84,11 @@ SOURCES: dict[str, SourceFactory] = {
 """Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
 
 
-def capture_sources(directory: Path, config: Config) -> tuple[list[Source], Hardware]:
-    """Sources replaying what a capture directory holds (see README: capture directories).
+def capture_sources(
+    directory: Path, config: Config, clock: Callable[[], float] = time.monotonic
+) -> tuple[list[Source], Hardware]:
+    """Sources replaying what a capture directory holds (see README: capture directories);
+    ``clock`` drives the fake GPUs' energy counters and the recording's player.
 
     Raises ConfigError naming ``--replay`` when the directory holds nothing to replay.
     """
@@ -94,14 +98,14 @@ def capture_sources(directory: Path, config: Config) -> tuple[list[Source], Hard
     nvml = None
     smi = directory / "nvidia-smi.xml"
     if smi.is_file():
-        nvml = FakeNvml.from_capture(smi)
+        nvml = FakeNvml.from_capture(smi, clock=clock)
         sources.append(NvmlSource(nvml))
     if (directory / "ipmitool-sdr.txt").is_file():
         backend = ipmi.IpmitoolBackend(ipmi.capture_runner(directory), target=directory.name)
         sources.append(ipmi.IpmiSource(backend))
     recording = directory / RECORDING_FILE
     if recording.is_file():
-        player = Player(load_recording(recording))
+        player = Player(load_recording(recording), clock)
         provided = {s.name for s in sources}
         sources += [
             RecordedSource(name, player)
