@@ -115,7 +115,11 @@ class Agent:
         link = None
         if config.mqtt.enabled:
             link = bus.link_from_config(
-                config, f"hyperagent-agent-{config.node}", status_node=config.node
+                config,
+                f"hyperagent-agent-{config.node}",
+                status_node=config.node,
+                spool_dir=config.agent.state_dir / "spool",
+                gated=True,
             )
         metrics = (
             MetricsServer(config.agent.metrics_address) if config.agent.metrics_address else None
@@ -239,8 +243,9 @@ class Agent:
         if self.link is not None:
             out.append(Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())))
             out.append(
-                Reading("hyperagent_mqtt_dropped_total", self.link.dropped, {}, Kind.COUNTER)
+                Reading("hyperagent_mqtt_dropped_total", self.link.dropped_total, {}, Kind.COUNTER)
             )
+            out.append(Reading("hyperagent_mqtt_queued_messages", self.link.queued))
         return out
 
     def _reject(self, reason: str, detail: str) -> None:
@@ -291,6 +296,8 @@ class Agent:
         except PayloadError:
             self.stats.invalid_payloads += 1
             return
+        if self.link is not None:
+            self.link.open_gate(state == "online")
         if state == "offline" and self.actuator is not None and self.actuator.original_mw:
             restored = await asyncio.to_thread(self.actuator.restore)
             log.warning(

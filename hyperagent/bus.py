@@ -1,8 +1,10 @@
 """MQTT: topics, payload codec and signatures, and a connection loop with a bounded outbox.
 
 Sampling never waits for the broker: ``publish`` only enqueues. Telemetry (QoS 0) beyond the
-bound is dropped oldest-first and counted; reports, acks and settings (QoS 1) have their own,
-larger bound and are re-queued, not lost, when a connection breaks mid-send.
+bound is dropped oldest-first and counted; reports, acks and settings (QoS 1) go through a
+spool (on disk when given a directory) and leave it only once the broker took them, in order.
+A gated link holds them back until ``open_gate``: an agent opens it when the coordinator says
+it is online, so nothing it sends while the coordinator is away falls on the floor.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiomqtt
@@ -25,6 +28,7 @@ import orjson
 
 from hyperagent.config import Config
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
+from hyperagent.spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +190,8 @@ class MqttLink:
         on_connect: Callable[[], list[Outgoing]] | None = None,
         outbox_size: int = 1000,
         reliable_size: int = 10_000,
+        spool_dir: Path | None = None,
+        gated: bool = False,
         persistent_session: bool = False,
         username: str | None = None,
         password: str | None = None,
@@ -203,10 +209,13 @@ class MqttLink:
         self.keepalive_s = keepalive_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self._telemetry: deque[Outgoing] = deque(maxlen=outbox_size)
-        self._reliable: deque[Outgoing] = deque(maxlen=reliable_size)
+        self.spool = Spool(spool_dir, reliable_size)
+        self.gated = gated
+        self._gate_open = not gated
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
-        self._idle.set()
+        if not self.spool:
+            self._idle.set()
         self._handlers: list[tuple[str, int, Handler]] = []
         self.connected = asyncio.Event()
         self.dropped = 0
@@ -220,16 +229,28 @@ class MqttLink:
 
     def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
         """Enqueue a message; never blocks. A full queue drops its oldest message (counted)."""
-        queue = self._reliable if qos > 0 else self._telemetry
-        if len(queue) == queue.maxlen:
-            self.dropped += 1
-        queue.append(Outgoing(topic, payload, qos, retain))
+        if qos > 0:
+            self.spool.append(topic, payload, qos, retain)
+        else:
+            if len(self._telemetry) == self._telemetry.maxlen:
+                self.dropped += 1
+            self._telemetry.append(Outgoing(topic, payload, qos, retain))
         self._idle.clear()
+        self._wake.set()
+
+    def open_gate(self, is_open: bool) -> None:
+        """Let spooled messages go out (or hold them) on a gated link."""
+        self._gate_open = is_open or not self.gated
         self._wake.set()
 
     @property
     def queued(self) -> int:
-        return len(self._telemetry) + len(self._reliable)
+        return len(self._telemetry) + len(self.spool)
+
+    @property
+    def dropped_total(self) -> int:
+        """Messages dropped for want of room: telemetry and spooled."""
+        return self.dropped + self.spool.dropped
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was handed to the broker; False on timeout."""
@@ -275,39 +296,56 @@ class MqttLink:
             self._client = client
             self.connects += 1
             self._was_up = True
+            self.open_gate(False)  # a gated link learns again, in every session, who listens
             log.info("mqtt connected to %s:%s as %s", self.host, self.port, self.client_id)
+            for topic_filter, qos, _ in self._handlers:
+                await _await_mqtt(client.subscribe(topic_filter, qos, timeout=10))
+            # only now: an "online" status implies this client's subscriptions are in place
             for outgoing in self.on_connect() if self.on_connect else []:
                 await _await_mqtt(
                     client.publish(
                         outgoing.topic, outgoing.payload, outgoing.qos, outgoing.retain, timeout=10
                     )
                 )
-            for topic_filter, qos, _ in self._handlers:
-                await _await_mqtt(client.subscribe(topic_filter, qos, timeout=10))
             self.connected.set()
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._send_loop(client), name="mqtt-send")
-                tasks.create_task(self._receive_loop(client), name="mqtt-receive")
+            # Not a TaskGroup: on Python 3.11 a failing child leaves the parent task marked as
+            # cancelling, which would read as a pending cancellation in the next session.
+            loops = {
+                asyncio.create_task(self._send_loop(client), name="mqtt-send"),
+                asyncio.create_task(self._receive_loop(client), name="mqtt-receive"),
+            }
+            try:
+                done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in loops:
+                    task.cancel()
+                await asyncio.gather(*loops, return_exceptions=True)
+            for task in done:
+                task.result()  # the MqttError that ended the session
 
     async def _send_loop(self, client: aiomqtt.Client) -> None:
         while True:
-            if not self._reliable and not self._telemetry:
-                self._idle.set()
+            spooled = self.spool.first() if self._gate_open else None
+            if spooled is None and not self._telemetry:
+                if not self.spool:
+                    self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            queue = self._reliable if self._reliable else self._telemetry
-            message = queue.popleft()
-            try:
+            if spooled is not None:
                 await _await_mqtt(
                     client.publish(
-                        message.topic, message.payload, message.qos, message.retain, timeout=10
+                        spooled.topic, spooled.payload, spooled.qos, spooled.retain, timeout=10
                     )
                 )
-            except aiomqtt.MqttError:
-                if message.qos > 0:
-                    queue.appendleft(message)
-                raise
+                self.spool.sent(spooled)  # only now: a broken connection keeps it queued
+                continue
+            message = self._telemetry.popleft()
+            await _await_mqtt(
+                client.publish(
+                    message.topic, message.payload, message.qos, message.retain, timeout=10
+                )
+            )
 
     async def _receive_loop(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:
@@ -348,6 +386,8 @@ def link_from_config(
     status_node: str | None = None,
     persistent_session: bool = False,
     status_topic: str | None = None,
+    spool_dir: Path | None = None,
+    gated: bool = False,
 ) -> MqttLink:
     """An MqttLink as ``config.mqtt`` says; with ``status_node``, an online status and last
     will on its status topic (or on ``status_topic``)."""
@@ -382,6 +422,8 @@ def link_from_config(
         will=will,
         on_connect=on_connect,
         outbox_size=m.outbox_size,
+        spool_dir=spool_dir,
+        gated=gated,
         persistent_session=persistent_session,
         username=m.username,
         password=password,

@@ -59,6 +59,10 @@ class Harness:
             "issued_at": 1.0,
         }
         async with aiomqtt.Client("127.0.0.1", self.port) as client:
+            online = bus.status_message(
+                self.topics, "coordinator", "online", self.topics.coordinator_status()
+            )
+            await client.publish(online.topic, online.payload, qos=1, retain=True)
             await client.publish(
                 self.topics.settings("j"), bus.encode(bus.sign(message, key)), qos=1, retain=True
             )
