@@ -1,0 +1,560 @@
+"""A real closed loop on this machine: PyTorch DDP ranks tuned by an agent and the coordinator.
+
+Two gloo ranks on 127.0.0.1 (subprocesses running this module) train a 1.8M-parameter MLP
+under :class:`hyperagent.integrations.torch.TunedDDP`. They share one node, so one Agent
+(no GPU: ``Hardware(nvml=None)``, the job channel its only source) relays their step reports and
+hands them settings. The coordinator tunes ``bucket_mb`` and ``chunk_kb`` for throughput over MQTT
+with a measurement plan sized for steps of tens of milliseconds. Its first trial is PyTorch's
+default in the space: 25 MiB buckets snapped to 32, and 32 MiB chunks, as large as the bucket,
+so each bucket is one allreduce (no chunking). After tuning, the default and the best settings
+are measured again, alternately, so the reported gain is not the luckiest trial's draw.
+
+Run a rank by hand with ``python -m hyperagent.demo_torch --rank 0 --world-size 2 ...``; the
+daemons' modules are imported only by :func:`run_torch_demo`, so a rank starts quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import itertools
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hyperagent.errors import HyperagentError
+from hyperagent.job import StepReport
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hyperagent.coordinator import Coordinator, JobState, TrialRecord
+
+JOB = "torch-ddp"
+NODE = "node-0"
+WORLD_SIZE = 2
+DEFAULT_TRIALS = 12
+DEFAULT_CONFIRM_ROUNDS = 2
+START_SETTINGS = {"bucket_mb": 25, "chunk_kb": 32768}
+"""PyTorch's default as the space has it: 25 MiB snaps to 32; a 32 MiB chunk is the whole bucket."""
+PLAN = {"settle_steps": 10, "settle_s": 0.3, "measure_steps": 40, "measure_s": 1.0, "windows": 4}
+LAYERS = (256, 1024, 1024, 512, 10)
+BATCH = 64
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 20.0
+GLOO_TIMEOUT_S = 60.0
+
+TrialCallback = Callable[["JobState", "TrialRecord"], None]
+
+
+def require_torch() -> None:
+    """Raise HyperagentError with the install command when PyTorch is missing."""
+    if importlib.util.find_spec("torch") is None:
+        raise HyperagentError(
+            "the torch-ddp demo needs PyTorch: pip install 'hyperagent[torch]' "
+            "(CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RankProcess:
+    """One training rank running ``python -m hyperagent.demo_torch``."""
+
+    rank: int
+    process: asyncio.subprocess.Process
+    log: Path
+    """One JSON object per step (see :func:`train`)."""
+    output: Path
+    """The rank's stdout and stderr."""
+
+    def output_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.output.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def steps(self) -> list[dict[str, Any]]:
+        """The per-step records written so far (a torn last line is skipped)."""
+        records = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.log.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    records.append(json.loads(line))
+        return records
+
+
+async def launch_ranks(
+    workdir: Path,
+    job: str,
+    sockets: Sequence[Path],
+    *,
+    seed: int = 0,
+    steps: int = 0,
+    checksum: bool = False,
+) -> list[RankProcess]:
+    """Start ``len(sockets)`` gloo ranks on 127.0.0.1; rank r reports to ``sockets[r]``.
+
+    ``steps`` 0 trains until :func:`stop_ranks`; ``checksum`` logs a parameter checksum per step.
+    """
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    ranks: list[RankProcess] = []
+    try:
+        for rank, path in enumerate(sockets):
+            log, output = workdir / f"rank{rank}.jsonl", workdir / f"rank{rank}.out"
+            args = [
+                "--rank", str(rank), "--world-size", str(len(sockets)),
+                "--master-port", str(port), "--job", job, "--socket", str(path),
+                "--log", str(log), "--seed", str(seed), "--steps", str(steps),
+            ]  # fmt: skip
+            if checksum:
+                args.append("--checksum")
+            with output.open("wb") as sink:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "hyperagent.demo_torch", *args,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=sink, stderr=sink, env=env,
+                )  # fmt: skip
+            ranks.append(RankProcess(rank, process, log, output))
+    except BaseException:
+        await stop_ranks(ranks, timeout_s=0)
+        raise
+    return ranks
+
+
+async def stop_ranks(ranks: Sequence[RankProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM every running rank (they agree to stop at the next iteration), then SIGKILL
+    whatever is still running after ``timeout_s``; returns once all have exited."""
+    for r in ranks:
+        if r.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                r.process.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*(r.process.wait() for r in ranks))
+    except TimeoutError:
+        for r in ranks:
+            if r.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    r.process.kill()
+        await asyncio.gather(*(r.process.wait() for r in ranks))
+
+
+async def wait_until_stepping(
+    ranks: Sequence[RankProcess], stepping: asyncio.Event, timeout_s: float
+) -> None:
+    """Wait for ``stepping`` (set by whoever sees every rank report); raise HyperagentError
+    naming the rank when one exits first, or on timeout."""
+    waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stepping.wait(), name="stepping")]
+    waiters += [asyncio.create_task(r.process.wait(), name=f"rank-{r.rank}-exit") for r in ranks]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    _raise_if_exited(ranks)
+    if not stepping.is_set():
+        raise HyperagentError(f"the training ranks did not report a step within {timeout_s:.0f} s")
+
+
+def _raise_if_exited(ranks: Sequence[RankProcess]) -> None:
+    for r in ranks:
+        if r.process.returncode is not None:
+            raise HyperagentError(
+                f"training rank {r.rank} exited with status {r.process.returncode}:\n"
+                + r.output_tail()
+            )
+
+
+class _RankWatch:
+    """A JobSource listener: sets ``stepping`` once every rank has reported a step."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.ranks: set[int] = set()
+        self.stepping = asyncio.Event()
+
+    def on_step(self, step: StepReport) -> None:
+        self.ranks.add(step.rank)
+        if len(self.ranks) >= self.world_size:
+            self.stepping.set()
+
+
+def torch_cluster_config(broker_url: str, trials: int, seed: int, workdir: Path) -> dict[str, Any]:
+    """Raw config shared by the demo's agent and coordinator: one node, backend gloo, no power
+    knob (no GPU), a measurement plan for steps of tens of milliseconds."""
+    return {
+        "cluster": "torch-demo",
+        "mqtt": {"url": broker_url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
+        "agent": {"interval_s": 1.0, "metrics_address": "", "state_dir": str(workdir / "agent")},
+        "sources": {"job": {"socket": str(workdir / "job.sock")}},
+        "actuation": {"power_cap": False},
+        "coordinator": {
+            "metrics_address": "",
+            "state_dir": str(workdir / "coordinator"),
+            "jobs": [
+                {
+                    "id": JOB,
+                    "nodes": [NODE],
+                    "backend": "gloo",
+                    "objective": "throughput",
+                    "trials": trials,
+                    "patience": trials,
+                    "seed": seed,
+                    "start": START_SETTINGS,
+                    "plan": PLAN,
+                    "ack_timeout_s": 10,
+                    "trial_timeout_s": 60,
+                }
+            ],
+        },
+    }
+
+
+@dataclass
+class TorchDemoResult:
+    """What the demo measured: the tuning, the confirmation trials and every rank's steps."""
+
+    state: JobState
+    confirmations: list[TrialRecord]
+    """Default and best settings measured again, alternately, after tuning."""
+    rank_steps: dict[int, list[dict[str, Any]]]
+    """rank -> one record per step: version, bucket_cap_mb, chunk_bytes, times, loss."""
+    pids: list[int]
+    returncodes: list[int | None]
+    seconds: float
+    """The whole demo, start to stop."""
+    startup_s: float
+    """Until both ranks reported a step (importing torch and wrapping DDP dominate)."""
+
+    @property
+    def start_settings(self) -> dict[str, Any]:
+        """The first trial's settings: PyTorch's defaults in the space."""
+        return self.state.trials[0].settings
+
+    @property
+    def best_settings(self) -> dict[str, Any]:
+        return self.state.best[0] if self.state.best else self.start_settings
+
+    @property
+    def tuner_gain(self) -> float | None:
+        """The coordinator's figure: best trial over the first trial, minus one."""
+        return self.state.gain
+
+    def confirmed_scores(self, settings: dict[str, Any]) -> list[float]:
+        """Scores of the confirmation trials that ran ``settings``, in order."""
+        return [
+            r.score for r in self.confirmations if r.settings == settings and r.score is not None
+        ]
+
+    @property
+    def confirmed_gain(self) -> float | None:
+        """Median re-measured throughput of the best settings over the defaults', minus one."""
+        best = self.confirmed_scores(self.best_settings)
+        default = self.confirmed_scores(self.start_settings)
+        if not best or not default:
+            return None
+        return statistics.median(best) / statistics.median(default) - 1
+
+    @property
+    def gain(self) -> float | None:
+        """The measured gain over PyTorch's defaults: 0 when the defaults stayed best, else the
+        confirmed gain when re-measured, else the tuner's."""
+        if self.best_settings == self.start_settings:
+            return 0.0
+        confirmed = self.confirmed_gain
+        return confirmed if confirmed is not None else self.tuner_gain
+
+    @property
+    def versions_by_rank(self) -> dict[int, list[int]]:
+        return {rank: [s["version"] for s in steps] for rank, steps in self.rank_steps.items()}
+
+    @property
+    def median_step_s(self) -> float:
+        """Median step time over every rank's steps."""
+        times = [s["step_s"] for steps in self.rank_steps.values() for s in steps]
+        return statistics.median(times) if times else math.nan
+
+    @property
+    def ranks_consistent(self) -> bool:
+        """Every rank ran the same number of steps, each with the same settings version."""
+        runs = list(self.versions_by_rank.values())
+        return len(runs) == WORLD_SIZE and all(run == runs[0] for run in runs) and bool(runs[0])
+
+    def summary(self) -> list[str]:
+        """Printable lines: default and best settings with their scores, gains, steps."""
+
+        def describe(s: dict[str, Any]) -> str:
+            return f"bucket {s['bucket_mb']} MiB, chunk {s['chunk_kb']} KiB"
+
+        lines = [
+            f"PyTorch defaults: {describe(self.start_settings)}: "
+            f"{self.state.baseline or 0:.1f} samples/s",
+        ]
+        if self.state.best:
+            lines.append(
+                f"best settings:    {describe(self.best_settings)}: "
+                f"{self.state.best[1]:.1f} samples/s"
+            )
+        if self.tuner_gain is not None:
+            lines.append(f"tuner's gain (best trial over first): {self.tuner_gain:+.1%}")
+        if self.best_settings == self.start_settings:
+            lines.append("PyTorch's defaults stayed best: gain +0.0%")
+        elif self.confirmed_gain is not None:
+            default = self.confirmed_scores(self.start_settings)
+            best = self.confirmed_scores(self.best_settings)
+            lines.append(
+                f"confirmed gain over PyTorch's defaults: {self.confirmed_gain:+.1%} (medians of "
+                f"re-measurements, alternately: defaults {', '.join(f'{v:.0f}' for v in default)}"
+                f"; best {', '.join(f'{v:.0f}' for v in best)} samples/s)"
+            )
+        steps = {rank: len(s) for rank, s in self.rank_steps.items()}
+        lines.append(
+            f"{sum(steps.values())} steps on {len(steps)} ranks, same settings version at every "
+            f"step: {'yes' if self.ranks_consistent else 'NO'}"
+        )
+        trials = [*self.state.trials, *self.confirmations]
+        lines.append(
+            f"{self.seconds:.0f} s in all: ranks stepping after {self.startup_s:.0f} s, "
+            f"{len(trials)} trials of {statistics.median(t.seconds for t in trials):.1f} s "
+            f"(median), median step {self.median_step_s * 1000:.0f} ms"
+        )
+        return lines
+
+
+async def run_torch_demo(
+    broker_url: str,
+    trials: int = DEFAULT_TRIALS,
+    seed: int = 0,
+    on_trial: TrialCallback | None = None,
+    *,
+    confirm_rounds: int = DEFAULT_CONFIRM_ROUNDS,
+    key: bytes | None = None,
+) -> TorchDemoResult:
+    """Tune two real DDP ranks end to end over the broker at ``broker_url``.
+
+    ``on_trial`` sees each tuning trial; ``confirm_rounds`` re-measures the defaults and the
+    best settings that many times each afterwards. Every process is stopped before returning.
+    """
+    from hyperagent.agent import Agent
+    from hyperagent.config import build_config
+    from hyperagent.coordinator import Coordinator, coordinator_link
+    from hyperagent.sources import Hardware
+    from hyperagent.sources.job import JobSource
+
+    require_torch()
+    if trials < 1 or confirm_rounds < 0:
+        raise ValueError("trials must be >= 1 and confirm_rounds >= 0")
+    began = time.monotonic()
+    key = key or os.urandom(32)
+    with tempfile.TemporaryDirectory(prefix="hyperagent-torch-") as tmp:
+        workdir = Path(tmp)
+        raw = torch_cluster_config(broker_url, trials, seed, workdir)
+        agent_config = build_config(raw, {"node": NODE})
+        job_source = JobSource(agent_config.sources.job.socket)
+        watch = _RankWatch(WORLD_SIZE)
+        job_source.listeners.append(watch.on_step)
+        agent = Agent.from_config(
+            agent_config, Hardware(nvml=None), settings_key=key, sources=[job_source]
+        )
+        assert agent.link is not None
+        coordinator_config = build_config(raw, {"node": "coordinator"})
+        link = coordinator_link(coordinator_config)
+        coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)
+        state = coordinator.jobs[JOB]
+        ranks: list[RankProcess] = []
+        confirmations: list[TrialRecord] = []
+        failure: Exception | None = None
+        startup_s = math.nan
+        async with asyncio.TaskGroup() as tasks:
+            background = [
+                tasks.create_task(agent.run(), name="agent"),
+                tasks.create_task(link.run(), name="coordinator-mqtt"),
+            ]
+            try:
+                await agent.ready.wait()
+                await agent.link.connected.wait()
+                ranks = await launch_ranks(
+                    workdir, JOB, [agent_config.sources.job.socket] * WORLD_SIZE, seed=seed
+                )
+                await wait_until_stepping(ranks, watch.stepping, STARTUP_TIMEOUT_S)
+                startup_s = time.monotonic() - began
+                confirmations = await _while_ranks_run(
+                    ranks, _tune_and_confirm(coordinator, state, confirm_rounds)
+                )
+                await link.flush(timeout_s=5)
+            except Exception as e:
+                failure = e
+            finally:
+                await stop_ranks(ranks)
+                for task in background:
+                    task.cancel()
+        if failure is not None:
+            raise failure
+        rank_steps = {r.rank: await asyncio.to_thread(r.steps) for r in ranks}
+    return TorchDemoResult(
+        state=state,
+        confirmations=confirmations,
+        rank_steps=rank_steps,
+        pids=[r.process.pid for r in ranks],
+        returncodes=[r.process.returncode for r in ranks],
+        seconds=time.monotonic() - began,
+        startup_s=startup_s,
+    )
+
+
+async def _tune_and_confirm(
+    coordinator: Coordinator, state: JobState, rounds: int
+) -> list[TrialRecord]:
+    await coordinator.tune(state)
+    default = state.trials[0].settings
+    best = state.best[0] if state.best else default
+    records: list[TrialRecord] = []
+    if best == default:
+        return records
+    for _ in range(rounds):
+        for settings in (default, best):
+            index = len(state.trials) + len(records)
+            records.append(await coordinator.run_trial(state, settings, index))
+    return records
+
+
+async def _while_ranks_run(
+    ranks: Sequence[RankProcess], work: Coroutine[Any, Any, list[TrialRecord]]
+) -> list[TrialRecord]:
+    """Await ``work``; if a rank exits first, cancel it and raise HyperagentError."""
+    task = asyncio.create_task(work, name="tune")
+    exits = [asyncio.create_task(r.process.wait(), name=f"rank-{r.rank}-exit") for r in ranks]
+    try:
+        await asyncio.wait([task, *exits], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in exits:
+            waiter.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        _raise_if_exited(ranks)
+    result: list[TrialRecord] = task.result()
+    return result
+
+
+def build_model(seed: int) -> nn.Module:
+    """The demo's MLP (1.84M parameters), initialised from ``seed``."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (inputs, outputs) in enumerate(itertools.pairwise(LAYERS)):
+        layers.append(nn.Linear(inputs, outputs))
+        if i < len(LAYERS) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def parameter_checksum(module: nn.Module) -> int:
+    """Sum of every parameter's bit patterns as int32 (equal iff identical, for our purposes)."""
+    import torch
+
+    total = 0
+    for p in module.parameters():
+        total += int(p.detach().reshape(-1).view(torch.int32).sum(dtype=torch.int64))
+    return total
+
+
+def train(args: argparse.Namespace) -> int:
+    """One rank: train the MLP on synthetic batches under TunedDDP, log every step."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hyperagent.integrations.torch import TunedDDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.master_port}",
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+    )
+    model = build_model(args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = torch.Generator().manual_seed(args.seed * 1000 + args.rank)
+    batches = [
+        (torch.randn(BATCH, LAYERS[0], generator=data), torch.randint(0, LAYERS[-1], (BATCH,)))
+        for _ in range(8)
+    ]
+    tuned = TunedDDP(model, job=args.job, socket_path=args.socket)
+    signal.signal(signal.SIGTERM, lambda *_: tuned.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: tuned.request_stop())
+    step = 0
+    with open(args.log, "w", buffering=1) as log:
+        while not args.steps or step < args.steps:
+            tuned.step_begin()
+            if tuned.stopping:
+                break
+            x, y = batches[step % len(batches)]
+            loss = F.cross_entropy(tuned(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            timing = tuned.step_end(samples=len(x), loss=loss.item())
+            record = {
+                "step": step,
+                "version": timing.version,
+                "waiting": list(tuned.received_versions),
+                "bucket_cap_mb": tuned.bucket_cap_mb,
+                "chunk_bytes": tuned.chunk_bytes,
+                "step_s": timing.step_s,
+                "compute_s": timing.compute_s,
+                "comm_s": timing.comm_s,
+                "buckets": timing.buckets,
+                "loss": float(loss.item()),
+            }
+            if args.checksum:
+                record["checksum"] = parameter_checksum(model)
+            log.write(json.dumps(record) + "\n")
+            step += 1
+    tuned.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of one training rank (``python -m hyperagent.demo_torch``)."""
+    parser = argparse.ArgumentParser(description="one gloo rank of the torch-ddp demo")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, default=WORLD_SIZE)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--job", default=JOB)
+    parser.add_argument("--socket", type=Path, required=True, help="the agent's job socket")
+    parser.add_argument("--log", type=Path, required=True, help="JSON lines, one per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=0, help="0: until SIGTERM")
+    parser.add_argument("--checksum", action="store_true", help="log a parameter checksum")
+    return train(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

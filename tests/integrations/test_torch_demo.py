@@ -1,0 +1,76 @@
+"""The torch-ddp demo end to end through a real mosquitto: real ranks, agent, coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+
+import pytest
+
+from hyperagent.coordinator import JobState, TrialRecord
+
+from conftest import Mosquitto
+
+try:
+    import torch  # noqa: F401
+
+    from hyperagent.demo_torch import NODE, run_torch_demo
+
+    TORCH_MISSING = ""
+except ImportError as e:
+    TORCH_MISSING = str(e)
+
+
+@pytest.fixture(autouse=True)
+def _torch_installed() -> None:
+    if TORCH_MISSING:
+        pytest.fail(
+            f"PyTorch is missing ({TORCH_MISSING}): .venv/bin/pip install torch==2.13.0 "
+            "(bash .ci/run does)"
+        )
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_the_demo_tunes_two_real_ranks_and_stops_them(mosquitto: Mosquitto) -> None:
+    seen: list[TrialRecord] = []
+
+    def on_trial(state: JobState, record: TrialRecord) -> None:
+        seen.append(record)
+
+    async with asyncio.timeout(240):
+        result = await run_torch_demo(
+            mosquitto.url, trials=2, seed=0, on_trial=on_trial, confirm_rounds=1
+        )
+
+    state = result.state
+    assert state.done and seen == state.trials
+    assert len(state.trials) == 3  # two trials, then the best measured once more
+    assert state.trials[0].settings == {"bucket_mb": 32, "chunk_kb": 32768, "allreduce": "ring"}
+    for record in [*state.trials, *result.confirmations]:
+        assert state.acks[record.version][NODE]["ok"], record
+        assert record.status in ("ok", "aborted"), record
+        assert record.score is not None and record.score > 0
+        assert record.reports[NODE]["throughput"] > 0
+    assert state.final_version is not None and state.acks[state.final_version][NODE]["ok"]
+    if result.best_settings != result.start_settings:
+        assert len(result.confirmations) == 2
+    assert result.gain is not None and math.isfinite(result.gain)
+    assert any("gain" in line for line in result.summary())
+
+    assert result.ranks_consistent
+    ran = set(result.versions_by_rank[0])
+    assert {r.version for r in [*state.trials, *result.confirmations]} <= ran
+    for steps in result.rank_steps.values():
+        for s in steps:
+            assert 0 <= s["comm_s"] <= s["step_s"]
+
+    assert result.returncodes == [0, 0]
+    assert not any(is_running(pid) for pid in result.pids)
