@@ -6,7 +6,7 @@ merges them with the agent's and coordinator's own.
 
 from __future__ import annotations
 
-from hyperagent.sources import ipmi
+from hyperagent.sources import ipmi, pdu, rdma
 
 _CORE: dict[str, str] = {
     # GPUs (NVML)
@@ -93,7 +93,7 @@ _CORE: dict[str, str] = {
 }
 
 
-HELP: dict[str, str] = {**_CORE, **ipmi.HELP}
+HELP: dict[str, str] = {**_CORE, **ipmi.HELP, **rdma.HELP, **pdu.HELP}
 
 
 def help_text(name: str) -> str:

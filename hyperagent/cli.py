@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyperagent import __version__
 from hyperagent.config import Config, load_config
-from hyperagent.errors import ConfigError, ConfigProblem
+from hyperagent.errors import ConfigError, ConfigProblem, HyperagentError
 
 if TYPE_CHECKING:
     from hyperagent.agent import Agent
@@ -202,7 +202,52 @@ def _describe(settings: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def cmd_demo_torch(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from hyperagent.demo import embedded_broker
+    from hyperagent.demo_torch import DEFAULT_TRIALS, require_torch, run_torch_demo
+
+    trials = args.trials or DEFAULT_TRIALS
+    if not 1 <= trials <= 500:
+        raise ConfigError([ConfigProblem("--trials", "must be between 1 and 500")])
+    console = Console()
+
+    def on_trial(state: Any, record: Any) -> None:
+        s = record.settings
+        score = f"{record.score:.1f}" if record.score is not None else "-"
+        console.print(
+            f"{record.index + 1:>3}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
+            f"chunk {s['chunk_kb']:>5} KiB  {record.status:<8} {score:>8} samples/s"
+        )
+
+    async def demo(url: str) -> Any:
+        return await run_torch_demo(url, trials, args.seed, on_trial=on_trial)
+
+    try:
+        require_torch()
+        console.print(
+            "hyperagent demo: 2 PyTorch DDP ranks (gloo on 127.0.0.1), "
+            f"1.8M-parameter MLP, objective throughput (samples/s), {trials} trials"
+        )
+        if args.broker:
+            result = asyncio.run(demo(args.broker))
+        else:
+            with embedded_broker() as url:
+                console.print(f"embedded MQTT broker on {url}")
+                result = asyncio.run(demo(url))
+    except HyperagentError as e:
+        console.print(f"[red]{e}[/red]")
+        return 1
+    for line in result.summary():
+        console.print(line)
+    return 0 if result.ranks_consistent and result.gain is not None else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.workload == "torch-ddp":
+        return cmd_demo_torch(args)
+    args.trials = args.trials or 30
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -319,7 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the whole loop on this machine, on simulated nodes")
     demo.add_argument("--nodes", type=int, default=4)
-    demo.add_argument("--trials", type=int, default=30)
+    demo.add_argument(
+        "--workload",
+        choices=["simulated", "torch-ddp"],
+        default="simulated",
+        help="simulated nodes, or two real PyTorch DDP ranks (gloo) on this machine",
+    )
+    demo.add_argument("--trials", type=int, help="trial budget (30 simulated, 12 torch-ddp)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--objective", choices=["throughput", "energy"], default="throughput")
     demo.add_argument("--broker", metavar="URL", help="use this broker instead of an embedded one")

@@ -148,20 +148,56 @@ class IpmiSection(_Model):
         return self
 
 
+class RdmaSection(_Model):
+    enabled: bool = True
+    """Without /sys/class/infiniband the source is quietly up 0."""
+    sysfs_root: Path = Path("/sys")
+    netdevs: tuple[str, ...] = ()
+    """RoCE netdevs the sysfs tree does not link to a port (added to the discovered ones)."""
+    commands: bool = True
+    """Run `rdma -j resource show` and `ethtool -S`; false reads sysfs only."""
+    command_timeout_s: PositiveSeconds = 1.5
+
+
+class PduTargetSection(_Model):
+    name: Name
+    host: Annotated[str, Field(min_length=1)]
+    port: Annotated[int, Field(gt=0, lt=65536)] = 161
+    community: str = "public"
+    vendor: Literal["auto", "apc", "raritan", "servertech", "eaton", "entity"] = "auto"
+    outlets: tuple[str, ...] = ()
+    """This node's outlets on the PDU (ids or names): their sum is the node's wall power."""
+
+
+class PduSection(_Model):
+    enabled: bool = True
+    timeout_s: Annotated[float, Field(gt=0, le=30)] = 1.0
+    """Bound of one SNMP request (a read makes about twenty)."""
+    retries: Annotated[int, Field(ge=0, le=5)] = 1
+    targets: tuple[PduTargetSection, ...] = ()
+
+
 class SourcesSection(_Model):
     timeout_s: PositiveSeconds = 2.0
     nvml: NvmlSection = NvmlSection()
     host: HostSection = HostSection()
     job: JobSection = JobSection()
     ipmi: IpmiSection = IpmiSection()
+    rdma: RdmaSection = RdmaSection()
+    pdu: PduSection = PduSection()
 
     @model_validator(mode="after")
     def _bounds(self) -> SourcesSection:
-        if self.ipmi.enabled and self.ipmi.timeout_s >= self.timeout_s:
-            raise ValueError(
-                "sources.ipmi.timeout_s must be below sources.timeout_s, so a slow "
-                "BMC is cut off by its own bound"
-            )
+        bounds = {
+            "ipmi.timeout_s": self.ipmi.timeout_s if self.ipmi.enabled else 0.0,
+            "rdma.command_timeout_s": self.rdma.command_timeout_s if self.rdma.enabled else 0.0,
+        }
+        for name, bound in bounds.items():
+            if bound >= self.timeout_s:
+                raise ValueError(
+                    f"sources.{name} must be below sources.timeout_s, so a slow device is cut "
+                    "off by its own bound"
+                )
         return self
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from hyperagent.config import Config
 from hyperagent.errors import ConfigError, ConfigProblem
 from hyperagent.replay import RECORDING_FILE, Player, RecordedSource, load_recording
-from hyperagent.sources import ipmi
+from hyperagent.sources import ipmi, pdu, rdma
 from hyperagent.sources.base import Source
 from hyperagent.sources.host import HostSource
 from hyperagent.sources.job import JobSource
@@ -39,10 +40,10 @@ class Hardware:
         return cls(nvml=pynvml)
 
 
-SourceFactory = Callable[[Config, Hardware], Source]
+SourceFactory = Callable[[Config, Hardware], list[Source]]
 
 
-def ipmi_source(config: Config, hardware: Hardware) -> Source:
+def ipmi_sources(config: Config, hardware: Hardware) -> list[Source]:
     """The BMC source as ``[sources.ipmi]`` says."""
     c = config.sources.ipmi
     backend: ipmi.IpmiBackend
@@ -72,14 +73,31 @@ def ipmi_source(config: Config, hardware: Hardware) -> Source:
             timeout_s=c.timeout_s,
             dcmi=c.dcmi,
         )
-    return ipmi.IpmiSource(backend)
+    return [ipmi.IpmiSource(backend)]
+
+
+def rdma_sources(config: Config, hardware: Hardware) -> list[Source]:
+    c = config.sources.rdma
+    runner = partial(rdma.run_command, timeout_s=c.command_timeout_s) if c.commands else None
+    return [rdma.RdmaSource(c.sysfs_root, runner, c.netdevs)]
+
+
+def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
+    """One source per configured PDU (none configured: none)."""
+    c = config.sources.pdu
+    targets = [
+        pdu.PduTarget(t.name, t.host, t.port, t.community, t.vendor, t.outlets) for t in c.targets
+    ]
+    return list(pdu.pdu_sources(targets, timeout_s=c.timeout_s, retries=c.retries))
 
 
 SOURCES: dict[str, SourceFactory] = {
-    "nvml": lambda config, hw: NvmlSource(hw.nvml),
-    "host": lambda config, hw: HostSource(),
-    "job": lambda config, hw: JobSource(config.sources.job.socket),
-    "ipmi": ipmi_source,
+    "nvml": lambda config, hw: [NvmlSource(hw.nvml)],
+    "host": lambda config, hw: [HostSource()],
+    "job": lambda config, hw: [JobSource(config.sources.job.socket)],
+    "ipmi": ipmi_sources,
+    "rdma": rdma_sources,
+    "pdu": pdu_sources,
 }
 """Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
 
@@ -100,6 +118,10 @@ def capture_sources(
     if smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
         sources.append(NvmlSource(nvml))
+    if (directory / "sys" / "class" / "infiniband").is_dir():
+        sources.append(rdma.RdmaSource(directory / "sys", rdma.capture_runner(directory)))
+    if (directory / "pdu").is_dir():
+        sources += pdu.pdu_sources([], replay_dir=directory / "pdu")
     if (directory / "ipmitool-sdr.txt").is_file():
         backend = ipmi.IpmitoolBackend(ipmi.capture_runner(directory), target=directory.name)
         sources.append(ipmi.IpmiSource(backend))
@@ -128,7 +150,8 @@ def capture_sources(
 def build_sources(config: Config, hardware: Hardware) -> list[Source]:
     """The enabled sources, in registry order."""
     return [
-        factory(config, hardware)
+        source
         for name, factory in SOURCES.items()
         if getattr(config.sources, name).enabled
+        for source in factory(config, hardware)
     ]

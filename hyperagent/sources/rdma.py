@@ -193,7 +193,7 @@ HELP: dict[str, str] = {
     "hyperagent_rdma_port_cqe_flush_errors_total": (
         "Completions flushed with error on the RDMA port, by side (requester or responder)."
     ),
-    "hyperagent_rdma_port_driver_counter_total": (
+    "hyperagent_rdma_port_driver_stat_total": (
         "Any other RDMA port counter from sysfs (hw_counters, or a PMA counter without its own"
         " metric), named by the kernel in the counter label; its unit is the driver's."
     ),
@@ -297,9 +297,9 @@ HW_COUNTERS: dict[str, _Counter] = {
     "link_downed": PMA_COUNTERS["link_downed"],
 }
 """``ports/N/hw_counters`` with a metric of their own (mlx5 names; rxe shares two); every other
-hw counter is ``hyperagent_rdma_port_driver_counter_total{counter=<file name>}``."""
+hw counter is ``hyperagent_rdma_port_driver_stat_total{counter=<file name>}``."""
 
-DRIVER_COUNTER = "hyperagent_rdma_port_driver_counter_total"
+DRIVER_COUNTER = "hyperagent_rdma_port_driver_stat_total"
 
 
 @dataclass(frozen=True)
