@@ -593,10 +593,10 @@ class Coordinator:
         state.rounds += 1
         while len(state.trials) < cfg.trials:
             if in_flight is not None:
+                # measured anew under a new version: what the dead process had received of it
+                # is gone, and half a measurement must not count
                 settings, index = in_flight["settings"], in_flight["trial"]
-                record = await self.run_trial(state, settings, index, in_flight["version"])
-                if record.status in ("no_ack", "timeout", "lost_nodes") and not record.reports:
-                    record = await self.run_trial(state, settings, index)  # measure it anew
+                record = await self.run_trial(state, settings, index)
                 in_flight = None
             else:
                 settings = state.tuner.ask()

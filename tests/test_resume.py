@@ -1,0 +1,112 @@
+"""A coordinator killed with SIGKILL mid-trial resumes from its journal: no trial lost or counted
+twice, versions keep rising, the retained settings end consistent with what every node runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import orjson
+
+from hyperagent import bus
+from hyperagent.demo import JOB, simulated_cluster
+
+from conftest import Mosquitto
+
+TRIALS = 6
+NODES = 2
+
+
+def entries(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = path.read_bytes().splitlines()
+    return [orjson.loads(line) for line in lines if line.endswith(b"}")]
+
+
+def coordinator_config(tmp_path: Path, mosquitto: Mosquitto, key: bytes) -> Path:
+    key_file = tmp_path / "settings.key"
+    key_file.write_bytes(key)
+    key_file.chmod(0o600)
+    nodes = ", ".join(f'"node-{i}"' for i in range(NODES))
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        f'cluster = "demo"\nnode = "coordinator"\n[mqtt]\nurl = "{mosquitto.url}"\n'
+        f'[security]\nsettings_key_file = "{key_file}"\n'
+        f'[coordinator]\nstate_dir = "{tmp_path / "state"}"\nmetrics_address = ""\n'
+        f'[[coordinator.jobs]]\nid = "{JOB}"\nnodes = [{nodes}]\nbackend = "nccl"\n'
+        f"trials = {TRIALS}\npatience = {TRIALS}\npower_limits_w = [100.0, 250.0]\n"
+        "abort_below = 0\nack_timeout_s = 30\ntrial_timeout_s = 60\n"
+    )
+    return config
+
+
+def start(config: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hyperagent.cli", "coordinator", "--config", str(config)],
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def wait_until(predicate, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_path: Path) -> None:
+    key = os.urandom(32).hex().encode()
+    config = coordinator_config(tmp_path, mosquitto, key)
+    journal = tmp_path / "state" / f"{JOB}.jsonl"
+    async with simulated_cluster(
+        mosquitto.url, nodes=NODES, trials=TRIALS, seed=7, speedup=60, key=key
+    ) as (_, nodes, _):
+        first = start(config)
+        try:
+
+            def mid_trial() -> bool:
+                log = entries(journal)
+                done = [e for e in log if e["type"] == "trial"]
+                return len(done) >= 2 and log[-1]["type"] == "published" and log[-1]["trial"]
+
+            await wait_until(mid_trial, 120)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+        finally:
+            if first.poll() is None:
+                first.kill()
+        killed_at = entries(journal)[-1]
+        second = start(config)
+        try:
+            await wait_until(lambda: any(e["type"] == "final" for e in entries(journal)), 180)
+            final = next(e for e in entries(journal) if e["type"] == "final")
+            await wait_until(
+                lambda: all(n.agent.applied_versions.get(JOB) == final["version"] for n in nodes),
+                30,
+            )
+        finally:
+            second.send_signal(signal.SIGTERM)
+            second.wait(30)
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port) as client:
+            await client.subscribe(bus.Topics("demo").settings(JOB), qos=1)
+            async with asyncio.timeout(10):
+                retained = await anext(aiter(client.messages))
+    log = entries(journal)
+    trials = [e for e in log if e["type"] == "trial"]
+    assert [t["index"] for t in trials] == list(range(TRIALS + 1))  # none lost, none twice
+    resumed = next(t for t in trials if t["index"] == killed_at["trial"])
+    assert resumed["status"] == "ok"
+    versions = [e["version"] for e in log if e["type"] in ("published", "final")]
+    assert (
+        versions == sorted(versions) and len(set(versions)) == len(versions) - 1
+    )  # final re-states
+    message = bus.decode(retained.payload, "settings")  # type: ignore[arg-type]
+    assert message["version"] == final["version"] and message["settings"] == final["settings"]
+    assert bus.verify(message, key)
+    assert second.returncode == 0
