@@ -447,14 +447,25 @@ class Agent:
 def telemetry_payload(
     snapshot: Snapshot, indicators: list[Reading], jobs: dict[str, Any] | None = None
 ) -> bytes:
-    """The node's snapshot for MQTT; ``jobs`` carries each job's running totals (samples and
-    step seconds), from which the coordinator follows throughput after tuning."""
+    """The node's summary for MQTT: indicators, GPU power and energy, which sources are up,
+    and each job's running totals (samples and step seconds, from which the coordinator follows
+    throughput after tuning). The full detail stays on /metrics for Prometheus: a summary keeps
+    a cluster's telemetry small enough for one broker."""
+    power = snapshot.total("hyperagent_gpu_power_watts")
+    energy = snapshot.total("hyperagent_gpu_energy_joules_total")
+    up = {
+        f"{r.labels.get('source')}/{r.labels.get('target')}": r.value
+        for r in snapshot.readings
+        if r.name == "hyperagent_source_up"
+    }
     return bus.encode(
         {
             "node": snapshot.node,
             "ts": snapshot.ts,
             "jobs": jobs or {},
-            "readings": [[r.name, dict(r.labels), r.value] for r in snapshot.readings],
+            "gpu_power_w": power,
+            "gpu_energy_j": energy,
+            "sources_up": up,
             "indicators": {
                 _indicator_key(r): r.value
                 for r in indicators

@@ -73,7 +73,7 @@ _NUMBER: tuple[type, ...] = (int, float)
 _OPTIONAL_NUMBER: tuple[type, ...] = (int, float, type(None))
 
 SCHEMAS: dict[str, dict[str, _Types]] = {
-    "telemetry": {"node": str, "ts": _NUMBER, "readings": list, "indicators": dict},
+    "telemetry": {"node": str, "ts": _NUMBER, "indicators": dict, "sources_up": dict},
     "status": {"node": str, "state": str, "ts": _NUMBER},
     "settings": {
         "job": str,
