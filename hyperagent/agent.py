@@ -158,10 +158,21 @@ class Agent:
                 tasks.create_task(self.notifier.watchdog(self._alive), name="watchdog")
                 if self.link is not None:
                     tasks.create_task(self.link.run(), name="mqtt")
+                await self._until_stopped()
         finally:
             self.notifier.stopping()
             await self._shutdown()
             self.notifier.close()
+
+    async def _until_stopped(self) -> None:
+        """Wait to be stopped; then, while the link still runs, say offline (a clean
+        disconnect sends no last will)."""
+        try:
+            await asyncio.Future()
+        except asyncio.CancelledError:
+            if self.link is not None:
+                await self.link.disconnect([bus.status_message(self.topics, self.node, "offline")])
+            raise
 
     def _alive(self) -> bool:
         """Collections keep coming (the watchdog's test)."""
@@ -172,8 +183,6 @@ class Agent:
         if self.actuator is not None and self.actuator.original_mw:
             restored = await asyncio.to_thread(self.actuator.restore)
             log.info("restored the original power limit of %d GPU(s)", restored)
-        if self.link is not None:
-            await self.link.disconnect([bus.status_message(self.topics, self.node, "offline")])
         await self.runner.close()
         if self.metrics is not None:
             self.metrics.stop()

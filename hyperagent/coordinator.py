@@ -123,8 +123,10 @@ class JobState:
     """Unix time the running trial's settings went out; None between trials."""
     recommendation: dict[str, Any] | None = None
     why: str = ""
-    lost: set[str] = field(default_factory=set)
-    """Nodes excluded from scoring: offline, or silent past a deadline."""
+    lost: dict[str, str] = field(default_factory=dict)
+    """Nodes excluded from scoring, and why: "offline" (its status says so; back when it says
+    online), "silent" (no ack; back at its next ack) or "no measurement" (its job reported
+    nothing in time; back at its next report)."""
     acks: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     reports: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     partials: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
@@ -245,24 +247,36 @@ class Coordinator:
             async with asyncio.TaskGroup() as tasks:
                 link_task = tasks.create_task(self.link.run(), name="mqtt")
                 watchdog = tasks.create_task(self.notifier.watchdog(lambda: True), name="watchdog")
-                jobs = [
-                    tasks.create_task(self.tune(state), name=f"tune-{job}")
-                    for job, state in self.jobs.items()
-                ]
-                self.notifier.ready(f"tuning {len(jobs)} job(s)")
-                await asyncio.gather(*jobs)
-                self.notifier.status("every job tuned")
-                if until_tuned:
-                    await self.link.flush(timeout_s=10)
-                    link_task.cancel()
-                    watchdog.cancel()
-                    return
-                for state in self.jobs.values():
-                    if state.config.mode == "tune":
-                        tasks.create_task(self.watch(state), name=f"watch-{state.config.id}")
+                try:
+                    await self._tune_then_watch(tasks, until_tuned)
+                except asyncio.CancelledError:
+                    # the link still runs: tell the agents, so they put power limits back
+                    offline = bus.status_message(
+                        self.topics, "coordinator", "offline", self.topics.coordinator_status()
+                    )
+                    await self.link.disconnect([offline])
+                    raise
+                link_task.cancel()
+                watchdog.cancel()
         finally:
             self.notifier.stopping()
             self.notifier.close()
+
+    async def _tune_then_watch(self, tasks: asyncio.TaskGroup, until_tuned: bool) -> None:
+        jobs = [
+            tasks.create_task(self.tune(state), name=f"tune-{job}")
+            for job, state in self.jobs.items()
+        ]
+        self.notifier.ready(f"tuning {len(jobs)} job(s)")
+        await asyncio.gather(*jobs)
+        self.notifier.status("every job tuned")
+        if until_tuned:
+            await self.link.flush(timeout_s=10)
+            return
+        for state in self.jobs.values():
+            if state.config.mode == "tune":
+                tasks.create_task(self.watch(state), name=f"watch-{state.config.id}")
+        await asyncio.Future()  # watch until stopped
 
     # -- what comes in -------------------------------------------------------------------
 
@@ -298,9 +312,11 @@ class Coordinator:
             table = state.acks
         else:
             table = state.partials if message.get("partial") else state.reports
-        if message["node"] in state.lost and kind == "ack":
-            state.lost.discard(message["node"])  # silent for a while, answering again
-            log.info("%s: node %s answers again", state.config.id, message["node"])
+        node = message["node"]
+        readmit = {"ack": ("silent",), "report": ("silent", "no measurement")}[kind]
+        if state.lost.get(node) in readmit:
+            del state.lost[node]
+            log.info("%s: node %s answers again", state.config.id, node)
         async with state.changed:
             # keyed by node: a redelivered message replaces itself, it never counts twice
             table.setdefault(message["version"], {})[message["node"]] = message
@@ -321,11 +337,11 @@ class Coordinator:
         for state in self.jobs.values():
             if node not in state.config.nodes:
                 continue
-            if online and node in state.lost:
-                state.lost.discard(node)
+            if online and state.lost.get(node) == "offline":
+                del state.lost[node]
                 log.info("%s: node %s is back", state.config.id, node)
             elif not online and node not in state.lost:
-                state.lost.add(node)
+                state.lost[node] = "offline"
                 log.warning(
                     "%s: node %s went offline; excluded from scoring", state.config.id, node
                 )
@@ -470,7 +486,7 @@ class Coordinator:
             record.status = "refused"
             log.warning("%s v%d refused by %s", cfg.id, version, refused)
         else:
-            self._lose(state, set(state.active_nodes) - set(acks), f"no ack of v{version}")
+            self._lose(state, set(state.active_nodes) - set(acks), "silent", version)
             if not acks:
                 record.status = "no_ack"
             elif not self._quorum(state):
@@ -498,7 +514,7 @@ class Coordinator:
             record.reports = {n: partials[n] for n in active}
             record.score = self._score(state, list(record.reports.values()))
             return
-        self._lose(state, set(active) - set(reports), f"no measurement of v{version}")
+        self._lose(state, set(active) - set(reports), "no measurement", version)
         record.reports = {n: reports[n] for n in state.active_nodes if n in reports}
         usable = list(record.reports.values())
         if not usable or not self._quorum(state):
@@ -512,13 +528,17 @@ class Coordinator:
             if record.score is None:
                 record.status = "infeasible"
 
-    def _lose(self, state: JobState, nodes: set[str], why: str) -> None:
+    def _lose(self, state: JobState, nodes: set[str], reason: str, version: int) -> None:
         for node in sorted(nodes):
             if node not in state.lost:
                 log.warning(
-                    "%s: node %s lost (%s); excluded from scoring", state.config.id, node, why
+                    "%s: node %s lost (%s of v%d); excluded from scoring",
+                    state.config.id,
+                    node,
+                    reason,
+                    version,
                 )
-            state.lost.add(node)
+            state.lost[node] = reason
 
     def _quorum(self, state: JobState) -> bool:
         return len(state.active_nodes) * 2 >= len(state.config.nodes) and bool(state.active_nodes)

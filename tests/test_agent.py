@@ -262,3 +262,44 @@ def test_metrics_port_in_use_is_a_clear_error() -> None:
         )
     assert result.returncode == 2
     assert f"agent.metrics_address: 127.0.0.1:{port}: Address already in use" in result.stderr
+
+
+async def test_coordinator_loss_puts_the_power_limits_back(harness: Harness) -> None:
+    await harness.send(1, {"power_cap_w": 150})
+    await until(lambda: limits_w(harness.nvml) == {150.0})
+    offline = bus.status_message(
+        harness.topics, "coordinator", "offline", harness.topics.coordinator_status()
+    )
+    async with aiomqtt.Client("127.0.0.1", harness.port) as client:
+        await client.publish(offline.topic, offline.payload, qos=1, retain=True)
+    await until(lambda: limits_w(harness.nvml) == {250.0})
+
+
+async def test_a_stopped_agent_says_offline(
+    mosquitto,
+    tmp_path: Path,
+    nvidia_smi_dir: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    config = build_config(
+        {
+            "node": "n9",
+            "cluster": "c",
+            "mqtt": {"url": mosquitto.url},
+            "agent": {"metrics_address": "", "state_dir": str(tmp_path)},
+            "sources": {"job": {"enabled": False}},
+        }
+    )
+    agent = Agent.from_config(
+        config,
+        Hardware(nvml=FakeNvml.from_capture(nvidia_smi_dir / "tesla-t4.xml")),
+        settings_key=KEY,
+    )
+    task = asyncio.create_task(agent.run())
+    await until(lambda: agent.link.connected.is_set())  # type: ignore[union-attr]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    async with aiomqtt.Client("127.0.0.1", mosquitto.port) as client:
+        await client.subscribe(bus.Topics("c").status("n9"), qos=1)
+        async with asyncio.timeout(10):
+            message = await anext(aiter(client.messages))
+    assert bus.decode(message.payload, "status")["state"] == "offline"  # type: ignore[arg-type]

@@ -103,7 +103,7 @@ async def test_a_lost_node_is_excluded_and_the_tuning_completes(mosquitto: Mosqu
     ) as (coordinator, nodes, model):
         await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
-    assert state.done and state.lost == {"node-4"}
+    assert state.done and state.lost == {"node-4": "offline"}
     assert all(t.status in ("ok", "aborted") for t in state.trials)
     for trial in state.trials[2:]:
         assert set(trial.reports) == {"node-0", "node-1", "node-2", "node-3"}
