@@ -6,25 +6,10 @@ merges them with the agent's and coordinator's own.
 
 from __future__ import annotations
 
-from hyperagent.sources import ipmi, pdu, rdma
+from hyperagent.sources import ipmi, nvml, pdu, rdma
 
 _CORE: dict[str, str] = {
-    # GPUs (NVML)
-    "hyperagent_gpu_info": "GPU identity: model and driver version.",
-    "hyperagent_gpu_utilization_ratio": "Fraction of the last sample period a kernel ran.",
-    "hyperagent_gpu_memory_utilization_ratio": (
-        "Fraction of the last sample period device memory was read or written."
-    ),
-    "hyperagent_gpu_memory_used_bytes": "Device memory in use.",
-    "hyperagent_gpu_memory_total_bytes": "Device memory installed.",
-    "hyperagent_gpu_power_watts": "Power draw of the GPU board.",
-    "hyperagent_gpu_power_limit_watts": "Enforced power limit.",
-    "hyperagent_gpu_power_limit_min_watts": "Lowest power limit the device accepts.",
-    "hyperagent_gpu_power_limit_max_watts": "Highest power limit the device accepts.",
-    "hyperagent_gpu_energy_joules_total": "Energy consumed since the driver loaded.",
-    "hyperagent_gpu_temperature_celsius": "GPU core temperature.",
-    "hyperagent_gpu_sm_clock_hertz": "Current SM clock.",
-    "hyperagent_gpu_memory_clock_hertz": "Current memory clock.",
+    # GPUs: the NVML source's own metrics are in hyperagent.sources.nvml.HELP
     "hyperagent_gpu_quantum_coefficient": (
         "Compute quanta one fully busy GPU of this model is worth (A100 = 1)."
     ),
@@ -93,7 +78,7 @@ _CORE: dict[str, str] = {
 }
 
 
-HELP: dict[str, str] = {**_CORE, **ipmi.HELP, **rdma.HELP, **pdu.HELP}
+HELP: dict[str, str] = {**_CORE, **nvml.HELP, **ipmi.HELP, **rdma.HELP, **pdu.HELP}
 
 
 def help_text(name: str) -> str:

@@ -34,7 +34,10 @@ class Hardware:
         if dump is not None:
             from hyperagent.testing.fake_nvml import FakeNvml
 
-            return cls(nvml=FakeNvml.from_capture(dump, writable=True))
+            try:
+                return cls(nvml=FakeNvml.from_capture(dump, writable=True))
+            except (OSError, ValueError) as e:
+                raise ConfigError([ConfigProblem("sources.nvml.dump", f"{dump}: {e}")]) from e
         import pynvml
 
         return cls(nvml=pynvml)
@@ -117,7 +120,7 @@ def capture_sources(
     smi = directory / "nvidia-smi.xml"
     if smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
-        sources.append(NvmlSource(nvml))
+        sources.append(NvmlSource(nvml, clock=clock))
     if (directory / "sys" / "class" / "infiniband").is_dir():
         sources.append(rdma.RdmaSource(directory / "sys", rdma.capture_runner(directory)))
     if (directory / "pdu").is_dir():

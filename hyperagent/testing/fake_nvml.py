@@ -1,35 +1,79 @@
-"""A fake NVML that replays `nvidia-smi` captures behind the `pynvml` function names.
+"""A fake NVML that replays `nvidia-smi` captures or agent recordings behind `pynvml`'s names.
 
 `FakeNvml` stands in for the `pynvml` module: code written against `pynvml` (the nvidia-ml-py
 package) runs unchanged when handed an instance, with the same function names, return types,
-units (mW, mJ, bytes, MHz, percent) and the real `pynvml.NVMLError` subclasses.
+units (mW, mJ, bytes, KB/s, MHz, percent, ns) and the real `pynvml.NVMLError` subclasses.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pynvml
 
-from hyperagent.testing.nvidia_smi import GpuRecord, parse_capture
+from hyperagent.readings import Reading
+from hyperagent.sources import nvml as source
+from hyperagent.testing.nvidia_smi import (
+    GpuRecord,
+    MigRecord,
+    NvLinkRecord,
+    RemappedRows,
+    parse_capture,
+)
 
 
 class FakeNvmlHandle:
-    """An opaque device handle, valid only with the `FakeNvml` instance that made it."""
+    """An opaque device handle, valid only with the `FakeNvml` instance that made it.
 
-    __slots__ = ("_owner", "index")
+    `mig` is the MIG device slot for a MIG device handle, None for a GPU.
+    """
 
-    def __init__(self, owner: FakeNvml, index: int) -> None:
+    __slots__ = ("_owner", "index", "mig")
+
+    def __init__(self, owner: FakeNvml, index: int, mig: int | None = None) -> None:
         self._owner = owner
         self.index = index
+        self.mig = mig
 
     def __repr__(self) -> str:
-        return f"FakeNvmlHandle(index={self.index})"
+        suffix = "" if self.mig is None else f", mig={self.mig}"
+        return f"FakeNvmlHandle(index={self.index}{suffix})"
+
+
+@dataclass(frozen=True)
+class FakeEventData:
+    """What `nvmlEventSetWait_v2` returns: the fields of pynvml's `c_nvmlEventData_t`."""
+
+    device: FakeNvmlHandle
+    eventType: int
+    eventData: int
+    gpuInstanceId: int
+    computeInstanceId: int
+
+
+class FakeEventSet:
+    """An NVML event set: the devices registered on it and the events not yet waited for."""
+
+    def __init__(self, owner: FakeNvml) -> None:
+        self._owner = owner
+        self.devices: set[int] = set()
+        self.pending: deque[FakeEventData] = deque()
+        self.freed = False
+
+
+@dataclass
+class _GpmSample:
+    buffer: Any
+    device: int | None = None
+    values: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,6 +83,8 @@ class _Device:
     energy_mj: float
     integrated_to: float
     failure: int | None = None
+    mig_handles: dict[int, FakeNvmlHandle] = field(default_factory=dict)
+    xid_backlog: list[int] = field(default_factory=list)
 
     def draw_w(self) -> float | None:
         draw, limit = self.record.power_draw_w, self.record.power_limit_w
@@ -51,6 +97,19 @@ class _Device:
         if draw is not None:
             self.energy_mj += draw * max(0.0, now - self.integrated_to) * 1000.0
         self.integrated_to = max(now, self.integrated_to)
+
+    def mig(self, slot: int) -> MigRecord | None:
+        return next((m for m in self.record.mig_devices if m.index == slot), None)
+
+
+@dataclass
+class _Frame:
+    """One recording cycle, decoded: records plus what NVML counts rather than reports."""
+
+    records: dict[int, GpuRecord]
+    energy_j: dict[int, float]
+    integrated_s: dict[int, dict[str, float]]
+    xids: dict[int, dict[int, int]]
 
 
 _T = TypeVar("_T")
@@ -70,12 +129,75 @@ def _milli(value: float | None) -> int:
     return round(_supported(value) * 1000)
 
 
+def _percent_of(ratio: float) -> float:
+    """A percentage that NvmlSource's division by 100 turns back into exactly `ratio`."""
+    percent = ratio * 100
+    for candidate in (percent, math.nextafter(percent, math.inf), math.nextafter(percent, 0.0)):
+        if candidate / 100 == ratio:
+            return candidate
+    return percent
+
+
+_PROXIED = (
+    "NVML_",
+    "NVMLError",
+    "nvmlMemory_v",
+    "nvmlClocksEventReason",
+    "nvmlClocksThrottleReason",
+    "nvmlEventType",
+    "c_nvml",
+)
+_VIOLATIONS = {policy: reason for reason, policy in source.violation_policies(pynvml)}
+_VIOLATION_REASONS = frozenset(_VIOLATIONS.values())
+_REASON_BITS = source.clock_event_reason_bits(pynvml)
+_NVLINK_ERRORS = {which: name for name, which in source.nvlink_error_counters(pynvml)}
+_GPM_FIELDS = {
+    pynvml.NVML_GPM_METRIC_SM_UTIL: "sm_active_pct",
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: "sm_occupancy_pct",
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: "tensor_active_pct",
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: "dram_active_pct",
+}
+_ECC_TYPES = {
+    pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
+    pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected",
+}
+_ECC_COUNTERS = {pynvml.NVML_VOLATILE_ECC: "volatile", pynvml.NVML_AGGREGATE_ECC: "aggregate"}
+_ECC_LOCATIONS = {
+    pynvml.NVML_MEMORY_LOCATION_L1_CACHE: "l1_cache",
+    pynvml.NVML_MEMORY_LOCATION_L2_CACHE: "l2_cache",
+    pynvml.NVML_MEMORY_LOCATION_DEVICE_MEMORY: "device_memory",
+    pynvml.NVML_MEMORY_LOCATION_REGISTER_FILE: "register_file",
+    pynvml.NVML_MEMORY_LOCATION_TEXTURE_MEMORY: "texture_memory",
+    pynvml.NVML_MEMORY_LOCATION_TEXTURE_SHM: "texture_shm",
+    pynvml.NVML_MEMORY_LOCATION_CBU: "cbu",
+    pynvml.NVML_MEMORY_LOCATION_SRAM: "sram",
+}
+_SUPPORTED_EVENTS = pynvml.nvmlEventTypeXidCriticalError
+# "No MIG instance" in event data: all ones (nvidia-ml-py 12.535 lacks the named constants).
+_NO_GPU_INSTANCE = getattr(pynvml, "NVML_GPU_INSTANCE_ID_ANY", ctypes.c_uint(-1).value)
+_NO_COMPUTE_INSTANCE = getattr(pynvml, "NVML_COMPUTE_INSTANCE_ID_ANY", ctypes.c_uint(-1).value)
+
+
 class FakeNvml:
     """The subset of `pynvml` a monitoring agent and a power-cap actuator use, over recorded GPUs.
 
     Device `i` is `gpus[i]` (`GpuRecord.index` must equal its position). A field the capture lacks
     (None) raises `NVMLError_NotSupported`; every call before `nvmlInit()` raises
     `NVMLError_Uninitialized`; init and shutdown are refcounted as in NVML.
+
+    What each call replays (see `GpuRecord`): utilisation, memory, power, limits, temperature
+    and clocks from their fields; `nvmlDeviceGetCurrentClocksEventReasons` (and the older
+    `...ThrottleReasons`) from `clock_event_reasons`, with FUNCTION_NOT_FOUND for the newer name
+    when the capture came from a driver that only knew throttle reasons;
+    `nvmlDeviceGetViolationStatus` from `clock_event_counters_ns` (sw_power_cap is the POWER
+    policy, sync_boost SYNC_BOOST, as NVML defines them); ECC totals and per-location counts,
+    retired pages (page addresses are not captured: pages 0..n-1 stand for n pages), remapped
+    rows, PCIe throughput and replays, NVLink state, traffic (`nvmlDeviceGetFieldValues` with
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, scope = link) and errors, memory temperature
+    (NVML_FI_DEV_MEMORY_TEMP), MIG mode and devices (a MIG device's UUID and profile raise
+    NOT_SUPPORTED when the capture does not hold them, as `-q -x` dumps do not), and GPM: a
+    device supports GPM when its record has an activity, and a metric over two samples is the
+    value the later sample took.
 
     Power: `nvmlDeviceGetPowerUsage` reads min(recorded or `set_load` draw, enforced limit), so a
     cap set through `nvmlDeviceSetPowerManagementLimit` limits the draw. The set call checks, in
@@ -84,15 +206,22 @@ class FakeNvml:
 
     Energy: captures hold no energy counter, so `nvmlDeviceGetTotalEnergyConsumption` is a
     synthesised counter consistent with the recorded power, not a recording: it starts at 0 mJ at
-    construction and integrates the capped draw over time read from `clock` (seconds), piecewise
-    at every read and before every change of draw or limit. A device without a recorded draw has
-    no energy counter (NOT_SUPPORTED).
+    construction (at the recorded value for `from_readings`) and integrates the capped draw over
+    time read from `clock` (seconds), piecewise at every read and before every change of draw or
+    limit. A device without a recorded draw has no energy counter (NOT_SUPPORTED).
 
-    Simulation controls (not NVML): `set_load`, `fail` and `recover`. All state is guarded by a
-    lock, so a worker thread may read while a simulator changes the load.
+    Events: `inject_xid` raises an XID critical-error event on a device. It goes to every event
+    set that registered the device for XID events; while none has, it is kept and handed to the
+    first set that registers the device (NVML would drop it; a replay must not).
+    `nvmlEventSetWait_v2` blocks for real time, not `clock` time.
 
-    Attributes named like pynvml's constants and exception classes (`NVML_*`, `NVMLError*`,
-    `nvmlMemory_v2`) are pynvml's own, so `nvml.NVML_TEMPERATURE_GPU` works on an instance too.
+    Simulation controls (not NVML): `set_load`, `set_clock_event_reasons`, `inject_xid`, `fail`,
+    `recover` and `update_from_readings`. All state is guarded by a lock, so a worker thread may
+    read while a simulator changes the load.
+
+    Attributes named like pynvml's constants, structs and exception classes (`NVML_*`,
+    `NVMLError*`, `nvmlMemory_v2`, `nvmlClocksEventReason*`, `nvmlEventType*`, `c_nvml*`) are
+    pynvml's own, so `nvml.NVML_TEMPERATURE_GPU` works on an instance too.
     """
 
     def __init__(
@@ -113,7 +242,11 @@ class FakeNvml:
         self._clock = clock
         self._writable = writable
         self._lock = threading.Lock()
+        self._events = threading.Condition(self._lock)
+        self._event_sets: list[FakeEventSet] = []
+        self._gpm_samples: dict[int, _GpmSample] = {}
         self._refcount = 0
+        self._last_frame: _Frame | None = None
         now = clock()
         self._devices = [
             _Device(
@@ -127,8 +260,80 @@ class FakeNvml:
         """A fake replaying the capture at `path` (any format `parse_capture` reads)."""
         return cls(parse_capture(path.read_text(encoding="utf-8")), **kwargs)
 
+    @classmethod
+    def from_readings(cls, readings: Iterable[Reading], **kwargs: Any) -> FakeNvml:
+        """A fake whose NVML answers reproduce one cycle of `hyperagent_gpu_*` readings.
+
+        `readings` are what an NvmlSource produced in one read (other names are ignored);
+        `NvmlSource(fake).read()` then returns the same readings, for the source's first read
+        after `start()`. Energy counters start at the recorded values. Recorded XID counts are
+        handed to the first event set that registers each GPU. Clock-event time for reasons
+        NVML has no counter for is the agent's own integration and starts at 0 in a new
+        source, as after an agent restart; `update_from_readings` reproduces its growth.
+        Raises ValueError when a GPU is missing, labels are malformed or GPUs disagree.
+        """
+        frame = _decode(readings)
+        count = len(frame.records)
+        if not count:
+            raise ValueError("readings hold no GPU (no hyperagent_gpu_* reading with a gpu label)")
+        if sorted(frame.records) != list(range(count)):
+            raise ValueError(f"readings hold GPUs {sorted(frame.records)}; need 0..{count - 1}")
+        records = [frame.records[i] for i in range(count)]
+        fake = cls(records, **kwargs)
+        for device in fake._devices:
+            device.energy_mj = frame.energy_j.get(device.record.index, 0.0) * 1000.0
+            for xid, number in sorted(frame.xids.get(device.record.index, {}).items()):
+                device.xid_backlog.extend([xid] * number)
+        fake._last_frame = frame
+        return fake
+
+    def update_from_readings(self, readings: Iterable[Reading]) -> None:
+        """Advance to the next recorded cycle; the next read reproduces `readings`.
+
+        For reproduction, advance `clock` by the recorded interval first. A GPU absent from
+        `readings` (its read failed in the recording) fails with NVML_ERROR_UNKNOWN until a
+        cycle holds it again. Energy jumps to the recorded value; XID counts that grew are
+        raised as that many events; a clock-event reason whose agent-integrated time grew is
+        the active one for this cycle. Raises ValueError when a GPU's UUID changed.
+        """
+        frame = _decode(readings)
+        previous = self._last_frame
+        with self._lock:
+            for device in self._devices:
+                index = device.record.index
+                record = frame.records.get(index)
+                if record is None:
+                    device.failure = pynvml.NVML_ERROR_UNKNOWN
+                    continue
+                if record.uuid != device.record.uuid:
+                    raise ValueError(
+                        f"GPU {index} is {record.uuid} in these readings, "
+                        f"{device.record.uuid} before"
+                    )
+                before_s = previous.integrated_s.get(index, {}) if previous is not None else {}
+                grown = frozenset(
+                    reason
+                    for reason, seconds in frame.integrated_s.get(index, {}).items()
+                    if seconds > before_s.get(reason, 0.0)
+                )
+                if record.clock_event_reasons is not None:
+                    record = replace(record, clock_event_reasons=grown)
+                device.failure = None
+                device.integrate(self._clock())
+                if index in frame.energy_j:
+                    device.energy_mj = frame.energy_j[index] * 1000.0
+                if record.mig_devices != device.record.mig_devices:
+                    device.mig_handles.clear()
+                device.record = record
+                before = previous.xids.get(index, {}) if previous is not None else {}
+                for xid, number in frame.xids.get(index, {}).items():
+                    for _ in range(max(0, number - before.get(xid, 0))):
+                        self._raise_xid(device, xid)
+            self._events.notify_all()
+            self._last_frame = frame
+
     def __getattr__(self, name: str) -> Any:
-        if name.startswith(("NVML_", "NVMLError", "nvmlMemory_v")):
+        if name.startswith(_PROXIED):
             return getattr(pynvml, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
@@ -141,12 +346,19 @@ class FakeNvml:
         power_draw_w: float | None = None,
         util_mem_pct: float | None = None,
         mem_used_bytes: int | None = None,
+        sm_active_pct: float | None = None,
+        tensor_active_pct: float | None = None,
     ) -> None:
         """Change what device `index` reports from now on; None leaves a value as it is.
 
         Energy is integrated up to now at the old draw before the new one applies.
         """
-        for name, pct in (("util_gpu_pct", util_gpu_pct), ("util_mem_pct", util_mem_pct)):
+        for name, pct in (
+            ("util_gpu_pct", util_gpu_pct),
+            ("util_mem_pct", util_mem_pct),
+            ("sm_active_pct", sm_active_pct),
+            ("tensor_active_pct", tensor_active_pct),
+        ):
             if pct is not None and not 0.0 <= pct <= 100.0:
                 raise ValueError(f"{name} must be within [0, 100], got {pct}")
         if power_draw_w is not None and power_draw_w < 0:
@@ -166,10 +378,48 @@ class FakeNvml:
                 "power_draw_w": power_draw_w,
                 "util_mem_pct": util_mem_pct,
                 "mem_used_bytes": mem_used_bytes,
+                "sm_active_pct": sm_active_pct,
+                "tensor_active_pct": tensor_active_pct,
             }
             device.record = replace(
                 device.record, **{k: v for k, v in changes.items() if v is not None}
             )
+
+    def set_clock_event_reasons(self, index: int, reasons: Iterable[str] | None) -> None:
+        """Make `reasons` (nvidia-smi names, e.g. "sw_power_cap") the active ones on `index`.
+
+        None makes the reasons call NOT_SUPPORTED. Raises ValueError for an unknown name.
+        """
+        active = None if reasons is None else frozenset(reasons)
+        unknown = (active or frozenset()) - {name for name, _ in _REASON_BITS}
+        if unknown:
+            raise ValueError(f"unknown clock event reasons: {sorted(unknown)}")
+        with self._lock:
+            device = self._control(index)
+            device.record = replace(device.record, clock_event_reasons=active)
+
+    def inject_xid(self, index: int, xid: int) -> None:
+        """Raise an XID critical-error event `xid` on device `index` (see the class doc)."""
+        if xid < 0:
+            raise ValueError(f"an XID is a positive number, got {xid}")
+        with self._lock:
+            self._raise_xid(self._control(index), xid)
+            self._events.notify_all()
+
+    def _raise_xid(self, device: _Device, xid: int) -> None:
+        listeners = [s for s in self._event_sets if device.record.index in s.devices]
+        if not listeners:
+            device.xid_backlog.append(xid)
+            return
+        event = FakeEventData(
+            device=device.handle,
+            eventType=pynvml.nvmlEventTypeXidCriticalError,
+            eventData=xid,
+            gpuInstanceId=_NO_GPU_INSTANCE,
+            computeInstanceId=_NO_COMPUTE_INSTANCE,
+        )
+        for event_set in listeners:
+            event_set.pending.append(event)
 
     def fail(self, index: int, code: int) -> None:
         """Make every call on device `index` raise `pynvml.NVMLError(code)` until `recover`."""
@@ -186,24 +436,38 @@ class FakeNvml:
             raise IndexError(f"no GPU {index}; this fake has {len(self._devices)}")
         return self._devices[index]
 
-    # -- NVML ----------------------------------------------------------------------------------
+    # -- NVML: library and identity ------------------------------------------------------------
 
     def _check_init(self) -> None:
         if self._refcount == 0:
             raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
 
-    def _device(self, handle: object) -> _Device:
+    def _device(self, handle: object, mig: bool = False) -> _Device:
+        """The device behind `handle`; a MIG device handle only where `mig` allows one."""
         self._check_init()
         if not isinstance(handle, FakeNvmlHandle) or handle._owner is not self:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         device = self._devices[handle.index]
         if device.failure is not None:
             raise _error(device.failure)
+        if handle.mig is not None and not mig:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return device
 
     def _record(self, handle: object) -> GpuRecord:
         with self._lock:
             return self._device(handle).record
+
+    def _mig_record(self, handle: object) -> tuple[_Device, MigRecord | None]:
+        """The device and, for a MIG device handle, its MIG record (call under the lock)."""
+        device = self._device(handle, mig=True)
+        assert isinstance(handle, FakeNvmlHandle)
+        if handle.mig is None:
+            return device, None
+        found = device.mig(handle.mig)
+        if found is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return device, found
 
     def nvmlInit(self) -> None:
         """Initialise (refcounted: each call needs a matching `nvmlShutdown`)."""
@@ -215,6 +479,7 @@ class FakeNvml:
         with self._lock:
             self._check_init()
             self._refcount -= 1
+            self._events.notify_all()
 
     def nvmlSystemGetDriverVersion(self) -> str:
         """The driver version string of the capture."""
@@ -252,16 +517,24 @@ class FakeNvml:
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetName(self, handle: FakeNvmlHandle) -> str:
-        """Product name, e.g. "NVIDIA A100-SXM4-80GB"."""
-        return self._record(handle).name
+        """Product name, e.g. "NVIDIA A100-SXM4-80GB"; "<GPU name> MIG <profile>" for MIG."""
+        with self._lock:
+            device, mig = self._mig_record(handle)
+            if mig is None:
+                return device.record.name
+            return f"{device.record.name} MIG {_supported(mig.profile)}"
 
     def nvmlDeviceGetUUID(self, handle: FakeNvmlHandle) -> str:
-        """GPU UUID string, "GPU-..."."""
-        return self._record(handle).uuid
+        """GPU UUID string, "GPU-..."; a MIG device's "MIG-..." where recorded."""
+        with self._lock:
+            device, mig = self._mig_record(handle)
+            return device.record.uuid if mig is None else _supported(mig.uuid)
 
     def nvmlDeviceGetIndex(self, handle: FakeNvmlHandle) -> int:
         """NVML index of the device."""
         return self._record(handle).index
+
+    # -- NVML: utilisation, memory, power, energy, temperature, clocks --------------------------
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeNvmlHandle) -> pynvml.c_nvmlUtilization_t:
         """`.gpu` and `.memory` utilisation, integer percent (NOT_SUPPORTED e.g. under MIG)."""
@@ -277,12 +550,14 @@ class FakeNvml:
         """Frame-buffer memory in bytes, as NVML's v1 or (with `version=nvmlMemory_v2`) v2 struct.
 
         v1 `used` is reserved plus allocated memory, as NVML v1 reports it; v2 separates
-        `reserved`. `free` is total - used - reserved in both.
+        `reserved`. `free` is total - used - reserved in both. Works on MIG device handles.
         """
-        record = self._record(handle)
-        total = _supported(record.mem_total_bytes)
-        used = _supported(record.mem_used_bytes)
-        reserved = record.mem_reserved_bytes or 0
+        with self._lock:
+            device, mig = self._mig_record(handle)
+            recorded: GpuRecord | MigRecord = device.record if mig is None else mig
+        total = _supported(recorded.mem_total_bytes)
+        used = _supported(recorded.mem_used_bytes)
+        reserved = recorded.mem_reserved_bytes or 0
         free = max(0, total - used - reserved)
         if not version:
             return pynvml.c_nvmlMemory_t(total=total, free=free, used=used + reserved)
@@ -331,6 +606,14 @@ class FakeNvml:
             device.integrate(self._clock())
             device.record = replace(device.record, power_limit_w=limit / 1000)
 
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeNvmlHandle) -> int:
+        """Millijoules since construction: the synthesised counter described on the class."""
+        with self._lock:
+            device = self._device(handle)
+            _supported(device.record.power_draw_w)
+            device.integrate(self._clock())
+            return round(device.energy_mj)
+
     def nvmlDeviceGetTemperature(self, handle: FakeNvmlHandle, sensor: int) -> int:
         """GPU temperature in degrees C; `sensor` must be NVML_TEMPERATURE_GPU."""
         record = self._record(handle)
@@ -351,14 +634,585 @@ class FakeNvml:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return round(_supported(clocks[type]))
 
+    def nvmlDeviceGetFieldValues(
+        self, handle: FakeNvmlHandle, fieldIds: Sequence[int | tuple[int, int]]
+    ) -> Any:
+        """An array of `c_nvmlFieldValue_t`, one per requested field (`id` or `(id, scope)`).
+
+        Served: NVML_FI_DEV_MEMORY_TEMP (C), NVML_FI_DEV_NVLINK_LINK_COUNT and
+        NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB, scope = link); any other field comes
+        back with `nvmlReturn` NOT_SUPPORTED, as NVML answers per field.
+        """
+        with self._lock:
+            record = self._device(handle).record
+            stamp = round(self._clock() * 1e6)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        links = {link.link: link for link in record.nvlinks}
+        for value, requested in zip(values, fieldIds, strict=True):
+            field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
+            value.fieldId, value.scopeId, value.timestamp = field_id, scope, stamp
+            number: int | None = None
+            kind = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+                temp = record.memory_temperature_c
+                number, kind = (
+                    (None if temp is None else round(temp)),
+                    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+                )
+            elif field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT and links:
+                number, kind = len(links), pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            elif (
+                field_id
+                in (
+                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                )
+                and scope in links
+            ):
+                link = links[scope]
+                sent = field_id == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+                counted = link.tx_bytes if sent else link.rx_bytes
+                number = None if counted is None else counted // 1024
+            if number is None:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            value.valueType = kind
+            if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                value.value.uiVal = number
+            else:
+                value.value.ullVal = number
+        return values
+
+    # -- NVML: clock events ----------------------------------------------------------------------
+
+    def _reasons_mask(self, record: GpuRecord) -> int:
+        active = _supported(record.clock_event_reasons)
+        return sum(bit for name, bit in _REASON_BITS if name in active)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeNvmlHandle) -> int:
+        """Active clock-event reasons as NVML's bitmask; FUNCTION_NOT_FOUND for old drivers."""
+        record = self._record(handle)
+        if not record.clock_event_api:
+            raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self._reasons_mask(record)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeNvmlHandle) -> int:
+        """The same bitmask under its pre-535 name, which every driver still exports."""
+        return self._reasons_mask(self._record(handle))
+
+    def nvmlDeviceGetViolationStatus(
+        self, handle: FakeNvmlHandle, perfPolicyType: int
+    ) -> pynvml.c_nvmlViolationTime_t:
+        """Cumulative time (ns) clocks were held down by a perf policy, where recorded."""
+        record = self._record(handle)
+        if perfPolicyType not in _VIOLATIONS:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        ns = _supported(record.clock_event_counters_ns.get(_VIOLATIONS[perfPolicyType]))
+        return pynvml.c_nvmlViolationTime_t(
+            referenceTime=round(self._clock() * 1e6), violationTime=ns
+        )
+
+    # -- NVML: memory health, PCIe ---------------------------------------------------------------
+
+    def nvmlDeviceGetTotalEccErrors(
+        self, handle: FakeNvmlHandle, errorType: int, counterType: int
+    ) -> int:
+        """ECC errors of a type (corrected/uncorrected), volatile or aggregate, all locations."""
+        record = self._record(handle)
+        if errorType not in _ECC_TYPES or counterType not in _ECC_COUNTERS:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return _supported(
+            record.ecc_errors.get((_ECC_TYPES[errorType], _ECC_COUNTERS[counterType]))
+        )
+
+    def nvmlDeviceGetMemoryErrorCounter(
+        self, handle: FakeNvmlHandle, errorType: int, counterType: int, locationType: int
+    ) -> int:
+        """ECC errors of a type and counter at one memory location."""
+        record = self._record(handle)
+        if (
+            errorType not in _ECC_TYPES
+            or counterType not in _ECC_COUNTERS
+            or locationType not in _ECC_LOCATIONS
+        ):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        key = (_ECC_TYPES[errorType], _ECC_COUNTERS[counterType], _ECC_LOCATIONS[locationType])
+        return _supported(record.ecc_errors_by_location.get(key))
+
+    def nvmlDeviceGetRetiredPages(self, handle: FakeNvmlHandle, sourceFilter: int) -> list[int]:
+        """Retired page addresses for a cause; pages 0..n-1 stand for n recorded pages."""
+        record = self._record(handle)
+        counts = {
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: (
+                record.retired_pages_single_bit
+            ),
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: record.retired_pages_double_bit,
+        }
+        if sourceFilter not in counts:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return list(range(_supported(counts[sourceFilter])))
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: FakeNvmlHandle) -> int:
+        """NVML_FEATURE_ENABLED when a page waits for retirement, else NVML_FEATURE_DISABLED."""
+        pending = _supported(self._record(handle).retired_pages_pending)
+        return pynvml.NVML_FEATURE_ENABLED if pending else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, handle: FakeNvmlHandle) -> tuple[int, int, int, int]:
+        """(correctable, uncorrectable, pending, failure) as pynvml returns them."""
+        rows: RemappedRows = _supported(self._record(handle).remapped_rows)
+        return (rows.correctable, rows.uncorrectable, int(rows.pending), int(rows.failure))
+
+    def nvmlDeviceGetPcieThroughput(self, handle: FakeNvmlHandle, counter: int) -> int:
+        """PCIe throughput in KB/s (1 KB = 1024 B) for NVML_PCIE_UTIL_TX_BYTES or _RX_BYTES."""
+        record = self._record(handle)
+        rates = {
+            pynvml.NVML_PCIE_UTIL_TX_BYTES: record.pcie_tx_bytes_per_s,
+            pynvml.NVML_PCIE_UTIL_RX_BYTES: record.pcie_rx_bytes_per_s,
+        }
+        if counter not in rates:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return _supported(rates[counter]) // 1024
+
     def nvmlDeviceGetPcieReplayCounter(self, handle: FakeNvmlHandle) -> int:
         """PCIe replay count from the capture."""
         return _supported(self._record(handle).pcie_replay_count)
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeNvmlHandle) -> int:
-        """Millijoules since construction: the synthesised counter described on the class."""
+    # -- NVML: NVLink ---------------------------------------------------------------------------
+
+    def _link(self, handle: FakeNvmlHandle, link: int) -> NvLinkRecord:
+        links = {found.link: found for found in self._record(handle).nvlinks}
+        if not links:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link <= max(links):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return _supported(links.get(link))
+
+    def nvmlDeviceGetNvLinkState(self, handle: FakeNvmlHandle, link: int) -> int:
+        """NVML_FEATURE_ENABLED for an active link; INVALID_ARGUMENT past the last link."""
+        active = _supported(self._link(handle, link).active)
+        return pynvml.NVML_FEATURE_ENABLED if active else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetNvLinkErrorCounter(
+        self, handle: FakeNvmlHandle, link: int, counter: int
+    ) -> int:
+        """An NVLink data-link error counter (NVML_NVLINK_ERROR_DL_*) of one link."""
+        found = self._link(handle, link)
+        if counter not in _NVLINK_ERRORS:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return _supported(found.errors.get(_NVLINK_ERRORS[counter]))
+
+    # -- NVML: events ---------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        """A new, empty event set."""
+        with self._lock:
+            self._check_init()
+            event_set = FakeEventSet(self)
+            self._event_sets.append(event_set)
+            return event_set
+
+    def _event_set(self, event_set: object) -> FakeEventSet:
+        if not isinstance(event_set, FakeEventSet) or event_set._owner is not self:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if event_set.freed:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return event_set
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: FakeNvmlHandle) -> int:
+        """The event types the fake raises: XID critical errors."""
+        self._record(handle)
+        return _SUPPORTED_EVENTS
+
+    def nvmlDeviceRegisterEvents(
+        self, handle: FakeNvmlHandle, eventTypes: int, eventSet: FakeEventSet
+    ) -> None:
+        """Listen for `eventTypes` of a device; NOT_SUPPORTED for types the fake never raises."""
         with self._lock:
             device = self._device(handle)
-            _supported(device.record.power_draw_w)
-            device.integrate(self._clock())
-            return round(device.energy_mj)
+            event_set = self._event_set(eventSet)
+            if eventTypes & ~_SUPPORTED_EVENTS:
+                raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            event_set.devices.add(device.record.index)
+            backlog, device.xid_backlog = device.xid_backlog, []
+            for xid in backlog:
+                self._raise_xid(device, xid)
+            self._events.notify_all()
+
+    def nvmlEventSetWait_v2(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        """The next event of the set, waiting up to `timeoutms` real milliseconds (TIMEOUT)."""
+        deadline = time.monotonic() + timeoutms / 1000
+        with self._lock:
+            while True:
+                self._check_init()
+                event_set = self._event_set(eventSet)
+                if event_set.pending:
+                    return event_set.pending.popleft()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _error(pynvml.NVML_ERROR_TIMEOUT)
+                self._events.wait(remaining)
+
+    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        """`nvmlEventSetWait_v2`, as pynvml aliases it."""
+        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
+
+    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
+        """Release the set; waiting on it afterwards is INVALID_ARGUMENT."""
+        with self._lock:
+            self._check_init()
+            event_set = self._event_set(eventSet)
+            event_set.freed = True
+            self._event_sets.remove(event_set)
+            self._events.notify_all()
+
+    # -- NVML: MIG ------------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, handle: FakeNvmlHandle) -> list[int]:
+        """`[current, pending]` MIG mode (the capture's current mode for both)."""
+        enabled = _supported(self._record(handle).mig_enabled)
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: FakeNvmlHandle) -> int:
+        """MIG device slots: those the capture lists (0 when MIG is off or unsupported)."""
+        record = self._record(handle)
+        if not record.mig_enabled or not record.mig_devices:
+            return 0
+        return max(mig.index for mig in record.mig_devices) + 1
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(
+        self, handle: FakeNvmlHandle, index: int
+    ) -> FakeNvmlHandle:
+        """Handle of the MIG device in slot `index`; NOT_FOUND for an empty slot."""
+        with self._lock:
+            device = self._device(handle)
+            if not device.record.mig_enabled:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            if device.mig(index) is None:
+                raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+            found = device.mig_handles.get(index)
+            if found is None:
+                found = device.mig_handles[index] = FakeNvmlHandle(self, device.record.index, index)
+            return found
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle: FakeNvmlHandle) -> bool:
+        """Whether `handle` is a MIG device's."""
+        with self._lock:
+            _, mig = self._mig_record(handle)
+            return mig is not None
+
+    def _mig_only(self, handle: FakeNvmlHandle) -> MigRecord:
+        with self._lock:
+            _, mig = self._mig_record(handle)
+        return _supported(mig)
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: FakeNvmlHandle) -> int:
+        """GPU instance id of a MIG device (NOT_SUPPORTED on a GPU handle)."""
+        return self._mig_only(handle).gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: FakeNvmlHandle) -> int:
+        """Compute instance id of a MIG device (NOT_SUPPORTED on a GPU handle)."""
+        return self._mig_only(handle).compute_instance_id
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+        self, handle: FakeNvmlHandle
+    ) -> FakeNvmlHandle:
+        """The parent GPU of a MIG device."""
+        self._mig_only(handle)
+        return self._devices[handle.index].handle
+
+    # -- NVML: GPM ------------------------------------------------------------------------------
+
+    def nvmlGpmQueryDeviceSupport(self, handle: FakeNvmlHandle) -> pynvml.c_nvmlGpmSupport_t:
+        """GPM support: a device whose record has a GPM activity supports it."""
+        record = self._record(handle)
+        supported = any(getattr(record, name) is not None for name in _GPM_FIELDS.values())
+        return pynvml.c_nvmlGpmSupport_t(
+            version=pynvml.NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(supported)
+        )
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        """A new sample, a real `c_nvmlGpmSample_t` pointer so it fits pynvml's structs."""
+        buffer = ctypes.create_string_buffer(8)
+        with self._lock:
+            self._check_init()
+            self._gpm_samples[ctypes.addressof(buffer)] = _GpmSample(buffer)
+        return ctypes.cast(buffer, pynvml.c_nvmlGpmSample_t)
+
+    def _gpm_sample(self, sample: Any) -> _GpmSample:
+        address = ctypes.cast(sample, ctypes.c_void_p).value if sample else None
+        found = self._gpm_samples.get(address or 0)
+        if found is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return found
+
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        """Release a sample."""
+        with self._lock:
+            self._check_init()
+            found = self._gpm_sample(gpmSample)
+            del self._gpm_samples[ctypes.addressof(found.buffer)]
+
+    def nvmlGpmSampleGet(self, device: FakeNvmlHandle, gpmSample: Any) -> Any:
+        """Record the device's current GPM activities into `gpmSample`."""
+        with self._lock:
+            record = self._device(device).record
+            sample = self._gpm_sample(gpmSample)
+            values = {
+                metric: value
+                for metric, name in _GPM_FIELDS.items()
+                if (value := getattr(record, name)) is not None
+            }
+            if not values:
+                raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            sample.device, sample.values = record.index, values
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        """Fill `metricsGet.metrics[:numMetrics]` from its two samples of one device."""
+        with self._lock:
+            self._check_init()
+            if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+                raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            first = self._gpm_sample(metricsGet.sample1)
+            second = self._gpm_sample(metricsGet.sample2)
+            if first.device is None or first.device != second.device:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            if not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            for i in range(metricsGet.numMetrics):
+                metric = metricsGet.metrics[i]
+                value = second.values.get(metric.metricId)
+                metric.nvmlReturn = (
+                    pynvml.NVML_ERROR_NOT_SUPPORTED if value is None else pynvml.NVML_SUCCESS
+                )
+                metric.value = 0.0 if value is None else value
+        return metricsGet
+
+
+# -- recordings -> records ---------------------------------------------------------------------
+
+
+@dataclass
+class _GpuReadings:
+    """The readings of one GPU in one cycle, gathered for building its record."""
+
+    uuid: str
+    values: dict[str, float] = field(default_factory=dict)
+    by_label: dict[tuple[str, str], float] = field(default_factory=dict)
+    info: dict[str, str] | None = None
+    links: dict[int, dict[str, Any]] = field(default_factory=dict)
+    migs: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    xids: dict[int, int] = field(default_factory=dict)
+    violation_ns: dict[str, int] = field(default_factory=dict)
+    integrated_s: dict[str, float] = field(default_factory=dict)
+
+
+_PLAIN = frozenset(
+    {
+        source.UTILIZATION,
+        source.MEMORY_UTILIZATION,
+        source.MEMORY_USED,
+        source.MEMORY_TOTAL,
+        source.POWER,
+        source.POWER_LIMIT,
+        source.POWER_LIMIT_MIN,
+        source.POWER_LIMIT_MAX,
+        source.ENERGY,
+        source.TEMPERATURE,
+        source.MEMORY_TEMPERATURE,
+        source.SM_CLOCK,
+        source.MEMORY_CLOCK,
+        source.RETIRED_PAGES_PENDING,
+        source.REMAPPED_ROWS_PENDING,
+        source.REMAPPED_ROWS_FAILED,
+        source.PCIE_REPLAYS,
+        source.SM_ACTIVE,
+        source.SM_OCCUPANCY,
+        source.TENSOR_ACTIVE,
+        source.DRAM_ACTIVE,
+    }
+)
+_BY_LABEL = {
+    source.ECC_ERRORS: "type",
+    source.ECC_LIFETIME_ERRORS: "type",
+    source.RETIRED_PAGES: "cause",
+    source.REMAPPED_ROWS: "cause",
+    source.PCIE_THROUGHPUT: "direction",
+}
+
+
+def _label(reading: Reading, key: str) -> str:
+    value = reading.labels.get(key)
+    if value is None:
+        raise ValueError(f"{reading.name}: label {key!r} missing in {dict(reading.labels)}")
+    return value
+
+
+def _int_label(reading: Reading, key: str) -> int:
+    text = _label(reading, key)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{reading.name}: label {key}={text!r} is not a number") from None
+
+
+def _decode(readings: Iterable[Reading]) -> _Frame:
+    """Group one cycle's `hyperagent_gpu_*` readings by GPU and turn them into records."""
+    gpus: dict[int, _GpuReadings] = {}
+    for reading in readings:
+        if not reading.name.startswith("hyperagent_gpu_") or "gpu" not in reading.labels:
+            continue
+        if reading.name not in source.HELP:
+            continue
+        index = _int_label(reading, "gpu")
+        uuid = _label(reading, "uuid")
+        gpu = gpus.setdefault(index, _GpuReadings(uuid))
+        if gpu.uuid != uuid:
+            raise ValueError(f"GPU {index} appears as {gpu.uuid} and as {uuid}")
+        _gather(gpu, reading)
+    frame = _Frame({}, {}, {}, {})
+    for index, gpu in gpus.items():
+        frame.records[index] = _record(index, gpu)
+        if source.ENERGY in gpu.values:
+            frame.energy_j[index] = gpu.values[source.ENERGY]
+        frame.integrated_s[index] = gpu.integrated_s
+        frame.xids[index] = gpu.xids
+    return frame
+
+
+def _gather(gpu: _GpuReadings, reading: Reading) -> None:
+    name, value = reading.name, reading.value
+    if name == source.GPU_INFO:
+        gpu.info = dict(reading.labels)
+    elif name in _PLAIN:
+        gpu.values[name] = value
+    elif name in _BY_LABEL:
+        gpu.by_label[(name, _label(reading, _BY_LABEL[name]))] = value
+    elif name == source.THROTTLE:
+        reason = _label(reading, "reason")
+        if reason in _VIOLATION_REASONS:
+            gpu.violation_ns[reason] = round(value * 1e9)
+        else:
+            gpu.integrated_s[reason] = value
+    elif name == source.XID_ERRORS:
+        gpu.xids[_int_label(reading, "xid")] = round(value)
+    elif name in (source.NVLINK_UP, source.NVLINK_DATA, source.NVLINK_ERRORS):
+        link = gpu.links.setdefault(_int_label(reading, "link"), {"errors": {}})
+        if name == source.NVLINK_UP:
+            link["active"] = value >= 0.5
+        elif name == source.NVLINK_DATA:
+            link[f"{_label(reading, 'direction')}_bytes"] = round(value)
+        else:
+            link["errors"][_label(reading, "type")] = round(value)
+    elif name in (source.MIG_INFO, source.MIG_MEMORY_USED, source.MIG_MEMORY_TOTAL):
+        mig = gpu.migs.setdefault((_int_label(reading, "gi"), _int_label(reading, "ci")), {})
+        if name == source.MIG_INFO:
+            mig["uuid"] = reading.labels.get("mig_uuid") or None
+            mig["profile"] = reading.labels.get("profile") or None
+        else:
+            mig["used" if name == source.MIG_MEMORY_USED else "total"] = round(value)
+
+
+def _record(index: int, gpu: _GpuReadings) -> GpuRecord:
+    if gpu.info is None:
+        raise ValueError(f"GPU {index} ({gpu.uuid}) has readings but no {source.GPU_INFO}")
+    values, by_label = gpu.values, gpu.by_label
+
+    def get(name: str, scale: float = 1.0) -> float | None:
+        return values[name] * scale if name in values else None
+
+    def count(name: str, label: str | None = None) -> int | None:
+        found = values.get(name) if label is None else by_label.get((name, label))
+        return None if found is None else round(found)
+
+    def flag(name: str) -> bool | None:
+        return None if name not in values else values[name] >= 0.5
+
+    def percent(name: str) -> float | None:
+        return _percent_of(values[name]) if name in values else None
+
+    ecc = {
+        (error_type, scope): found
+        for name, scope in (
+            (source.ECC_ERRORS, "volatile"),
+            (source.ECC_LIFETIME_ERRORS, "aggregate"),
+        )
+        for error_type in ("corrected", "uncorrected")
+        if (found := count(name, error_type)) is not None
+    }
+    correctable = count(source.REMAPPED_ROWS, "correctable")
+    uncorrectable = count(source.REMAPPED_ROWS, "uncorrectable")
+    rows_pending = flag(source.REMAPPED_ROWS_PENDING)
+    rows_failed = flag(source.REMAPPED_ROWS_FAILED)
+    remapped = (
+        RemappedRows(correctable, uncorrectable, rows_pending, rows_failed)
+        if correctable is not None
+        and uncorrectable is not None
+        and rows_pending is not None
+        and rows_failed is not None
+        else None
+    )
+    migs = tuple(
+        MigRecord(
+            index=slot,
+            gpu_instance_id=gi,
+            compute_instance_id=ci,
+            uuid=mig.get("uuid"),
+            profile=mig.get("profile"),
+            mem_total_bytes=mig.get("total"),
+            mem_used_bytes=mig.get("used"),
+        )
+        for slot, ((gi, ci), mig) in enumerate(sorted(gpu.migs.items()))
+    )
+    links = tuple(
+        NvLinkRecord(
+            link=link,
+            active=found.get("active"),
+            tx_bytes=found.get("tx_bytes"),
+            rx_bytes=found.get("rx_bytes"),
+            errors=found["errors"],
+        )
+        for link, found in sorted(gpu.links.items())
+    )
+    pcie = {d: count(source.PCIE_THROUGHPUT, d) for d in ("tx", "rx")}
+    util = get(source.UTILIZATION, 100)
+    util_mem = get(source.MEMORY_UTILIZATION, 100)
+    mhz = 1e-6
+    return GpuRecord(
+        index=index,
+        name=gpu.info.get("model", ""),
+        uuid=gpu.uuid,
+        pci_bus_id="",
+        driver=gpu.info.get("driver", ""),
+        util_gpu_pct=None if util is None else round(util),
+        util_mem_pct=None if util_mem is None else round(util_mem),
+        mem_total_bytes=count(source.MEMORY_TOTAL),
+        mem_used_bytes=count(source.MEMORY_USED),
+        power_draw_w=get(source.POWER),
+        power_limit_w=get(source.POWER_LIMIT),
+        min_power_limit_w=get(source.POWER_LIMIT_MIN),
+        max_power_limit_w=get(source.POWER_LIMIT_MAX),
+        temperature_c=get(source.TEMPERATURE),
+        sm_clock_mhz=get(source.SM_CLOCK, mhz),
+        mem_clock_mhz=get(source.MEMORY_CLOCK, mhz),
+        pcie_replay_count=count(source.PCIE_REPLAYS),
+        memory_temperature_c=get(source.MEMORY_TEMPERATURE),
+        pcie_tx_bytes_per_s=pcie["tx"],
+        pcie_rx_bytes_per_s=pcie["rx"],
+        clock_event_reasons=frozenset() if gpu.integrated_s else None,
+        clock_event_counters_ns=gpu.violation_ns,
+        ecc_errors=ecc,
+        retired_pages_single_bit=count(source.RETIRED_PAGES, "single_bit_ecc"),
+        retired_pages_double_bit=count(source.RETIRED_PAGES, "double_bit_ecc"),
+        retired_pages_pending=flag(source.RETIRED_PAGES_PENDING),
+        remapped_rows=remapped,
+        mig_enabled=True if migs else None,
+        mig_devices=migs,
+        nvlinks=links,
+        sm_active_pct=percent(source.SM_ACTIVE),
+        sm_occupancy_pct=percent(source.SM_OCCUPANCY),
+        tensor_active_pct=percent(source.TENSOR_ACTIVE),
+        dram_active_pct=percent(source.DRAM_ACTIVE),
+    )

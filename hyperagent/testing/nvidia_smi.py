@@ -11,7 +11,7 @@ import csv
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 MIB = 1024 * 1024
 
@@ -22,21 +22,106 @@ _PERCENT = {"%": 1.0, "": 1.0}
 _CELSIUS = {"C": 1.0, "": 1.0}
 _MHZ = {"MHz": 1.0, "": 1.0}
 _COUNT = {"": 1.0}
+# NVML reports PCIe throughput in KB/s, and its K is 1024 as its MB are MiB.
+_BYTES_PER_SECOND = {"KB/s": 1024.0, "MB/s": float(MIB), "B/s": 1.0}
+_NANOSECONDS = {"us": 1000.0, "ns": 1.0, "ms": 1e6, "s": 1e9}
 
 _MISSING = re.compile(r"^(\[.*\]|n/a|not supported|unknown error|err!|)$", re.IGNORECASE)
-_QUANTITY = re.compile(r"^(?P<num>[-+]?\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z%]*)$")
+_QUANTITY = re.compile(r"^(?P<num>[-+]?\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z%/]*)$")
 _CSV_HEADER = re.compile(r"^(?P<name>[^\[]+?)\s*(?:\[(?P<unit>[^\]]*)\])?$")
 _EXPORTER_SECTION = "# {phase} :: query-gpu"
+_EXPORTER_NVLINK = "# capabilities :: nvlink -s"
 _QUERY_GPU_IDENTITY = frozenset({"name", "uuid", "index", "pci.bus_id"})
+_NVLINK_GPU = re.compile(r"^GPU (?P<index>\d+): ")
+_NVLINK_LINK = re.compile(r"^\s*Link (?P<link>\d+): (?P<state>.+?)\s*$")
+_NVLINK_SPEED = re.compile(r"^\d+(?:\.\d+)?\s*[GM]B/s$")
+
+_ACTIVE = {"active": True, "not active": False}
+_YES = {"yes": True, "no": False}
+_ENABLED = {"enabled": True, "disabled": False}
+
+CLOCK_EVENT_REASONS = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "display_clocks_setting",
+)
+"""The clock event (formerly throttle) reasons, by nvidia-smi's names."""
+
+ECC_TYPES = ("corrected", "uncorrected")
+ECC_COUNTERS = ("volatile", "aggregate")
+ECC_LOCATIONS = (
+    "device_memory",
+    "register_file",
+    "l1_cache",
+    "l2_cache",
+    "texture_memory",
+    "texture_shm",
+    "cbu",
+    "sram",
+)
+"""Memory locations of ECC counts, by nvidia-smi's names (its `dram` is `device_memory`)."""
+
+
+@dataclass(frozen=True)
+class NvLinkRecord:
+    """One NVLink of a GPU. Byte counters are cumulative; `errors` is keyed by
+    replay, recovery, crc_flit, crc_data, ecc_data."""
+
+    link: int
+    active: bool | None = None
+    tx_bytes: int | None = None
+    rx_bytes: int | None = None
+    errors: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MigRecord:
+    """One MIG device of a GPU in MIG mode. `index` is its MIG device slot on the parent.
+
+    `uuid` and `profile` (e.g. "1g.10gb") are None when the capture does not hold them
+    (`-q -x` dumps do not); `mem_used_bytes` excludes `mem_reserved_bytes`.
+    """
+
+    index: int
+    gpu_instance_id: int
+    compute_instance_id: int
+    uuid: str | None = None
+    profile: str | None = None
+    mem_total_bytes: int | None = None
+    mem_used_bytes: int | None = None
+    mem_reserved_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class RemappedRows:
+    """Row remapping state of HBM/GDDR6 memory (Ampere and newer)."""
+
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failure: bool
 
 
 @dataclass(frozen=True)
 class GpuRecord:
     """One GPU as a capture recorded it. None means N/A, not supported or not captured.
 
-    Units: percent, bytes (nvidia-smi's MiB times 1024*1024), watts, degrees Celsius, MHz.
-    `power_limit_w` is the enforced (current) limit; `mem_used_bytes` excludes
-    `mem_reserved_bytes`, as nvidia-smi reports it.
+    Units: percent, bytes (nvidia-smi's MiB times 1024*1024), bytes per second, watts, degrees
+    Celsius, MHz, nanoseconds. `power_limit_w` is the enforced (current) limit;
+    `mem_used_bytes` excludes `mem_reserved_bytes`, as nvidia-smi reports it.
+
+    `clock_event_reasons` is the set of active reasons (names from CLOCK_EVENT_REASONS);
+    `clock_event_api` is False for drivers that only know the older "throttle reasons" names.
+    `clock_event_counters_ns` holds cumulative time per reason where the capture has counters.
+    `ecc_errors` is keyed by (type, counter) from ECC_TYPES x ECC_COUNTERS and
+    `ecc_errors_by_location` by (type, counter, location). The `sm_active_pct` group are GPM
+    (Hopper and newer) activities, which no nvidia-smi capture holds.
     """
 
     index: int
@@ -59,6 +144,25 @@ class GpuRecord:
     mem_clock_mhz: float | None = None
     graphics_clock_mhz: float | None = None
     pcie_replay_count: int | None = None
+    memory_temperature_c: float | None = None
+    pcie_tx_bytes_per_s: int | None = None
+    pcie_rx_bytes_per_s: int | None = None
+    clock_event_reasons: frozenset[str] | None = None
+    clock_event_api: bool = True
+    clock_event_counters_ns: Mapping[str, int] = field(default_factory=dict)
+    ecc_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    ecc_errors_by_location: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    retired_pages_single_bit: int | None = None
+    retired_pages_double_bit: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows: RemappedRows | None = None
+    mig_enabled: bool | None = None
+    mig_devices: tuple[MigRecord, ...] = ()
+    nvlinks: tuple[NvLinkRecord, ...] = ()
+    sm_active_pct: float | None = None
+    sm_occupancy_pct: float | None = None
+    tensor_active_pct: float | None = None
+    dram_active_pct: float | None = None
 
 
 def _number(
@@ -83,6 +187,19 @@ def _number(
     return float(match["num"]) * units[unit]
 
 
+def _flag(raw: str | None, field: str, words: Mapping[str, bool]) -> bool | None:
+    """Read a yes/no style word (`words` maps lower-case words to values); None when N/A."""
+    if raw is None:
+        return None
+    text = raw.strip()
+    if _MISSING.match(text):
+        return None
+    try:
+        return words[text.lower()]
+    except KeyError:
+        raise ValueError(f"{field}: expected one of {sorted(words)}, got {raw!r}") from None
+
+
 def _int(value: float | None) -> int | None:
     return None if value is None else round(value)
 
@@ -98,12 +215,18 @@ def _text(element: ET.Element, path: str) -> str | None:
     return found.text.strip()
 
 
+def _sum(*values: int | None) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def parse_nvidia_smi_xml(text: str) -> list[GpuRecord]:
     """Parse `nvidia-smi -q -x` output (DTD v11 and v12) into one record per `<gpu>`.
 
     The NVML index is the GPU's position in the dump (nvidia-smi lists GPUs in NVML order;
-    `minor_number` is the /dev node and may differ). MIG instances are not separate records.
-    Raises ValueError if the text is not an `nvidia_smi_log` document.
+    `minor_number` is the /dev node and may differ). MIG devices are listed in the parent's
+    `mig_devices`. Raises ValueError if the text is not an `nvidia_smi_log` document or a
+    field holds something that is not a value of its kind.
     """
     try:
         root = ET.fromstring(text.lstrip("\ufeff").strip())
@@ -119,7 +242,12 @@ def _xml_gpu(index: int, gpu: ET.Element, driver: str) -> GpuRecord:
     def num(path: str, units: Mapping[str, float]) -> float | None:
         return _number(_text(gpu, path), path, units)
 
+    def count(path: str) -> int | None:
+        return _int(num(path, _COUNT))
+
     power = "gpu_power_readings" if gpu.find("gpu_power_readings") is not None else "power_readings"
+    reasons, event_api = _xml_clock_event_reasons(gpu)
+    ecc_totals, ecc_locations = _xml_ecc(gpu)
     return GpuRecord(
         index=index,
         name=_text(gpu, "product_name") or "",
@@ -149,7 +277,131 @@ def _xml_gpu(index: int, gpu: ET.Element, driver: str) -> GpuRecord:
         sm_clock_mhz=num("clocks/sm_clock", _MHZ),
         mem_clock_mhz=num("clocks/mem_clock", _MHZ),
         graphics_clock_mhz=num("clocks/graphics_clock", _MHZ),
-        pcie_replay_count=_int(num("pci/replay_counter", _COUNT)),
+        pcie_replay_count=count("pci/replay_counter"),
+        memory_temperature_c=num("temperature/memory_temp", _CELSIUS),
+        pcie_tx_bytes_per_s=_int(num("pci/tx_util", _BYTES_PER_SECOND)),
+        pcie_rx_bytes_per_s=_int(num("pci/rx_util", _BYTES_PER_SECOND)),
+        clock_event_reasons=reasons,
+        clock_event_api=event_api,
+        ecc_errors=ecc_totals,
+        ecc_errors_by_location=ecc_locations,
+        retired_pages_single_bit=count(
+            "retired_pages/multiple_single_bit_retirement/retired_count"
+        ),
+        retired_pages_double_bit=count("retired_pages/double_bit_retirement/retired_count"),
+        retired_pages_pending=_flag(
+            _text(gpu, "retired_pages/pending_retirement"), "retired_pages/pending_retirement", _YES
+        ),
+        remapped_rows=_xml_remapped_rows(gpu),
+        mig_enabled=_flag(_text(gpu, "mig_mode/current_mig"), "mig_mode/current_mig", _ENABLED),
+        mig_devices=tuple(_xml_mig(device) for device in gpu.findall("mig_devices/mig_device")),
+    )
+
+
+def _xml_clock_event_reasons(gpu: ET.Element) -> tuple[frozenset[str] | None, bool]:
+    """Active reasons from `clocks_event_reasons` (drivers >= 535) or `clocks_throttle_reasons`."""
+    for tag, event_api in (("clocks_event_reasons", True), ("clocks_throttle_reasons", False)):
+        section = gpu.find(tag)
+        if section is None:
+            continue
+        prefix = tag.removesuffix("s") + "_"
+        states = {
+            child.tag.removeprefix(prefix): _flag(child.text, f"{tag}/{child.tag}", _ACTIVE)
+            for child in section
+        }
+        known = {name: state for name, state in states.items() if state is not None}
+        if not known:
+            return None, event_api
+        return frozenset(name for name, state in known.items() if state), event_api
+    return None, True
+
+
+def _xml_ecc(
+    gpu: ET.Element,
+) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str, str], int]]:
+    """ECC totals and per-location counts from either `ecc_errors` layout.
+
+    Older dumps split `single_bit`/`double_bit` by location with a `total`; newer ones list
+    `sram_correctable`, `dram_uncorrectable`, ... whose sum is the total.
+    """
+    totals: dict[tuple[str, str], int] = {}
+    locations: dict[tuple[str, str, str], int] = {}
+    for counter in ECC_COUNTERS:
+        section = gpu.find(f"ecc_errors/{counter}")
+        if section is None:
+            continue
+        for error_type, bits in zip(ECC_TYPES, ("single_bit", "double_bit"), strict=True):
+            split = section.find(bits)
+            if split is not None:
+                for child in split:
+                    path = f"ecc_errors/{counter}/{bits}/{child.tag}"
+                    value = _int(_number(child.text, path, _COUNT))
+                    if value is None:
+                        continue
+                    if child.tag == "total":
+                        totals[(error_type, counter)] = value
+                    else:
+                        locations[(error_type, counter, child.tag)] = value
+                continue
+            suffix = "correctable" if error_type == "corrected" else "uncorrectable"
+            parts: list[int | None] = []
+            for memory, location in (("sram", "sram"), ("dram", "device_memory")):
+                path = f"ecc_errors/{counter}/{memory}_{suffix}"
+                value = _int(_number(_text(gpu, path), path, _COUNT))
+                if value is not None:
+                    locations[(error_type, counter, location)] = value
+                parts.append(value)
+            total = _sum(*parts)
+            if total is not None:
+                totals[(error_type, counter)] = total
+    return totals, locations
+
+
+def _remapped_rows(
+    correctable: int | None, uncorrectable: int | None, pending: bool | None, failure: bool | None
+) -> RemappedRows | None:
+    """All four values, as NVML returns them in one call, or None when any is unknown."""
+    if correctable is None or uncorrectable is None or pending is None or failure is None:
+        return None
+    return RemappedRows(correctable, uncorrectable, pending, failure)
+
+
+def _xml_remapped_rows(gpu: ET.Element) -> RemappedRows | None:
+    section = gpu.find("remapped_rows")
+    if section is None or len(section) == 0:
+        return None
+
+    def count(tag: str) -> int | None:
+        return _int(_number(_text(section, tag), f"remapped_rows/{tag}", _COUNT))
+
+    def flag(tag: str) -> bool | None:
+        return _flag(_text(section, tag), f"remapped_rows/{tag}", _YES)
+
+    return _remapped_rows(
+        count("remapped_row_corr"),
+        count("remapped_row_unc"),
+        flag("remapped_row_pending"),
+        flag("remapped_row_failure"),
+    )
+
+
+def _xml_mig(device: ET.Element) -> MigRecord:
+    def identifier(path: str) -> int:
+        value = _int(_number(_text(device, path), f"mig_device/{path}", _COUNT))
+        if value is None:
+            raise ValueError(f"mig_device/{path}: missing")
+        return value
+
+    def memory(path: str) -> int | None:
+        return _int(_number(_text(device, path), f"mig_device/{path}", _BYTES))
+
+    return MigRecord(
+        index=identifier("index"),
+        gpu_instance_id=identifier("gpu_instance_id"),
+        compute_instance_id=identifier("compute_instance_id"),
+        mem_total_bytes=memory("fb_memory_usage/total"),
+        mem_used_bytes=memory("fb_memory_usage/used"),
+        mem_reserved_bytes=memory("fb_memory_usage/reserved"),
     )
 
 
@@ -196,11 +448,40 @@ def _csv_gpu(row_number: int, fields: Mapping[str, tuple[str, str]]) -> GpuRecor
                     return value
         return None
 
+    def count(name: str) -> int | None:
+        return _int(num(_COUNT, name))
+
+    def flag(name: str, words: Mapping[str, bool]) -> bool | None:
+        return _flag(fields[name][1], name, words) if name in fields else None
+
     def string(name: str) -> str:
         raw = fields.get(name, ("", ""))[1]
         return "" if _MISSING.match(raw) else raw
 
     index = _int(num(_COUNT, "index"))
+    event_api = not any(name.startswith("clocks_throttle_reasons.") for name in fields)
+    family = "clocks_event_reasons" if event_api else "clocks_throttle_reasons"
+    states = {reason: flag(f"{family}.{reason}", _ACTIVE) for reason in CLOCK_EVENT_REASONS}
+    known = {reason: state for reason, state in states.items() if state is not None}
+    counters = {
+        reason: _int(num(_NANOSECONDS, f"clocks_event_reasons_counters.{reason}"))
+        for reason in CLOCK_EVENT_REASONS
+    }
+    ecc_totals: dict[tuple[str, str], int] = {}
+    ecc_locations: dict[tuple[str, str, str], int] = {}
+    for error_type in ECC_TYPES:
+        for counter in ECC_COUNTERS:
+            prefix = f"ecc.errors.{error_type}.{counter}"
+            total = count(f"{prefix}.total")
+            if total is not None:
+                ecc_totals[(error_type, counter)] = total
+            for location in ECC_LOCATIONS:
+                names = [f"{prefix}.{location}"]
+                if location == "device_memory":
+                    names.append(f"{prefix}.dram")
+                value = _int(num(_COUNT, *names))
+                if value is not None:
+                    ecc_locations[(error_type, counter, location)] = value
     return GpuRecord(
         index=row_number if index is None else index,
         name=string("name"),
@@ -221,12 +502,29 @@ def _csv_gpu(row_number: int, fields: Mapping[str, tuple[str, str]]) -> GpuRecor
         sm_clock_mhz=num(_MHZ, "clocks.current.sm", "clocks.sm"),
         mem_clock_mhz=num(_MHZ, "clocks.current.memory", "clocks.mem"),
         graphics_clock_mhz=num(_MHZ, "clocks.current.graphics", "clocks.gr"),
+        memory_temperature_c=num(_CELSIUS, "temperature.memory"),
+        clock_event_reasons=(
+            frozenset(reason for reason, state in known.items() if state) if known else None
+        ),
+        clock_event_api=event_api,
+        clock_event_counters_ns={r: ns for r, ns in counters.items() if ns is not None},
+        ecc_errors=ecc_totals,
+        ecc_errors_by_location=ecc_locations,
+        retired_pages_single_bit=count("retired_pages.single_bit_ecc.count"),
+        retired_pages_double_bit=count("retired_pages.double_bit.count"),
+        retired_pages_pending=flag("retired_pages.pending", _YES),
+        remapped_rows=_remapped_rows(
+            count("remapped_rows.correctable"),
+            count("remapped_rows.uncorrectable"),
+            flag("remapped_rows.pending", _YES),
+            flag("remapped_rows.failure", _YES),
+        ),
+        mig_enabled=flag("mig.mode.current", _ENABLED),
     )
 
 
-def _exporter_section(lines: list[str], phase: str) -> str | None:
-    """The CSV body of a `# <phase> :: query-gpu` section of an nvidia_gpu_exporter capture."""
-    marker = _EXPORTER_SECTION.format(phase=phase)
+def _exporter_section(lines: list[str], marker: str) -> list[str] | None:
+    """The body lines of the section headed by `marker` in an nvidia_gpu_exporter capture."""
     start = next(
         (i for i, line in enumerate(lines) if line == marker or line.startswith(marker + " ")),
         None,
@@ -241,14 +539,47 @@ def _exporter_section(lines: list[str], phase: str) -> str | None:
             continue
         if line.strip():
             body.append(line)
-    return "\n".join(body) or None
+    return body
+
+
+def _exporter_query_gpu(lines: list[str], phase: str) -> str | None:
+    body = _exporter_section(lines, _EXPORTER_SECTION.format(phase=phase))
+    return "\n".join(body) if body else None
+
+
+def parse_nvlink_status(lines: list[str]) -> dict[int, tuple[NvLinkRecord, ...]]:
+    """Link states per GPU index from `nvidia-smi nvlink -s` output.
+
+    A link with a speed is active, `<inactive>` is not; a GPU without NVLink has no entry.
+    Raises ValueError for a link line that is neither.
+    """
+    links: dict[int, list[NvLinkRecord]] = {}
+    current: int | None = None
+    for line in lines:
+        gpu = _NVLINK_GPU.match(line)
+        if gpu is not None:
+            current = int(gpu["index"])
+            continue
+        link = _NVLINK_LINK.match(line)
+        if link is None or current is None:
+            continue
+        state = link["state"]
+        if state == "<inactive>":
+            active = False
+        elif _NVLINK_SPEED.match(state):
+            active = True
+        else:
+            raise ValueError(f"nvlink -s: GPU {current} link {link['link']}: cannot read {state!r}")
+        links.setdefault(current, []).append(NvLinkRecord(int(link["link"]), active))
+    return {index: tuple(found) for index, found in links.items()}
 
 
 def parse_capture(text: str) -> list[GpuRecord]:
     """Parse any supported capture, detecting its format.
 
     Accepts `nvidia-smi -q -x` XML, a bare `--query-gpu` CSV, or an nvidia_gpu_exporter
-    multi-section capture (its `load ::` query-gpu section, else its `idle ::` one).
+    multi-section capture (its `load ::` query-gpu section, else its `idle ::` one, plus the
+    link states of its `nvlink -s` section).
     Raises ValueError for anything else and for a capture that holds no GPU.
     """
     body = text.lstrip("\ufeff").strip()
@@ -256,10 +587,12 @@ def parse_capture(text: str) -> list[GpuRecord]:
     if body.startswith("<"):
         kind, records = "nvidia-smi XML", parse_nvidia_smi_xml(body)
     elif any(line.startswith("# idle :: ") or line.startswith("# load :: ") for line in lines):
-        section = _exporter_section(lines, "load") or _exporter_section(lines, "idle")
+        section = _exporter_query_gpu(lines, "load") or _exporter_query_gpu(lines, "idle")
         if section is None:
             raise ValueError("nvidia_gpu_exporter capture without a query-gpu section")
         kind, records = "nvidia_gpu_exporter capture", parse_query_gpu_csv(section)
+        links = parse_nvlink_status(_exporter_section(lines, _EXPORTER_NVLINK) or [])
+        records = [replace(r, nvlinks=links.get(r.index, r.nvlinks)) for r in records]
     elif lines and _QUERY_GPU_IDENTITY & {c.split("[", 1)[0].strip() for c in lines[0].split(",")}:
         kind, records = "--query-gpu CSV", parse_query_gpu_csv(body)
     else:

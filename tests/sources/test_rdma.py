@@ -251,7 +251,7 @@ def test_hw_counters_have_named_metrics_and_a_documented_tail() -> None:
     assert value(readings, "hyperagent_rdma_port_local_ack_timeouts_total", **port) == 131
     assert value(readings, "hyperagent_rdma_port_adaptive_retransmissions_total", **port) == 99
     assert value(readings, "hyperagent_rdma_port_out_of_sequence_packets_total", **port) == 1
-    tail = "hyperagent_rdma_port_driver_counter_total"
+    tail = "hyperagent_rdma_port_driver_stat_total"
     assert value(readings, tail, counter="rx_read_requests", **port) == 175528982
     assert value(readings, tail, counter="req_cqe_error", **port) is None
     assert value(readings, tail, counter="lifespan", **port) is None
@@ -263,7 +263,7 @@ def test_rxe_netdev_comes_from_the_tree() -> None:
     assert value(readings, "hyperagent_rdma_netdev_mtu_bytes", netdev="eth0") == 1500
     assert value(readings, "hyperagent_rdma_port_duplicate_requests_total", device="rxe0") == 1567
     assert (
-        value(readings, "hyperagent_rdma_port_driver_counter_total", counter="sent_pkts") == 168811
+        value(readings, "hyperagent_rdma_port_driver_stat_total", counter="sent_pkts") == 168811
     )
 
 
@@ -386,7 +386,7 @@ def test_a_file_that_fails_to_read_is_counted(tmp_path: Path) -> None:
     counter.symlink_to("/proc/self/mem")  # a regular file whose read fails with EIO
     (root / "class" / "net" / "eth0" / "mtu").write_text("jumbo\n")
     readings = parse_sysfs(read_sysfs(root))
-    assert value(readings, "hyperagent_rdma_port_driver_counter_total", counter="send_err") is None
+    assert value(readings, "hyperagent_rdma_port_driver_stat_total", counter="send_err") is None
     assert value(readings, "hyperagent_rdma_netdev_mtu_bytes", netdev="eth0") is None
     assert value(readings, "hyperagent_rdma_unreadable_files") == 2
 

@@ -10,8 +10,9 @@ from typing import Any
 import pynvml
 import pytest
 
+from hyperagent.readings import Kind, Reading
 from hyperagent.testing.fake_nvml import FakeNvml
-from hyperagent.testing.nvidia_smi import MIB, GpuRecord
+from hyperagent.testing.nvidia_smi import MIB, GpuRecord, MigRecord, NvLinkRecord
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "nvidia-smi"
 
@@ -341,3 +342,388 @@ def test_concurrent_reads_and_load_changes_stay_consistent() -> None:
     for thread in readers:
         thread.join()
     assert errors == []
+
+
+# -- health, PCIe, NVLink, events, MIG and GPM ---------------------------------------------------
+
+
+def _started(name: str, clock: FakeClock) -> FakeNvml:
+    nvml = FakeNvml.from_capture(FIXTURES / name, clock=clock)
+    nvml.nvmlInit()
+    return nvml
+
+
+H100 = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
+L40S = "linux-x86_64__nvidia-l40s__595.80.txt"
+
+
+def test_clock_event_reasons_by_driver_generation(v100s: FakeNvml, clock: FakeClock) -> None:
+    capped = v100s.nvmlDeviceGetHandleByIndex(3)
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):  # driver 460 predates the new name
+        v100s.nvmlDeviceGetCurrentClocksEventReasons(capped)
+    assert v100s.nvmlDeviceGetCurrentClocksThrottleReasons(capped) == (
+        pynvml.nvmlClocksThrottleReasonSwPowerCap
+    )
+    assert v100s.nvmlDeviceGetCurrentClocksThrottleReasons(v100s.nvmlDeviceGetHandleByIndex(0)) == 0
+    a10g = _started("a10g.xml", clock)
+    assert a10g.nvmlDeviceGetCurrentClocksThrottleReasons(a10g.nvmlDeviceGetHandleByIndex(0)) == (
+        pynvml.nvmlClocksEventReasonGpuIdle
+    )
+    a100 = _started("a100-sxm4-v12.xml", clock)
+    assert a100.nvmlDeviceGetCurrentClocksEventReasons(a100.nvmlDeviceGetHandleByIndex(0)) == 0
+    v100s.set_clock_event_reasons(0, {"hw_slowdown", "sync_boost"})
+    assert v100s.nvmlDeviceGetCurrentClocksThrottleReasons(v100s.nvmlDeviceGetHandleByIndex(0)) == (
+        pynvml.nvmlClocksEventReasonHwSlowdown | pynvml.nvmlClocksEventReasonSyncBoost
+    )
+    with pytest.raises(ValueError, match="unknown clock event reasons"):
+        v100s.set_clock_event_reasons(0, {"tired"})
+
+
+def test_violation_status_from_recorded_counters(v100s: FakeNvml, clock: FakeClock) -> None:
+    l40s = _started(L40S, clock)
+    h = l40s.nvmlDeviceGetHandleByIndex(0)
+    power = l40s.nvmlDeviceGetViolationStatus(h, pynvml.NVML_PERF_POLICY_POWER)
+    assert power.violationTime == 204_642_816_000
+    assert (
+        l40s.nvmlDeviceGetViolationStatus(h, pynvml.NVML_PERF_POLICY_SYNC_BOOST).violationTime == 0
+    )
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # not among the capture's counters
+        l40s.nvmlDeviceGetViolationStatus(h, pynvml.NVML_PERF_POLICY_THERMAL)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        l40s.nvmlDeviceGetViolationStatus(h, pynvml.NVML_PERF_POLICY_COUNT)
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # -q -x dumps hold no counters
+        v100s.nvmlDeviceGetViolationStatus(
+            v100s.nvmlDeviceGetHandleByIndex(0), pynvml.NVML_PERF_POLICY_POWER
+        )
+
+
+def test_ecc_retired_pages_and_remapped_rows(v100s: FakeNvml, clock: FakeClock) -> None:
+    h = v100s.nvmlDeviceGetHandleByIndex(0)
+    for error_type in (
+        pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+    ):
+        for counter in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC):
+            assert v100s.nvmlDeviceGetTotalEccErrors(h, error_type, counter) == 0
+    assert (
+        v100s.nvmlDeviceGetMemoryErrorCounter(
+            h,
+            pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+            pynvml.NVML_VOLATILE_ECC,
+            pynvml.NVML_MEMORY_LOCATION_CBU,
+        )
+        == 0
+    )
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # texture memory is N/A in the dump
+        v100s.nvmlDeviceGetMemoryErrorCounter(
+            h,
+            pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+            pynvml.NVML_VOLATILE_ECC,
+            pynvml.NVML_MEMORY_LOCATION_TEXTURE_MEMORY,
+        )
+    cause = pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+    assert v100s.nvmlDeviceGetRetiredPages(h, cause) == []
+    assert v100s.nvmlDeviceGetRetiredPagesPendingStatus(h) == pynvml.NVML_FEATURE_DISABLED
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        v100s.nvmlDeviceGetRemappedRows(h)
+    a10g = _started("a10g.xml", clock)
+    h = a10g.nvmlDeviceGetHandleByIndex(0)
+    assert a10g.nvmlDeviceGetRemappedRows(h) == (0, 0, 0, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        a10g.nvmlDeviceGetRetiredPages(h, cause)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        a10g.nvmlDeviceGetRetiredPagesPendingStatus(h)
+
+
+def test_pcie_throughput_is_in_kb_per_second(v100s: FakeNvml) -> None:
+    h = v100s.nvmlDeviceGetHandleByIndex(5)
+    assert v100s.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES) == 7_151_000
+    assert v100s.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES) == 8_083_000
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        v100s.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_COUNT)
+
+
+def test_field_values_answer_per_field(v100s: FakeNvml) -> None:
+    h = v100s.nvmlDeviceGetHandleByIndex(1)
+    temp, links, unknown = v100s.nvmlDeviceGetFieldValues(
+        h,
+        [
+            pynvml.NVML_FI_DEV_MEMORY_TEMP,
+            (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0),
+            pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER,
+        ],
+    )
+    assert (temp.nvmlReturn, temp.valueType, temp.value.uiVal) == (
+        pynvml.NVML_SUCCESS,
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+        56,
+    )
+    assert links.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED  # PCIe V100S: no NVLink
+    assert (links.fieldId, links.scopeId) == (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0)
+    assert unknown.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_nvlink_state_and_counters(clock: FakeClock) -> None:
+    h100 = _started(H100, clock)
+    h = h100.nvmlDeviceGetHandleByIndex(0)
+    assert [h100.nvmlDeviceGetNvLinkState(h, link) for link in range(18)] == [
+        pynvml.NVML_FEATURE_ENABLED
+    ] * 18
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        h100.nvmlDeviceGetNvLinkState(h, 18)
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # errors are not in the capture
+        h100.nvmlDeviceGetNvLinkErrorCounter(h, 0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY)
+    (traffic,) = h100.nvmlDeviceGetFieldValues(
+        h, [(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 3)]
+    )
+    assert traffic.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
+    gpu = replace(
+        _bare(),
+        nvlinks=(
+            NvLinkRecord(0, active=True, tx_bytes=4096, rx_bytes=2048, errors={"crc_flit": 3}),
+            NvLinkRecord(1, active=False),
+        ),
+    )
+    nvml = FakeNvml([gpu], clock=clock)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetNvLinkState(h, 1) == pynvml.NVML_FEATURE_DISABLED
+    assert nvml.nvmlDeviceGetNvLinkErrorCounter(h, 0, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT) == 3
+    tx, rx = nvml.nvmlDeviceGetFieldValues(
+        h,
+        [
+            (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0),
+            (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 0),
+        ],
+    )
+    assert (tx.value.ullVal, rx.value.ullVal) == (4, 2)  # KiB
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        v = FakeNvml([_bare()], clock=clock)
+        v.nvmlInit()
+        v.nvmlDeviceGetNvLinkState(v.nvmlDeviceGetHandleByIndex(0), 0)
+
+
+def test_xid_events_reach_registered_sets_and_wait_times_out(v100s: FakeNvml) -> None:
+    events = v100s.nvmlEventSetCreate()
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        v100s.nvmlEventSetWait_v2(events, 10)
+    h2 = v100s.nvmlDeviceGetHandleByIndex(2)
+    v100s.nvmlDeviceRegisterEvents(h2, pynvml.nvmlEventTypeXidCriticalError, events)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        v100s.nvmlDeviceRegisterEvents(h2, pynvml.nvmlEventTypePState, events)
+    v100s.inject_xid(2, 79)
+    v100s.inject_xid(2, 48)
+    first = v100s.nvmlEventSetWait_v2(events, 10)
+    assert (first.device, first.eventType, first.eventData) == (
+        h2,
+        pynvml.nvmlEventTypeXidCriticalError,
+        79,
+    )
+    assert v100s.nvmlEventSetWait(events, 10).eventData == 48
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        v100s.nvmlEventSetWait_v2(events, 10)
+    v100s.nvmlEventSetFree(events)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        v100s.nvmlEventSetWait_v2(events, 10)
+
+
+def test_an_event_wakes_a_waiting_thread(v100s: FakeNvml) -> None:
+    events = v100s.nvmlEventSetCreate()
+    v100s.nvmlDeviceRegisterEvents(
+        v100s.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlEventTypeXidCriticalError, events
+    )
+    got: list[int] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(v100s.nvmlEventSetWait_v2(events, 5000).eventData)
+    )
+    waiter.start()
+    v100s.inject_xid(0, 31)
+    waiter.join(timeout=5)
+    assert got == [31]
+
+
+def test_xids_raised_before_registration_wait_for_the_first_set(v100s: FakeNvml) -> None:
+    v100s.inject_xid(1, 13)
+    events = v100s.nvmlEventSetCreate()
+    v100s.nvmlDeviceRegisterEvents(
+        v100s.nvmlDeviceGetHandleByIndex(1), pynvml.nvmlEventTypeXidCriticalError, events
+    )
+    assert v100s.nvmlEventSetWait_v2(events, 10).eventData == 13
+    with pytest.raises(ValueError):
+        v100s.inject_xid(1, -1)
+
+
+def test_mig_devices_of_the_a100(clock: FakeClock) -> None:
+    nvml = _started("a100-sxm4-v12.xml", clock)
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetMigMode(h) == [pynvml.NVML_DEVICE_MIG_ENABLE] * 2
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(h) == 4
+    migs = [nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, slot) for slot in range(4)]
+    assert migs[0] is nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
+    assert [nvml.nvmlDeviceGetGpuInstanceId(m) for m in migs] == [3, 4, 5, 6]
+    assert {nvml.nvmlDeviceGetComputeInstanceId(m) for m in migs} == {0}
+    assert nvml.nvmlDeviceIsMigDeviceHandle(migs[1]) and not nvml.nvmlDeviceIsMigDeviceHandle(h)
+    assert nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migs[2]) is h
+    memory = nvml.nvmlDeviceGetMemoryInfo(migs[3])
+    assert (memory.total, memory.used) == (19968 * MIB, 12 * MIB)
+    for unrecorded in (nvml.nvmlDeviceGetUUID, nvml.nvmlDeviceGetName):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            unrecorded(migs[0])
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # a GPU call on a MIG device
+        nvml.nvmlDeviceGetPowerUsage(migs[0])
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetGpuInstanceId(h)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 4)
+
+
+def test_mig_identity_where_recorded(clock: FakeClock) -> None:
+    mig = MigRecord(
+        0, 1, 0, uuid="MIG-7e3b", profile="3g.40gb", mem_total_bytes=1, mem_used_bytes=0
+    )
+    nvml = FakeNvml([replace(_bare(), mig_enabled=True, mig_devices=(mig,))], clock=clock)
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(nvml.nvmlDeviceGetHandleByIndex(0), 0)
+    assert nvml.nvmlDeviceGetUUID(handle) == "MIG-7e3b"
+    assert nvml.nvmlDeviceGetName(handle) == "bare MIG 3g.40gb"
+
+
+def test_no_mig_and_no_gpm_on_older_gpus(v100s: FakeNvml, clock: FakeClock) -> None:
+    for nvml in (v100s, _started("tesla-t4.xml", clock), _started("a10g.xml", clock)):
+        h = nvml.nvmlDeviceGetHandleByIndex(0)
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            nvml.nvmlDeviceGetMigMode(h)
+        assert nvml.nvmlDeviceGetMaxMigDeviceCount(h) == 0
+        assert nvml.nvmlGpmQueryDeviceSupport(h).isSupportedDevice == 0
+        sample = nvml.nvmlGpmSampleAlloc()
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            nvml.nvmlGpmSampleGet(h, sample)
+        nvml.nvmlGpmSampleFree(sample)
+
+
+def test_gpm_metrics_over_two_samples(clock: FakeClock) -> None:
+    nvml = FakeNvml([replace(_bare(), sm_active_pct=40.0, tensor_active_pct=12.5)], clock=clock)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlGpmQueryDeviceSupport(h).isSupportedDevice == 1
+    first, second = nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()
+    nvml.nvmlGpmSampleGet(h, first)
+    nvml.set_load(0, sm_active_pct=75.0)
+    nvml.nvmlGpmSampleGet(h, second)
+    request = pynvml.c_nvmlGpmMetricsGet_t()
+    request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+    request.numMetrics = 3
+    request.sample1, request.sample2 = first, second
+    for i, metric in enumerate(
+        (
+            pynvml.NVML_GPM_METRIC_SM_UTIL,
+            pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+            pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+        )
+    ):
+        request.metrics[i].metricId = metric
+    nvml.nvmlGpmMetricsGet(request)
+    assert [(m.nvmlReturn, m.value) for m in request.metrics[:3]] == [
+        (pynvml.NVML_SUCCESS, 75.0),
+        (pynvml.NVML_SUCCESS, 12.5),
+        (pynvml.NVML_ERROR_NOT_SUPPORTED, 0.0),
+    ]
+    request.version = 99
+    with pytest.raises(pynvml.NVMLError_ArgumentVersionMismatch):
+        nvml.nvmlGpmMetricsGet(request)
+    nvml.nvmlGpmSampleFree(first)
+    request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # a freed sample
+        nvml.nvmlGpmMetricsGet(request)
+
+
+def _reading(name: str, value: float, kind: Kind = Kind.GAUGE, **labels: str) -> Reading:
+    return Reading(name, value, {"gpu": "0", "uuid": "GPU-r", **labels}, kind)
+
+
+def _info() -> Reading:
+    return _reading("hyperagent_gpu_info", 1, Kind.INFO, model="NVIDIA H100", driver="550.1")
+
+
+def test_from_readings_answers_like_the_recorded_gpu(clock: FakeClock) -> None:
+    nvml = FakeNvml.from_readings(
+        [
+            _info(),
+            _reading("hyperagent_gpu_power_watts", 312.5),
+            _reading("hyperagent_gpu_energy_joules_total", 1500.25, Kind.COUNTER),
+            _reading("hyperagent_gpu_sm_active_ratio", 0.07),
+            _reading("hyperagent_gpu_throttle_seconds_total", 2.5, Kind.COUNTER, reason="thermal"),
+            _reading("hyperagent_gpu_xid_errors_total", 2, Kind.COUNTER, xid="79"),
+            _reading("hyperagent_gpu_quantum_coefficient", 1.2),  # not NVML's: ignored
+            Reading("hyperagent_host_swap_used_bytes", 0.0),
+        ],
+        clock=clock,
+    )
+    nvml.nvmlInit()
+    assert nvml.nvmlSystemGetDriverVersion() == "550.1"
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetName(h) == "NVIDIA H100"
+    assert nvml.nvmlDeviceGetPowerUsage(h) == 312_500
+    assert nvml.nvmlDeviceGetTotalEnergyConsumption(h) == 1_500_250
+    clock.now = 2.0
+    assert nvml.nvmlDeviceGetTotalEnergyConsumption(h) == 1_500_250 + 625_000
+    thermal = nvml.nvmlDeviceGetViolationStatus(h, pynvml.NVML_PERF_POLICY_THERMAL)
+    assert thermal.violationTime == 2_500_000_000
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetUtilizationRates(h)
+    assert nvml.nvmlGpmQueryDeviceSupport(h).isSupportedDevice == 1
+    events = nvml.nvmlEventSetCreate()
+    nvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, events)
+    assert [nvml.nvmlEventSetWait_v2(events, 10).eventData for _ in range(2)] == [79, 79]
+
+
+def test_update_from_readings_fails_absent_gpus_and_raises_new_xids(clock: FakeClock) -> None:
+    nvml = FakeNvml.from_readings([_info()], clock=clock)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    events = nvml.nvmlEventSetCreate()
+    nvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, events)
+    nvml.update_from_readings([])
+    with pytest.raises(pynvml.NVMLError_Unknown):
+        nvml.nvmlDeviceGetName(h)
+    nvml.update_from_readings(
+        [_info(), _reading("hyperagent_gpu_xid_errors_total", 1, Kind.COUNTER, xid="48")]
+    )
+    assert nvml.nvmlDeviceGetName(h) == "NVIDIA H100"
+    assert nvml.nvmlEventSetWait_v2(events, 10).eventData == 48
+    nvml.update_from_readings(
+        [_info(), _reading("hyperagent_gpu_xid_errors_total", 1, Kind.COUNTER, xid="48")]
+    )
+    with pytest.raises(pynvml.NVMLError_Timeout):  # the same count: no new event
+        nvml.nvmlEventSetWait_v2(events, 10)
+    other = Reading("hyperagent_gpu_info", 1, {"gpu": "0", "uuid": "GPU-other"}, Kind.INFO)
+    with pytest.raises(ValueError, match="GPU 0 is GPU-other"):
+        nvml.update_from_readings([other])
+
+
+@pytest.mark.parametrize(
+    ("readings", "message"),
+    [
+        ([], "readings hold no GPU"),
+        ([_reading("hyperagent_gpu_power_watts", 1.0)], "no hyperagent_gpu_info"),
+        (
+            [Reading("hyperagent_gpu_power_watts", 1.0, {"gpu": "zero", "uuid": "x"})],
+            "not a number",
+        ),
+        ([Reading("hyperagent_gpu_power_watts", 1.0, {"gpu": "0"})], "label 'uuid' missing"),
+        ([_info(), _reading("hyperagent_gpu_info", 1, Kind.INFO, gpu="2")], r"GPUs \[0, 2\]"),
+        (
+            [_info(), Reading("hyperagent_gpu_power_watts", 1.0, {"gpu": "0", "uuid": "GPU-s"})],
+            "appears as",
+        ),
+        (
+            [_info(), _reading("hyperagent_gpu_throttle_seconds_total", 1.0, Kind.COUNTER)],
+            "label 'reason' missing",
+        ),
+    ],
+)
+def test_from_readings_rejects_what_no_source_produced(
+    readings: list[Reading], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        FakeNvml.from_readings(readings)

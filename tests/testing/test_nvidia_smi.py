@@ -9,8 +9,12 @@ import pytest
 from hyperagent.testing.nvidia_smi import (
     MIB,
     GpuRecord,
+    MigRecord,
+    NvLinkRecord,
+    RemappedRows,
     parse_capture,
     parse_nvidia_smi_xml,
+    parse_nvlink_status,
     parse_query_gpu_csv,
 )
 
@@ -72,6 +76,29 @@ def test_gtx_8card_gpu0_under_load() -> None:
         mem_clock_mhz=1107.0,
         graphics_clock_mhz=1410.0,
         pcie_replay_count=0,
+        memory_temperature_c=63.0,
+        pcie_tx_bytes_per_s=22000 * 1024,
+        pcie_rx_bytes_per_s=19000 * 1024,
+        clock_event_reasons=frozenset(),
+        clock_event_api=False,  # driver 460 names them clocks_throttle_reasons
+        ecc_errors={
+            (t, c): 0 for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")
+        },
+        ecc_errors_by_location={
+            **{
+                (t, c, where): 0
+                for t in ("corrected", "uncorrected")
+                for c in ("volatile", "aggregate")
+                for where in ("device_memory", "register_file", "l1_cache", "l2_cache")
+            },
+            ("uncorrected", "volatile", "cbu"): 0,
+            ("uncorrected", "aggregate", "cbu"): 0,
+        },
+        retired_pages_single_bit=0,
+        retired_pages_double_bit=0,
+        retired_pages_pending=False,
+        remapped_rows=None,
+        mig_enabled=None,
     )
 
 
@@ -256,3 +283,144 @@ def test_xml_power_fallbacks_for_newer_dtd() -> None:
 def test_unrecognised_or_empty_captures_raise(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_capture(text)
+
+
+def test_gtx_8card_power_capped_gpus_and_pcie_traffic() -> None:
+    gpus = _capture("gtx-8card.xml")
+    assert [g.index for g in gpus if g.clock_event_reasons] == [3, 6]
+    assert gpus[3].clock_event_reasons == {"sw_power_cap"}
+    assert gpus[5].pcie_tx_bytes_per_s == 7151000 * 1024
+    assert gpus[5].pcie_rx_bytes_per_s == 8083000 * 1024
+    assert [g.memory_temperature_c for g in gpus] == [63, 56, 55, 59, 58, 62, 56, 53]
+
+
+def test_a100_mig_devices_ecc_and_event_reasons() -> None:
+    gpu = _capture("a100-sxm4-v12.xml")[0]
+    assert gpu.mig_enabled is True
+    assert gpu.mig_devices == tuple(
+        MigRecord(
+            index=slot,
+            gpu_instance_id=gi,
+            compute_instance_id=0,
+            mem_total_bytes=19968 * MIB,
+            mem_used_bytes=12 * MIB,
+            mem_reserved_bytes=0,
+        )
+        for slot, gi in enumerate((3, 4, 5, 6))
+    )
+    assert gpu.clock_event_api is True  # driver 535: clocks_event_reasons
+    assert gpu.clock_event_reasons == frozenset()
+    assert gpu.memory_temperature_c == 44.0
+    assert gpu.pcie_tx_bytes_per_s == 4000 * 1024
+    assert gpu.ecc_errors[("uncorrected", "aggregate")] == 0
+    assert gpu.ecc_errors_by_location[("corrected", "volatile", "sram")] == 0
+    assert gpu.ecc_errors_by_location[("corrected", "volatile", "device_memory")] == 0
+    assert gpu.retired_pages_single_bit is None  # N/A: A100 remaps rows instead
+    assert gpu.retired_pages_pending is None
+    assert gpu.remapped_rows is None  # N/A in this dump (MIG mode)
+
+
+def test_a10g_remapped_rows_and_idle_reason() -> None:
+    gpu = _capture("a10g.xml")[0]
+    assert gpu.remapped_rows == RemappedRows(0, 0, pending=False, failure=False)
+    assert gpu.clock_event_reasons == {"gpu_idle"}
+    assert gpu.clock_event_api is False
+    assert gpu.memory_temperature_c is None
+    assert gpu.mig_enabled is None
+    assert gpu.mig_devices == ()
+
+
+def test_tesla_t4_retired_pages() -> None:
+    gpu = _capture("tesla-t4.xml")[0]
+    assert (gpu.retired_pages_single_bit, gpu.retired_pages_double_bit) == (0, 0)
+    assert gpu.retired_pages_pending is False
+    assert gpu.remapped_rows is None
+
+
+def test_h100_health_counters_and_nvlinks() -> None:
+    gpu = _capture(H100)[0]
+    assert gpu.memory_temperature_c == 54.0
+    assert gpu.clock_event_api is True
+    assert gpu.clock_event_reasons == frozenset()
+    assert gpu.clock_event_counters_ns == {
+        "sw_power_cap": 0,
+        "sync_boost": 0,
+        "sw_thermal_slowdown": 0,
+        "hw_thermal_slowdown": 0,
+        "hw_power_brake_slowdown": 0,
+    }
+    assert gpu.ecc_errors == {
+        (t, c): 0 for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")
+    }
+    assert gpu.ecc_errors_by_location[("corrected", "volatile", "sram")] == 0
+    assert ("corrected", "volatile", "register_file") not in gpu.ecc_errors_by_location
+    assert gpu.remapped_rows == RemappedRows(0, 0, pending=False, failure=False)
+    assert gpu.retired_pages_single_bit is None
+    assert gpu.mig_enabled is False
+    assert gpu.nvlinks == tuple(NvLinkRecord(link, active=True) for link in range(18))
+
+
+def test_l40s_counts_power_capping_in_microseconds() -> None:
+    gpu = _capture(L40S)[0]
+    assert gpu.clock_event_counters_ns["sw_power_cap"] == 204_642_816 * 1000
+    assert gpu.memory_temperature_c is None
+    assert gpu.mig_enabled is None
+    assert gpu.nvlinks == ()  # "Device does not have or support Nvlink"
+
+
+def test_nvlink_status_lines() -> None:
+    text = [
+        "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-a)",
+        "\t Link 0: 25 GB/s",
+        "\t Link 1: <inactive>",
+        "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-b)",
+        "\t Link 0: 25.781 GB/s",
+    ]
+    assert parse_nvlink_status(text) == {
+        0: (NvLinkRecord(0, active=True), NvLinkRecord(1, active=False)),
+        1: (NvLinkRecord(0, active=True),),
+    }
+    with pytest.raises(ValueError, match="GPU 0 link 2: cannot read 'warm'"):
+        parse_nvlink_status([text[0], "\t Link 2: warm"])
+
+
+def test_csv_from_an_older_nvidia_smi_names_throttle_reasons() -> None:
+    text = (
+        "index, name, uuid, clocks_throttle_reasons.active, clocks_throttle_reasons.sw_power_cap, "
+        "clocks_throttle_reasons.gpu_idle, mig.mode.current, retired_pages.pending\n"
+        "0, Tesla V100, GPU-a, 0x0000000000000004, Active, Not Active, [N/A], No\n"
+    )
+    (gpu,) = parse_query_gpu_csv(text)
+    assert gpu.clock_event_api is False
+    assert gpu.clock_event_reasons == {"sw_power_cap"}
+    assert gpu.mig_enabled is None
+    assert gpu.retired_pages_pending is False
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("<tx_util>4000 KB/s</tx_util>", "<tx_util>4000 furlongs</tx_util>", "pci/tx_util"),
+        (
+            "<clocks_event_reason_gpu_idle>Not Active</clocks_event_reason_gpu_idle>",
+            "<clocks_event_reason_gpu_idle>Maybe</clocks_event_reason_gpu_idle>",
+            "clocks_event_reason_gpu_idle: expected one of",
+        ),
+        (
+            "<current_mig>Enabled</current_mig>",
+            "<current_mig>Sometimes</current_mig>",
+            "current_mig",
+        ),
+        ("<gpu_instance_id>3</gpu_instance_id>", "<gpu_instance_id></gpu_instance_id>", "missing"),
+        (
+            "<sram_correctable>0</sram_correctable>",
+            "<sram_correctable>x</sram_correctable>",
+            "sram",
+        ),
+    ],
+)
+def test_a_garbage_field_raises_naming_it(old: str, new: str, message: str) -> None:
+    text = (FIXTURES / "a100-sxm4-v12.xml").read_text(encoding="utf-8")
+    assert old in text
+    with pytest.raises(ValueError, match=message):
+        parse_capture(text.replace(old, new, 1))
