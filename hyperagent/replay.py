@@ -200,3 +200,48 @@ class RecordedSource:
 
     async def close(self) -> None:
         return None
+
+
+class RecordedNvmlSource:
+    """Replays recorded GPU readings through the NVML source over a fake NVML, so a recording
+    takes the same code path as live hardware (and a bad recording fails the same way)."""
+
+    name = "nvml"
+    target = "recording"
+
+    def __init__(self, player: Player) -> None:
+        from hyperagent.sources.nvml import NvmlSource
+        from hyperagent.testing.fake_nvml import FakeNvml
+
+        self.player = player
+        first = next(f for f in player.recording.frames if "nvml" in f.sources)
+        self._now = first.ts
+        self._shown: Frame | None = first
+        try:
+            self.fake = FakeNvml.from_readings(first.sources["nvml"], clock=self._recorded_time)
+        except ValueError as e:
+            raise RecordingError(f"recorded GPU readings at {first.ts}: {e}") from e
+        self.source = NvmlSource(self.fake, clock=self._recorded_time)
+
+    def _recorded_time(self) -> float:
+        return self._now
+
+    async def start(self) -> None:
+        await self.source.start()
+
+    async def read(self) -> list[Reading]:
+        frame = self.player.frame()
+        readings = frame.sources.get("nvml")
+        if readings is None:
+            raise SourceUnavailable("the recording has no GPU readings at this time")
+        if frame is not self._shown:
+            self._now = frame.ts
+            try:
+                self.fake.update_from_readings(readings)
+            except ValueError as e:
+                raise RecordingError(f"recorded GPU readings at {frame.ts}: {e}") from e
+            self._shown = frame
+        return await self.source.read()
+
+    async def close(self) -> None:
+        await self.source.close()

@@ -11,7 +11,13 @@ from typing import Any
 
 from hyperagent.config import Config
 from hyperagent.errors import ConfigError, ConfigProblem
-from hyperagent.replay import RECORDING_FILE, Player, RecordedSource, load_recording
+from hyperagent.replay import (
+    RECORDING_FILE,
+    Player,
+    RecordedNvmlSource,
+    RecordedSource,
+    load_recording,
+)
 from hyperagent.sources import ipmi, pdu, rdma
 from hyperagent.sources.base import Source
 from hyperagent.sources.host import HostSource
@@ -132,11 +138,15 @@ def capture_sources(
     if recording.is_file():
         player = Player(load_recording(recording), clock)
         provided = {s.name for s in sources}
-        sources += [
-            RecordedSource(name, player)
-            for name in player.recording.source_names
-            if name not in provided
-        ]
+        for name in player.recording.source_names:
+            if name in provided:
+                continue
+            if name == "nvml":
+                nvml_replay = RecordedNvmlSource(player)
+                nvml = nvml_replay.fake
+                sources.append(nvml_replay)
+            else:
+                sources.append(RecordedSource(name, player))
     if not sources:
         raise ConfigError(
             [
