@@ -172,9 +172,7 @@ def test_record_then_replay_serves_the_same_metrics(tmp_path: Path) -> None:
         agent.communicate(timeout=20)
     served = samples(text, "hyperagent_gpu_")
     served = {k: v for k, v in served.items() if k[0] != "hyperagent_gpu_quantum_coefficient"}
-    expected = {
-        (name.removesuffix("_info") + ("_info" if name.endswith("_info") else ""), labels): v
-        for (name, labels), v in last.items()
-    }
-    assert served == expected
+    assert served.keys() == last.keys()
+    # the same values; time-integrated counters agree to float precision (integrated anew)
+    assert served == pytest.approx(last, rel=1e-9)
     assert 'hyperagent_source_up{source="nvml",target="recording"} 1.0' in text
