@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -179,6 +180,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         return _run(coordinator.run())
     finally:
         metrics.stop()
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from hyperagent.catalog import HELP
+
+    for name in sorted(HELP):
+        print(f"{name}  {HELP[name]}")
+    return 0
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -376,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--broker", metavar="URL", help="use this broker instead of an embedded one")
     demo.set_defaults(func=cmd_demo)
 
+    metrics = sub.add_parser("metrics", help="list every metric hyperagent exposes")
+    metrics.set_defaults(func=cmd_metrics)
+
     check = sub.add_parser("check-config", help="validate a configuration file")
     check.add_argument("file", type=Path)
     check.set_defaults(func=cmd_check_config)
@@ -388,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(args.log_level if args.command != "demo" else "warning")
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # `hyperagent metrics | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ConfigError as e:
         where = f"{e.file}: " if e.file else ""
         for problem in e.problems:
