@@ -158,6 +158,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from hyperagent.exporter import MetricsServer
 
     config = load_config(args.config, _overrides(args))
+    if args.recommend:
+        jobs = tuple(
+            job.model_copy(update={"mode": "recommend"}) for job in config.coordinator.jobs
+        )
+        config = config.model_copy(
+            update={"coordinator": config.coordinator.model_copy(update={"jobs": jobs})}
+        )
     key = read_settings_key(config)
     problems = []
     if key is None:
@@ -171,6 +178,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     assert key is not None
     link = coordinator_link(config)
     coordinator = Coordinator(config, link, key)
+    if args.recommend:
+        _run(coordinator.run(until_tuned=True))
+        for job, state in coordinator.jobs.items():
+            print(f"{job}: would set {_describe(state.recommendation or {})}, because {state.why}")
+        return 0
     address = config.coordinator.metrics_address
     if not address:
         return _run(coordinator.run())
@@ -201,11 +213,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _describe(settings: dict[str, Any]) -> str:
-    parts = [
-        f"bucket {settings['bucket_mb']} MiB",
-        f"chunk {settings['chunk_kb']} KiB",
-        str(settings.get("allreduce", "")),
-    ]
+    parts = []
+    if "bucket_mb" in settings:
+        parts.append(f"bucket {settings['bucket_mb']} MiB")
+    if "chunk_kb" in settings:
+        parts.append(f"chunk {settings['chunk_kb']} KiB")
+    if "allreduce" in settings:
+        parts.append(str(settings["allreduce"]))
     if settings.get("power_cap_w") is not None:
         parts.append(f"cap {settings['power_cap_w']} W")
     return ", ".join(parts)
@@ -369,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--config", type=Path, required=True)
     coordinator.add_argument("--broker", metavar="URL")
     coordinator.add_argument("--cluster")
+    coordinator.add_argument(
+        "--recommend",
+        action="store_true",
+        help="tune nothing: report what would be set for each job, and why",
+    )
     coordinator.set_defaults(func=cmd_coordinator)
 
     demo = sub.add_parser("demo", help="the whole loop on this machine, on simulated nodes")

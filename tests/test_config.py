@@ -159,3 +159,36 @@ def test_a_key_other_users_can_read_is_refused(tmp_path: Path) -> None:
     assert result.returncode == 2 and "accessible to other users (mode 644)" in result.stderr
     key.chmod(0o640)
     assert _check(path).returncode == 0
+
+
+def test_coordinator_recommend_mode_publishes_nothing_and_explains(tmp_path: Path) -> None:
+    key = tmp_path / "settings.key"
+    key.write_text("k" * 64)
+    key.chmod(0o600)
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'cluster = "c"\n[mqtt]\nurl = "mqtt://127.0.0.1:1"\n'
+        f'[security]\nsettings_key_file = "{key}"\n'
+        f'[coordinator]\nstate_dir = "{tmp_path}"\nmetrics_address = ""\n'
+        '[[coordinator.jobs]]\nid = "big"\nnodes = ["a", "b", "c", "d", "e", "f", "g", "h", "i",'
+        ' "j"]\nbackend = "mpi"\npower_limits_w = [200, 400]\n'
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperagent.cli",
+            "coordinator",
+            "--config",
+            str(path),
+            "--recommend",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    # ten nodes: BACKGROUND.md's table says halving-doubling with 1 MiB segments
+    assert "big: would set" in result.stdout and "chunk 1024 KiB, halving_doubling" in result.stdout
+    assert "because BACKGROUND.md's table for 10 nodes" in result.stdout
+    assert not (tmp_path / "big.jsonl").exists()
