@@ -225,10 +225,20 @@ def _describe(settings: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _on_broker(args: argparse.Namespace, console: Any, demo: Any) -> Any:
+    """Run ``demo(url)`` on ``--broker``, or on an embedded broker started for it."""
+    from hyperagent.demo import embedded_broker
+
+    if args.broker:
+        return asyncio.run(demo(args.broker))
+    with embedded_broker() as url:
+        console.print(f"embedded MQTT broker on {url}")
+        return asyncio.run(demo(url))
+
+
 def cmd_demo_torch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hyperagent.demo import embedded_broker
     from hyperagent.demo_torch import DEFAULT_TRIALS, require_torch, run_torch_demo
 
     trials = args.trials or DEFAULT_TRIALS
@@ -253,12 +263,7 @@ def cmd_demo_torch(args: argparse.Namespace) -> int:
             "hyperagent demo: 2 PyTorch DDP ranks (gloo on 127.0.0.1), "
             f"1.8M-parameter MLP, objective throughput (samples/s), {trials} trials"
         )
-        if args.broker:
-            result = asyncio.run(demo(args.broker))
-        else:
-            with embedded_broker() as url:
-                console.print(f"embedded MQTT broker on {url}")
-                result = asyncio.run(demo(url))
+        result = _on_broker(args, console, demo)
     except HyperagentError as e:
         console.print(f"[red]{e}[/red]")
         return 1
@@ -274,7 +279,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hyperagent.demo import embedded_broker, run_demo
+    from hyperagent.demo import run_demo
 
     problems = []
     if not 1 <= args.nodes <= 64:
@@ -317,12 +322,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"hyperagent demo: {args.nodes} simulated nodes x 8 GPUs, "
         f"objective {args.objective} ({unit}), {args.trials} trials"
     )
-    if args.broker:
-        result = asyncio.run(demo(args.broker))
-    else:
-        with embedded_broker() as url:
-            console.print(f"embedded MQTT broker on {url}")
-            result = asyncio.run(demo(url))
+    result = _on_broker(args, console, demo)
     state = result.state
     if state.best is None or state.gain is None:
         console.print("[red]no trial produced a measurement[/red]")

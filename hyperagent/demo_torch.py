@@ -24,7 +24,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hyperagent.demo import free_port
 from hyperagent.errors import HyperagentError
 from hyperagent.job import StepReport
 
@@ -67,13 +67,6 @@ def require_torch() -> None:
             "the torch-ddp demo needs PyTorch: pip install 'hyperagent[torch]' "
             "(CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

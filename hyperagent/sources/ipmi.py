@@ -28,7 +28,7 @@ import asyncio
 import logging
 import re
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,8 @@ from typing import Any, Protocol
 
 from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Reading
+from hyperagent.sources import command
+from hyperagent.sources.command import CommandFailed, RunCommand
 
 log = logging.getLogger(__name__)
 
@@ -376,76 +378,27 @@ class IpmiSource:
         await self.backend.close()
 
 
-RunCommand = Callable[[Sequence[str]], Awaitable[str]]
-"""Runs an argv and returns its standard output (a SourceError when it fails)."""
-
-
-class CommandError(SourceError):
-    """A command exited with a non-zero status; its status and standard error are kept."""
-
-    def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
-        last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
-        super().__init__(f"{Path(argv[0]).name} exited with status {returncode}: {last.strip()}")
-        self.argv = list(argv)
-        self.returncode = returncode
-        self.stderr = stderr
-
-
-async def run_subprocess(argv: Sequence[str]) -> str:
-    """Run ``argv`` without a shell and return its standard output.
-
-    Raises SourceUnavailable when the program is not installed and CommandError when it exits
-    non-zero. Cancelling the call (a caller's timeout) kills the process and reaps it.
-    """
-    try:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except FileNotFoundError as e:
-        raise SourceUnavailable(f"{argv[0]} is not installed") from e
-    except OSError as e:
-        raise SourceError(f"cannot run {argv[0]}: {e}") from e
-    try:
-        stdout, stderr = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    if process.returncode:
-        raise CommandError(argv, process.returncode, stderr.decode(errors="replace"))
-    return stdout.decode(errors="replace")
-
-
 SDR_CAPTURE = "ipmitool-sdr.txt"
 DCMI_CAPTURE = "ipmitool-dcmi.txt"
+
+
+def capture_file(argv: Sequence[str]) -> str:
+    """The file of a capture directory that holds the output of an ipmitool ``argv``."""
+    if list(argv[-3:]) == ["dcmi", "power", "reading"]:
+        return DCMI_CAPTURE
+    if "sdr" in argv:
+        return SDR_CAPTURE
+    raise CommandFailed(f"no capture answers {' '.join(argv)}", argv)
 
 
 def capture_runner(directory: Path) -> RunCommand:
     """A RunCommand answering ``ipmitool ... sdr ...`` with ``directory/ipmitool-sdr.txt`` and
     ``ipmitool ... dcmi power reading`` with ``directory/ipmitool-dcmi.txt``.
 
-    A missing file raises SourceUnavailable (no SDR capture: the source is down quietly; no DCMI
-    capture: the backend reads SDR sensors only).
+    A missing file raises CaptureMissing, a SourceUnavailable (no SDR capture: the source is
+    down quietly; no DCMI capture: the backend reads SDR sensors only).
     """
-
-    async def run(argv: Sequence[str]) -> str:
-        if list(argv[-3:]) == ["dcmi", "power", "reading"]:
-            path = directory / DCMI_CAPTURE
-        elif "sdr" in argv:
-            path = directory / SDR_CAPTURE
-        else:
-            raise SourceError(f"no capture answers {' '.join(argv)}")
-        try:
-            return await asyncio.to_thread(path.read_text, encoding="utf-8", errors="replace")
-        except FileNotFoundError as e:
-            raise SourceUnavailable(f"no capture {path}") from e
-        except OSError as e:
-            raise SourceError(f"reading capture {path}: {e}") from e
-
-    return run
+    return command.capture_runner(directory, capture_file)
 
 
 _COMPLETION_CODE = re.compile(r"\(([0-9a-fA-F]{2})\)\s*$", re.MULTILINE)
@@ -465,7 +418,7 @@ class IpmitoolBackend:
 
     def __init__(
         self,
-        run_command: RunCommand = run_subprocess,
+        run_command: RunCommand = command.run_command,
         *,
         interface: str = "open",
         host: str | None = None,
@@ -538,7 +491,7 @@ class IpmitoolBackend:
     async def _run(self, *command: str) -> str:
         try:
             return await self.run_command([*self.options, *command])
-        except CommandError as e:
+        except CommandFailed as e:
             if "Could not open device" in e.stderr:
                 raise SourceUnavailable(f"no local BMC device: {e}") from e
             match = _COMPLETION_CODE.search(e.stderr)

@@ -20,25 +20,26 @@ the sysfs readings are still reported.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
+from hyperagent.errors import SourceError, SourceUnavailable
 from hyperagent.readings import Kind, Reading
+from hyperagent.sources import command
+from hyperagent.sources.command import (
+    CommandFailed,
+    RunCommand,
+)
 
 log = logging.getLogger(__name__)
-
-RunCommand = Callable[[Sequence[str]], Awaitable[str]]
-"""Runs a command line and returns its standard output; raises SourceError when it fails."""
 
 RDMA_QP_COMMAND = ("rdma", "-j", "resource", "show", "qp")
 RDMA_CQ_COMMAND = ("rdma", "-j", "resource", "show", "cq")
@@ -54,33 +55,6 @@ NO_PMA = "N/A (no PMA)"
 
 NDEV_GIDS_SCANNED = 8
 """GID table entries probed for the port's netdev; the default GID (index 0) names it."""
-
-
-class CommandFailed(SourceError):
-    """A command exited non-zero, timed out or could not be started.
-
-    ``argv`` is the command line, ``returncode`` its exit status (None when it never exited).
-    """
-
-    def __init__(
-        self, message: str, argv: Sequence[str], returncode: int | None = None, stderr: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.argv = tuple(argv)
-        self.returncode = returncode
-        self.stderr = stderr
-
-
-class CommandTimeout(CommandFailed, SourceTimeout):
-    """A command did not finish within its time bound."""
-
-
-class CommandUnavailable(SourceUnavailable):
-    """The command's program is not installed."""
-
-
-class CaptureMissing(SourceUnavailable, FileNotFoundError):
-    """A capture directory holds no output for the requested command."""
 
 
 HELP: dict[str, str] = {
@@ -717,53 +691,15 @@ def parse_ethtool_pause(text: str, netdev: str) -> list[Reading]:
     return out
 
 
-async def run_command(argv: Sequence[str], timeout_s: float = 1.5) -> str:
-    """Run ``argv`` without a shell and return its standard output.
-
-    Raises CommandUnavailable when the program is not installed, CommandFailed (a SourceTimeout
-    when it ran out of time) when it fails; the process is killed on timeout or cancellation.
-    """
-    try:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except FileNotFoundError as e:
-        raise CommandUnavailable(f"{argv[0]} is not installed") from e
-    except OSError as e:
-        raise CommandFailed(f"{' '.join(argv)} could not start: {e}", argv) from e
-    try:
-        async with asyncio.timeout(timeout_s):
-            stdout, stderr = await process.communicate()
-    except TimeoutError as e:
-        raise CommandTimeout(f"{' '.join(argv)} did not finish within {timeout_s:g}s", argv) from e
-    finally:
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-    if process.returncode != 0:
-        message = stderr.decode(errors="replace").strip()
-        raise CommandFailed(
-            f"{' '.join(argv)} exited {process.returncode}: {message}",
-            argv,
-            process.returncode,
-            message,
-        )
-    return stdout.decode(errors="replace")
-
-
-def capture_file(directory: Path, argv: Sequence[str]) -> Path:
+def capture_file(argv: Sequence[str]) -> str:
     """The file of a capture directory that holds the output of ``argv``."""
     command = tuple(argv)
     if command == RDMA_QP_COMMAND:
-        return directory / "rdma-resource-qp.json"
+        return "rdma-resource-qp.json"
     if command == RDMA_CQ_COMMAND:
-        return directory / "rdma-resource-cq.json"
+        return "rdma-resource-cq.json"
     if len(command) == 3 and command[:2] == ("ethtool", "-S") and "/" not in command[2]:
-        return directory / f"ethtool-S-{command[2]}.txt"
+        return f"ethtool-S-{command[2]}.txt"
     raise CommandFailed(f"a capture directory holds no output of {' '.join(argv)}", argv)
 
 
@@ -773,17 +709,12 @@ def capture_runner(directory: Path) -> RunCommand:
     ``rdma -j resource show qp|cq`` reads ``rdma-resource-qp.json``/``rdma-resource-cq.json``,
     ``ethtool -S NETDEV`` reads ``ethtool-S-NETDEV.txt``; an absent file raises CaptureMissing.
     """
+    return command.capture_runner(directory, capture_file)
 
-    async def run(argv: Sequence[str]) -> str:
-        path = capture_file(directory, argv)
-        try:
-            return await asyncio.to_thread(path.read_text, errors="replace")
-        except FileNotFoundError as e:
-            raise CaptureMissing(f"no {path.name} in {directory}") from e
-        except OSError as e:
-            raise CommandFailed(f"reading {path} failed: {e}", argv) from e
 
-    return run
+async def run_command(argv: Sequence[str], timeout_s: float = 1.5) -> str:
+    """:func:`hyperagent.sources.command.run_command` with the RDMA tools' default bound."""
+    return await command.run_command(argv, timeout_s)
 
 
 class RdmaSource:

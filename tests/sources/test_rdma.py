@@ -15,6 +15,7 @@ import pytest
 
 from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Kind, Reading
+from hyperagent.sources.command import CaptureMissing, CommandFailed, CommandUnavailable
 from hyperagent.sources.rdma import (
     HELP,
     HW_COUNTERS,
@@ -23,9 +24,6 @@ from hyperagent.sources.rdma import (
     PMA_EXT_COUNTERS,
     RDMA_CQ_COMMAND,
     RDMA_QP_COMMAND,
-    CaptureMissing,
-    CommandFailed,
-    CommandUnavailable,
     RdmaSource,
     capture_runner,
     parse_ethtool_pause,
