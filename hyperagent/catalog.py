@@ -65,6 +65,11 @@ _CORE: dict[str, str] = {
     "hyperagent_node_online": "1 while the node's retained MQTT status says online.",
     "hyperagent_node_status_timestamp_seconds": "Unix time of the node's last status message.",
     "hyperagent_tuner_settings_version": "Version of the settings last published for the job.",
+    "hyperagent_tuner_rounds_total": "Tuning rounds of the job (a re-tune on drift starts one).",
+    "hyperagent_tuner_lost_nodes": "Nodes of the job excluded from scoring (offline or silent).",
+    "hyperagent_tuner_recommended_setting": (
+        "Numeric knob the recommend mode would set (bucket, chunk, cap)."
+    ),
     "hyperagent_tuner_done": "1 once the job's tuning finished and its best settings went out.",
     "hyperagent_tuner_trials_total": "Finished trials of the job, by outcome.",
     "hyperagent_tuner_baseline_score": "Score of the job's starting settings (higher is better).",

@@ -25,7 +25,7 @@ def parse_host(cpu_percent: float, memory: Any, swap: Any) -> list[Reading]:
 def parse_numa_balancing(text: str) -> list[Reading]:
     """``/proc/sys/kernel/numa_balancing``: 0 off, 1 on, 2 memory tiering (kernel >= 5.18)."""
     value = text.strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise SourceError(f"kernel.numa_balancing: unexpected value {value[:40]!r}")
     return [Reading("hyperagent_host_numa_balancing_mode", float(value))]
 
