@@ -66,6 +66,9 @@ _CORE: dict[str, str] = {
     "hyperagent_node_status_timestamp_seconds": "Unix time of the node's last status message.",
     "hyperagent_tuner_settings_version": "Version of the settings last published for the job.",
     "hyperagent_tuner_rounds_total": "Tuning rounds of the job (a re-tune on drift starts one).",
+    "hyperagent_tuner_trial_deadline_seconds": (
+        "How long a trial may take: the ack and measurement time-outs together."
+    ),
     "hyperagent_tuner_lost_nodes": "Nodes of the job excluded from scoring (offline or silent).",
     "hyperagent_tuner_recommended_setting": (
         "Numeric knob the recommend mode would set (bucket, chunk, cap)."

@@ -175,6 +175,11 @@ def job_readings(state: JobState) -> list[Reading]:
         Reading("hyperagent_tuner_done", float(state.done), job),
         Reading("hyperagent_tuner_rounds_total", state.rounds, job, Kind.COUNTER),
         Reading("hyperagent_tuner_lost_nodes", len(state.lost), job),
+        Reading(
+            "hyperagent_tuner_trial_deadline_seconds",
+            state.config.ack_timeout_s + state.config.trial_timeout_s,
+            job,
+        ),
     ]
     for status, count in sorted(Counter(t.status for t in state.trials).items()):
         out.append(
