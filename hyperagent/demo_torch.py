@@ -530,6 +530,7 @@ def train(args: argparse.Namespace) -> int:
             log.write(json.dumps(record) + "\n")
             step += 1
     tuned.close()
+    dist.barrier()  # leave together: rank 0 hosts the store the other rank still talks to
     dist.destroy_process_group()
     return 0
 
