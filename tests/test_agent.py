@@ -303,3 +303,32 @@ async def test_a_stopped_agent_says_offline(
         async with asyncio.timeout(10):
             message = await anext(aiter(client.messages))
     assert bus.decode(message.payload, "status")["state"] == "offline"  # type: ignore[arg-type]
+
+
+async def test_no_secret_in_logs_metrics_or_payloads(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG")
+    seen: list[bytes] = []
+    async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
+        await listener.subscribe("hyperagent/#", qos=1)
+        await harness.send(1, {"power_cap_w": 175})
+        await harness.send(2, {"power_cap_w": 150}, key=b"forged-key-forged-key-forged-key")
+        await until(lambda: harness.agent.stats.rejected["bad_signature"] == 1)
+        async with asyncio.timeout(10):
+            async for message in listener.messages:
+                seen.append(bytes(message.payload))  # type: ignore[arg-type]
+                if len(seen) >= 6:
+                    break
+    from prometheus_client import generate_latest
+
+    from hyperagent.exporter import MetricsServer
+
+    server = MetricsServer("127.0.0.1:0")
+    server.collector.update((await harness.agent.collect_once()).readings)
+    exposition = generate_latest(server.registry)
+    for secret in (KEY, KEY.hex().encode(), b"forged-key-forged-key-forged-key"):
+        assert secret not in exposition
+        assert all(secret not in payload for payload in seen)
+        assert secret.decode() not in caplog.text
+    assert build_config({}).agent.metrics_address.startswith("127.0.0.1:")
