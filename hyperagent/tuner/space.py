@@ -3,7 +3,10 @@
 A space holds only what its backend can apply (DESIGN.md, "Knobs"): NCCL runs ring or tree
 (no halving-doubling; NVLS and CollNet only where the fabric has them), Open MPI's ``coll_tuned``
 runs ring (4) or Rabenseifner halving-doubling (6), and PyTorch does not expose gloo's algorithm,
-so a gloo space has no allreduce choice. Settings are plain dicts of JSON-safe Python values.
+so a gloo space has no allreduce choice. Horovod and DeepSpeed expose a fusion or bucket size
+but neither a chunk size nor an algorithm: their spaces have no ``chunk_kb`` and no
+``allreduce`` knob, and their settings lack those keys. Settings are plain dicts of JSON-safe
+Python values.
 """
 
 from __future__ import annotations
@@ -26,13 +29,61 @@ POWER_STEP_W = 25
 
 DDP_DEFAULT_BUCKET_MB = 25
 DEFAULT_CHUNK_KB = 4096
+MIB = 1024 * 1024
+KIB = 1024
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "nccl": ("ring", "tree"),
     "gloo": ("ring",),
     "mpi": ("ring", "halving_doubling"),
+    "horovod": (),
+    "deepspeed": (),
 }
-"""Allreduce algorithms each backend can be told to use."""
+"""Allreduce algorithms each backend can be told to use (none: no ``allreduce`` knob)."""
+
+BACKENDS: tuple[str, ...] = tuple(ALGORITHMS)
+
+CHUNKED_BACKENDS: frozenset[str] = frozenset({"nccl", "gloo", "mpi"})
+"""Backends that can apply ``chunk_kb``: PyTorch DDP's comm hook (nccl, gloo) and Open MPI's
+segment size. Horovod and DeepSpeed have no such knob."""
+
+BACKEND_DEFAULT_BUCKET_MB: dict[str, float] = {"horovod": 64}
+"""Each backend's own bucket default where it is not DDP's 25 MiB: Horovod's fusion buffer is
+64 MiB; DeepSpeed's is 5e8 elements (see :data:`DEEPSPEED_DEFAULT_BUCKET_ELEMENTS`)."""
+
+DEEPSPEED_DEFAULT_BUCKET_ELEMENTS = 500_000_000
+
+GRADIENT_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+"""Bytes per gradient element; DeepSpeed sizes its buckets in elements."""
+
+ITERATION_BOUNDARY = "iteration_boundary"
+NEW_COMMUNICATOR = "new_communicator"
+RESTART = "restart"
+APPLY_MODES: tuple[str, ...] = (ITERATION_BOUNDARY, NEW_COMMUNICATOR, RESTART)
+
+APPLIED_AT: dict[str, dict[str, str]] = {
+    "nccl": {
+        "NCCL_ALGO": NEW_COMMUNICATOR,
+        "bucket_cap_mb": ITERATION_BOUNDARY,
+        "chunk_bytes": ITERATION_BOUNDARY,
+    },
+    "gloo": {"bucket_cap_mb": ITERATION_BOUNDARY, "chunk_bytes": ITERATION_BOUNDARY},
+    "mpi": {
+        "coll_tuned_use_dynamic_rules": NEW_COMMUNICATOR,
+        "coll_tuned_allreduce_algorithm": NEW_COMMUNICATOR,
+        "coll_tuned_allreduce_algorithm_segmentsize": NEW_COMMUNICATOR,
+        "bucket_cap_mb": ITERATION_BOUNDARY,
+    },
+    "horovod": {"HOROVOD_FUSION_THRESHOLD": RESTART},
+    "deepspeed": {"reduce_bucket_size": RESTART, "allgather_bucket_size": RESTART},
+}
+"""When each backend parameter can take effect. ``iteration_boundary``: between two steps
+(DDP is re-wrapped for ``bucket_cap_mb``; the comm hook reads ``chunk_bytes`` per bucket).
+``new_communicator``: read when a communicator is created (NCCL reads ``NCCL_ALGO`` at
+``ncclCommInitRank``; Open MPI's ``coll_tuned`` reads its forced algorithm and segment size
+when it is enabled on a communicator), so the job must build a new process group.
+``restart``: read once at start-up (``hvd.init()``; ``deepspeed.initialize`` builds the ZeRO
+optimiser's buckets), so the job must restart or re-initialise the framework."""
 
 NCCL_EXTRA_ALGORITHMS: tuple[str, ...] = ("nvls", "collnet")
 
@@ -53,6 +104,10 @@ def _check_backend(backend: str) -> None:
     if backend not in ALGORITHMS:
         choices = ", ".join(sorted(ALGORITHMS))
         raise ValueError(f"unknown backend {backend!r}; choose one of: {choices}")
+
+
+def _has_allreduce(backend: str) -> bool:
+    return bool(ALGORITHMS[backend])
 
 
 def power_grid(power_limits_w: tuple[float, float]) -> tuple[int, ...]:
@@ -90,9 +145,11 @@ def _number(knob: str, value: object) -> float:
 class SearchSpace:
     """The knobs a job's backend can apply, each as an ordered tuple of allowed values.
 
-    Sizes are increasing powers of two, power caps increasing whole watts; ``power_cap_w`` is
-    empty when the power cap is not tuned, and settings then have no ``power_cap_w`` key.
-    Build one with :meth:`default`; the constructor is for narrower spaces.
+    Sizes are increasing powers of two, power caps increasing whole watts. An empty tuple is a
+    knob that is not in the space, and settings then lack its key: ``power_cap_w`` when the
+    power cap is not tuned, ``chunk_kb`` and ``allreduce`` for Horovod and DeepSpeed, which
+    cannot apply them. ``gradient_dtype`` (fp32, fp16 or bf16) sizes DeepSpeed's buckets in
+    elements. Build one with :meth:`default`; the constructor is for narrower spaces.
     """
 
     backend: str
@@ -101,6 +158,7 @@ class SearchSpace:
     chunk_kb: tuple[int, ...] = CHUNK_KB
     power_cap_w: tuple[int, ...] = ()
     allreduce: tuple[str, ...] = ("ring",)
+    gradient_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         _check_backend(self.backend)
@@ -114,13 +172,30 @@ class SearchSpace:
                 raise ValueError(f"{knob}: values must be strictly increasing, got {values}")
             if knob != "power_cap_w" and any(v & (v - 1) for v in values):
                 raise ValueError(f"{knob}: values must be powers of two, got {values}")
-        if not self.bucket_mb or not self.chunk_kb:
-            raise ValueError("bucket_mb and chunk_kb need at least one value each")
+        if not self.bucket_mb:
+            raise ValueError("bucket_mb needs at least one value")
+        if self.backend in CHUNKED_BACKENDS and not self.chunk_kb:
+            raise ValueError(f"chunk_kb needs at least one value with backend {self.backend!r}")
+        if self.backend not in CHUNKED_BACKENDS and self.chunk_kb:
+            raise ValueError(
+                f"chunk_kb: backend {self.backend!r} cannot apply a chunk size;"
+                " pass chunk_kb=() (SearchSpace.default does)"
+            )
         known = set(NCCL_EXTRA_ALGORITHMS).union(*ALGORITHMS.values())
         if len(set(self.allreduce)) != len(self.allreduce) or not set(self.allreduce) <= known:
             raise ValueError(f"allreduce: unknown or repeated algorithms in {self.allreduce}")
-        if "ring" not in self.allreduce:
-            raise ValueError("allreduce: every backend space includes 'ring'")
+        if _has_allreduce(self.backend) and "ring" not in self.allreduce:
+            raise ValueError("allreduce: every backend space with algorithms includes 'ring'")
+        if not _has_allreduce(self.backend) and self.allreduce:
+            raise ValueError(
+                f"allreduce: backend {self.backend!r} has no algorithm choice;"
+                " pass allreduce=() (SearchSpace.default does)"
+            )
+        if self.gradient_dtype not in GRADIENT_DTYPE_BYTES:
+            choices = ", ".join(GRADIENT_DTYPE_BYTES)
+            raise ValueError(
+                f"gradient_dtype must be one of {choices}, got {self.gradient_dtype!r}"
+            )
 
     @classmethod
     def default(
@@ -129,12 +204,14 @@ class SearchSpace:
         nodes: int,
         power_limits_w: tuple[float, float] | None = None,
         extra_algorithms: tuple[str, ...] = (),
+        gradient_dtype: str = "fp32",
     ) -> SearchSpace:
         """The standard space for ``backend`` on ``nodes`` nodes.
 
         ``power_limits_w`` is the GPU's (min, max) power limit as NVML reports it; None leaves
         the power cap out of the space. ``extra_algorithms`` adds NCCL's ``nvls`` or ``collnet``
-        where the fabric supports them.
+        where the fabric supports them. ``gradient_dtype`` is the gradients' element type,
+        which only DeepSpeed's mapping uses (its buckets count elements).
         """
         _check_backend(backend)
         algorithms = ALGORITHMS[backend]
@@ -147,7 +224,15 @@ class SearchSpace:
             if extra not in algorithms:
                 algorithms = (*algorithms, extra)
         power = power_grid(power_limits_w) if power_limits_w is not None else ()
-        return cls(backend=backend, nodes=nodes, power_cap_w=power, allreduce=algorithms)
+        chunks = CHUNK_KB if backend in CHUNKED_BACKENDS else ()
+        return cls(
+            backend=backend,
+            nodes=nodes,
+            chunk_kb=chunks,
+            power_cap_w=power,
+            allreduce=algorithms,
+            gradient_dtype=gradient_dtype,
+        )
 
     @property
     def knobs(self) -> tuple[str, ...]:
@@ -165,7 +250,7 @@ class SearchSpace:
         return math.prod(len(self.values(k)) for k in self.knobs)
 
     def values(self, knob: str) -> tuple[Any, ...]:
-        """The allowed values of one knob (empty for power when it is not tuned)."""
+        """The allowed values of one knob (empty when the knob is not in this space)."""
         if knob not in KNOBS:
             raise ValueError(f"unknown knob {knob!r}; knobs are: {', '.join(KNOBS)}")
         values: tuple[Any, ...] = getattr(self, knob)
@@ -191,12 +276,14 @@ class SearchSpace:
 
         Sizes snap to the nearest power of two by log distance (25 MiB -> 32), power caps are
         clamped into the limits then rounded to the grid (a missing cap means the maximum), a
-        missing algorithm or one the backend lacks becomes ``ring``, and unknown keys are
-        dropped. A missing bucket or chunk size, or a value that is not a number or an
-        algorithm name, raises ValueError.
+        missing algorithm or one the backend lacks becomes ``ring``, and unknown keys, or knobs
+        this space does not have, are dropped. A missing bucket size (or chunk size, where the
+        space has one), or a value that is not a number or an algorithm name, raises ValueError.
         """
         snapped: Settings = {}
         for knob in ("bucket_mb", "chunk_kb"):
+            if not self.values(knob):
+                continue
             if knob not in settings:
                 raise ValueError(f"{knob}: missing")
             snapped[knob] = _nearest_log2(_number(knob, settings[knob]), self.values(knob))
@@ -204,22 +291,27 @@ class SearchSpace:
             raw = settings.get("power_cap_w")
             watts = self.power_cap_w[-1] if raw is None else _number("power_cap_w", raw)
             snapped["power_cap_w"] = min(self.power_cap_w, key=lambda w: (abs(w - watts), -w))
-        name = settings.get("allreduce", "ring")
-        if not isinstance(name, str):
-            raise ValueError(f"allreduce: expected an algorithm name, got {name!r}")
-        name = name.lower().replace("-", "_")
-        known = {a for algorithms in ALGORITHMS.values() for a in algorithms}
-        if name not in known | set(NCCL_EXTRA_ALGORITHMS):
-            raise ValueError(f"allreduce: unknown algorithm {name!r}")
-        snapped["allreduce"] = name if name in self.allreduce else "ring"
+        if self.allreduce:
+            name = settings.get("allreduce", "ring")
+            if not isinstance(name, str):
+                raise ValueError(f"allreduce: expected an algorithm name, got {name!r}")
+            name = name.lower().replace("-", "_")
+            known = {a for algorithms in ALGORITHMS.values() for a in algorithms}
+            if name not in known | set(NCCL_EXTRA_ALGORITHMS):
+                raise ValueError(f"allreduce: unknown algorithm {name!r}")
+            snapped["allreduce"] = name if name in self.allreduce else "ring"
         return snapped
 
     def defaults(self) -> Settings:
-        """PyTorch DDP's defaults in this space: 25 MiB buckets (snapped to 32), 4 MiB chunks,
-        the maximum power cap and ring."""
-        return self.snap(
-            {"bucket_mb": DDP_DEFAULT_BUCKET_MB, "chunk_kb": DEFAULT_CHUNK_KB, "allreduce": "ring"}
-        )
+        """The backend's own defaults in this space: 25 MiB buckets for PyTorch DDP (nccl,
+        gloo, mpi; snapped to 32), Horovod's 64 MiB fusion buffer, DeepSpeed's 5e8-element
+        buckets (beyond the range: 256 MiB), 4 MiB chunks, the maximum power cap and ring."""
+        if self.backend == "deepspeed":
+            element = GRADIENT_DTYPE_BYTES[self.gradient_dtype]
+            bucket = DEEPSPEED_DEFAULT_BUCKET_ELEMENTS * element / MIB
+        else:
+            bucket = BACKEND_DEFAULT_BUCKET_MB.get(self.backend, DDP_DEFAULT_BUCKET_MB)
+        return self.snap({"bucket_mb": bucket, "chunk_kb": DEFAULT_CHUNK_KB, "allreduce": "ring"})
 
     def recommended(
         self, nodes: int | None = None, base: Mapping[str, object] | None = None
@@ -229,7 +321,8 @@ class SearchSpace:
         Up to 8 nodes ring with 256 KiB chunks, 9-64 halving-doubling with 1 MiB, above 64 tree
         with 4 MiB. Where the backend lacks that algorithm it uses the nearest it has: NCCL has
         only ring and tree, so it keeps ring up to 64 nodes and uses tree above; Open MPI has no
-        tree, so halving-doubling stays above 64 nodes; gloo is always ring.
+        tree, so halving-doubling stays above 64 nodes; gloo is always ring. A knob the space
+        lacks is left out (Horovod and DeepSpeed: the table changes nothing).
         """
         nodes = self.nodes if nodes is None else nodes
         if nodes < 1:
@@ -248,7 +341,10 @@ class SearchSpace:
             else:
                 algorithm = "ring"
         point = dict(self.defaults() if base is None else self.snap(base))
-        point.update(chunk_kb=chunk, allreduce=algorithm)
+        if self.chunk_kb:
+            point["chunk_kb"] = chunk
+        if self.allreduce:
+            point["allreduce"] = algorithm
         return self.snap(point)
 
     def grid(self) -> Iterator[Settings]:
@@ -259,29 +355,47 @@ class SearchSpace:
 
     def backend_mapping(self, settings: Mapping[str, object]) -> dict[str, Any]:
         """The backend's own parameters for a point of this space (the power cap is applied
-        through NVML, not the backend, so it is not included).
+        through NVML, not the backend, so it is not included), and under ``requires`` which of
+        them take effect when (:data:`APPLIED_AT`): ``{"iteration_boundary": [...],
+        "new_communicator": [...], "restart": [...]}``, each a sorted list of parameter names.
 
         nccl: ``NCCL_ALGO`` (a new communicator), ``bucket_cap_mb`` and ``chunk_bytes`` (the
         DDP comm hook's chunk); gloo: ``bucket_cap_mb`` and ``chunk_bytes``; mpi: Open MPI's
         ``coll_tuned_use_dynamic_rules``, ``coll_tuned_allreduce_algorithm`` and
-        ``coll_tuned_allreduce_algorithm_segmentsize`` (bytes), plus ``bucket_cap_mb``.
+        ``coll_tuned_allreduce_algorithm_segmentsize`` (bytes), plus ``bucket_cap_mb``;
+        horovod: ``HOROVOD_FUSION_THRESHOLD`` (bytes); deepspeed: ZeRO's
+        ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements of ``gradient_dtype``,
+        keys of the ``zero_optimization`` section).
         """
         if not self.contains(settings):
             raise ValueError(f"settings are not a point of this {self.backend} space: {settings}")
         bucket = int(settings["bucket_mb"])  # type: ignore[call-overload]
-        chunk_bytes = int(settings["chunk_kb"]) * 1024  # type: ignore[call-overload]
-        algorithm = str(settings["allreduce"])
-        if self.backend == "nccl":
-            return {
-                "NCCL_ALGO": NCCL_ALGO[algorithm],
-                "bucket_cap_mb": bucket,
-                "chunk_bytes": chunk_bytes,
-            }
-        if self.backend == "gloo":
-            return {"bucket_cap_mb": bucket, "chunk_bytes": chunk_bytes}
-        return {
-            "coll_tuned_use_dynamic_rules": 1,
-            "coll_tuned_allreduce_algorithm": MPI_ALLREDUCE_ALGORITHM[algorithm],
-            "coll_tuned_allreduce_algorithm_segmentsize": chunk_bytes,
-            "bucket_cap_mb": bucket,
+        parameters: dict[str, Any]
+        if self.backend == "horovod":
+            parameters = {"HOROVOD_FUSION_THRESHOLD": bucket * MIB}
+        elif self.backend == "deepspeed":
+            elements = bucket * MIB // GRADIENT_DTYPE_BYTES[self.gradient_dtype]
+            parameters = {"reduce_bucket_size": elements, "allgather_bucket_size": elements}
+        else:
+            chunk_bytes = int(settings["chunk_kb"]) * KIB  # type: ignore[call-overload]
+            algorithm = str(settings["allreduce"])
+            if self.backend == "nccl":
+                parameters = {
+                    "NCCL_ALGO": NCCL_ALGO[algorithm],
+                    "bucket_cap_mb": bucket,
+                    "chunk_bytes": chunk_bytes,
+                }
+            elif self.backend == "gloo":
+                parameters = {"bucket_cap_mb": bucket, "chunk_bytes": chunk_bytes}
+            else:
+                parameters = {
+                    "coll_tuned_use_dynamic_rules": 1,
+                    "coll_tuned_allreduce_algorithm": MPI_ALLREDUCE_ALGORITHM[algorithm],
+                    "coll_tuned_allreduce_algorithm_segmentsize": chunk_bytes,
+                    "bucket_cap_mb": bucket,
+                }
+        applied_at = APPLIED_AT[self.backend]
+        requires = {
+            mode: sorted(p for p in parameters if applied_at[p] == mode) for mode in APPLY_MODES
         }
+        return {**parameters, "requires": requires}

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from collections.abc import Mapping
 
 import pytest
 
-from hyperagent.tuner import SearchSpace
+from hyperagent.tuner import SearchSpace, Tuner
+from hyperagent.tuner.space import APPLIED_AT, APPLY_MODES, BACKENDS, BUCKET_MB
 
 
 def test_nccl_space_values_and_size() -> None:
@@ -53,7 +57,7 @@ def test_extra_algorithms_only_for_nccl() -> None:
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="gloo, mpi, nccl"):
+    with pytest.raises(ValueError, match="deepspeed, gloo, horovod, mpi, nccl"):
         SearchSpace.default("ucc", nodes=4)
 
 
@@ -183,6 +187,11 @@ def test_backend_mapping() -> None:
         "NCCL_ALGO": "Tree",
         "bucket_cap_mb": 64,
         "chunk_bytes": 1024 * 1024,
+        "requires": {
+            "iteration_boundary": ["bucket_cap_mb", "chunk_bytes"],
+            "new_communicator": ["NCCL_ALGO"],
+            "restart": [],
+        },
     }
     assert (
         nccl.backend_mapping({"bucket_mb": 64, "chunk_kb": 1024, "allreduce": "ring"})["NCCL_ALGO"]
@@ -199,6 +208,15 @@ def test_backend_mapping() -> None:
         "coll_tuned_allreduce_algorithm": 6,
         "coll_tuned_allreduce_algorithm_segmentsize": 262144,
         "bucket_cap_mb": 8,
+        "requires": {
+            "iteration_boundary": ["bucket_cap_mb"],
+            "new_communicator": [
+                "coll_tuned_allreduce_algorithm",
+                "coll_tuned_allreduce_algorithm_segmentsize",
+                "coll_tuned_use_dynamic_rules",
+            ],
+            "restart": [],
+        },
     }
     assert (
         mpi.backend_mapping({**point, "allreduce": "ring"})["coll_tuned_allreduce_algorithm"] == 4
@@ -207,9 +225,124 @@ def test_backend_mapping() -> None:
     assert gloo.backend_mapping({"bucket_mb": 16, "chunk_kb": 64, "allreduce": "ring"}) == {
         "bucket_cap_mb": 16,
         "chunk_bytes": 65536,
+        "requires": {
+            "iteration_boundary": ["bucket_cap_mb", "chunk_bytes"],
+            "new_communicator": [],
+            "restart": [],
+        },
     }
     with pytest.raises(ValueError, match="not a point"):
         mpi.backend_mapping({**point, "allreduce": "tree"})
+
+
+def test_mappings_are_json_and_every_parameter_has_an_apply_mode() -> None:
+    spaces = [
+        SearchSpace.default(backend, nodes=8, power_limits_w=(100, 250)) for backend in BACKENDS
+    ]
+    for space in spaces:
+        for point in space.grid():
+            mapping = space.backend_mapping(point)
+            assert json.loads(json.dumps(mapping)) == mapping
+            requires = mapping.pop("requires")
+            assert set(requires) == set(APPLY_MODES)
+            assert sorted(p for names in requires.values() for p in names) == sorted(mapping)
+            assert set(mapping) == set(APPLIED_AT[space.backend])
+
+
+@pytest.mark.parametrize("backend", ["horovod", "deepspeed"])
+def test_horovod_and_deepspeed_have_no_chunk_or_algorithm_knob(backend: str) -> None:
+    space = SearchSpace.default(backend, nodes=16, power_limits_w=(100, 250))
+    assert space.chunk_kb == () and space.allreduce == ()
+    assert space.knobs == ("bucket_mb", "power_cap_w")
+    assert space.size == 9 * 7
+    assert all(set(point) == {"bucket_mb", "power_cap_w"} for point in space.grid())
+    full = {"bucket_mb": 8, "chunk_kb": 64, "power_cap_w": 150, "allreduce": "tree"}
+    assert not space.contains(full)
+    assert space.snap(full) == {"bucket_mb": 8, "power_cap_w": 150}
+    assert space.snap({"bucket_mb": 8}) == {"bucket_mb": 8, "power_cap_w": 250}
+    assert space.recommended() == space.defaults()
+    assert space.recommended(base={"bucket_mb": 3, "power_cap_w": 140}) == {
+        "bucket_mb": 4,
+        "power_cap_w": 150,
+    }
+    with pytest.raises(ValueError, match="bucket_mb"):
+        space.snap({"chunk_kb": 64})
+    no_power = SearchSpace.default(backend, nodes=2)
+    assert no_power.knobs == ("bucket_mb",)
+    assert list(no_power.grid()) == [{"bucket_mb": b} for b in BUCKET_MB]
+
+
+def test_horovod_fusion_threshold_in_bytes() -> None:
+    space = SearchSpace.default("horovod", nodes=4)
+    assert space.defaults() == {"bucket_mb": 64}
+    assert space.backend_mapping({"bucket_mb": 64}) == {
+        "HOROVOD_FUSION_THRESHOLD": 64 * 1024 * 1024,
+        "requires": {
+            "iteration_boundary": [],
+            "new_communicator": [],
+            "restart": ["HOROVOD_FUSION_THRESHOLD"],
+        },
+    }
+    assert space.backend_mapping({"bucket_mb": 1})["HOROVOD_FUSION_THRESHOLD"] == 1048576
+
+
+@pytest.mark.parametrize(
+    ("dtype", "elements_per_mib"), [("fp32", 262144), ("fp16", 524288), ("bf16", 524288)]
+)
+def test_deepspeed_buckets_in_elements(dtype: str, elements_per_mib: int) -> None:
+    space = SearchSpace.default("deepspeed", nodes=4, gradient_dtype=dtype)
+    mapping = space.backend_mapping({"bucket_mb": 32})
+    assert (
+        mapping["reduce_bucket_size"] == mapping["allgather_bucket_size"] == 32 * elements_per_mib
+    )
+    assert mapping["requires"]["restart"] == ["allgather_bucket_size", "reduce_bucket_size"]
+    assert space.defaults() == {"bucket_mb": 256}
+
+
+def test_deepspeed_default_bucket_is_its_own_5e8_elements_capped_to_the_range() -> None:
+    narrow = SearchSpace(
+        backend="deepspeed",
+        nodes=4,
+        bucket_mb=tuple(2**e for e in range(12)),
+        chunk_kb=(),
+        allreduce=(),
+        gradient_dtype="fp16",
+    )
+    assert narrow.defaults() == {"bucket_mb": 1024}
+
+
+def test_constructor_rejects_knobs_a_backend_cannot_apply() -> None:
+    with pytest.raises(ValueError, match=r"horovod.*chunk_kb=\(\)"):
+        SearchSpace(backend="horovod", nodes=4)
+    with pytest.raises(ValueError, match=r"deepspeed.*allreduce=\(\)"):
+        SearchSpace(backend="deepspeed", nodes=4, chunk_kb=())
+    with pytest.raises(ValueError, match="chunk_kb needs"):
+        SearchSpace(backend="nccl", nodes=4, chunk_kb=())
+    with pytest.raises(ValueError, match="gradient_dtype"):
+        SearchSpace.default("deepspeed", nodes=4, gradient_dtype="int8")
+    ok = SearchSpace(backend="horovod", nodes=4, bucket_mb=(16, 32), chunk_kb=(), allreduce=())
+    assert ok.size == 2
+
+
+def test_tuner_searches_a_space_without_chunk_or_algorithm() -> None:
+    space = SearchSpace.default("horovod", nodes=8, power_limits_w=(100, 250))
+
+    def score(settings: Mapping[str, object]) -> float:
+        bucket = math.log2(float(settings["bucket_mb"]))  # type: ignore[arg-type]
+        power = float(settings["power_cap_w"])  # type: ignore[arg-type]
+        return 100 - (bucket - 3) ** 2 - ((power - 175) / 25) ** 2
+
+    tuner = Tuner(space, seed=1)
+    first = tuner.ask()
+    assert first == {"bucket_mb": 64, "power_cap_w": 250}
+    for _ in range(20):
+        settings = tuner.ask()
+        assert space.contains(settings)
+        tuner.tell(settings, score(settings))
+    best = tuner.best
+    assert best is not None
+    assert best[0] == {"bucket_mb": 8, "power_cap_w": 175}
+    assert space.backend_mapping(best[0])["HOROVOD_FUSION_THRESHOLD"] == 8 * 1024 * 1024
 
 
 def test_constructor_validates_values() -> None:
@@ -223,3 +356,58 @@ def test_constructor_validates_values() -> None:
         SearchSpace(backend="nccl", nodes=4, allreduce=("tree",))
     narrow = SearchSpace(backend="nccl", nodes=4, bucket_mb=(8, 32), power_cap_w=(150, 200))
     assert narrow.size == 2 * 11 * 2 * 1
+
+
+def test_energy_objective_seeds_half_the_maximum_power_cap() -> None:
+    space = SearchSpace.default("nccl", nodes=4, power_limits_w=(100, 250))
+    tuner = Tuner(space, seed=0, objective="energy")
+    asked = []
+    for _ in range(3):
+        settings = tuner.ask()
+        asked.append(settings)
+        tuner.tell(settings, 1.0)
+    assert asked[0] == space.defaults()
+    assert asked[1] == space.recommended(base=space.defaults())
+    assert asked[2] == {**space.defaults(), "power_cap_w": 125}
+    throughput = Tuner(space, seed=0)
+    for _ in range(2):
+        throughput.tell(throughput.ask(), 1.0)
+    assert throughput.ask()["power_cap_w"] >= 225  # a neighbour of the best, no low-power seed
+    assert Tuner(SearchSpace.default("nccl", nodes=4), objective="energy").ask() == {
+        "bucket_mb": 32,
+        "chunk_kb": 4096,
+        "allreduce": "ring",
+    }
+    with pytest.raises(ValueError, match="objective"):
+        Tuner(space, objective="speed")
+
+
+def test_model_proposals_stay_near_the_incumbent_until_the_search_stalls() -> None:
+    space = SearchSpace.default("mpi", nodes=16, power_limits_w=(100, 250))
+    numeric = ("bucket_mb", "chunk_kb", "power_cap_w")
+
+    def steps(a: Mapping[str, object], b: Mapping[str, object]) -> int:
+        return max(abs(space.values(k).index(a[k]) - space.values(k).index(b[k])) for k in numeric)
+
+    def score(settings: Mapping[str, object]) -> float:
+        far_corner = {"bucket_mb": 1, "chunk_kb": 64, "power_cap_w": 100}
+        return -sum(
+            (space.values(k).index(settings[k]) - space.values(k).index(far_corner[k])) ** 2
+            for k in numeric
+        )
+
+    tuner = Tuner(space, seed=4)
+    best_so_far: list[float] = []
+    for trial in range(12):
+        best = tuner.best  # the measured point of best posterior mean: the region's centre
+        settings = tuner.ask()
+        if trial >= 5:
+            assert best is not None
+            incumbent = best[0]
+            stalled = len(best_so_far) - 1 - best_so_far.index(max(best_so_far))
+            assert steps(settings, incumbent) <= 2 + stalled // 2
+        value = float(score(settings))
+        best_so_far.append(value)
+        tuner.tell(settings, value)
+    final = tuner.best
+    assert final is not None and score(final[0]) > score(space.defaults())
