@@ -1,4 +1,4 @@
-"""Command-line entry points: agent, coordinator, demo, check-config."""
+"""Command-line entry points: agent, coordinator, demo, record, report, metrics, check-config."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,6 +195,22 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         metrics.stop()
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from hyperagent.report import ReportError, render_report
+
+    out = args.out or args.journal.with_suffix(".png")
+    try:
+        summary = render_report(args.journal, out)
+    except ReportError as e:
+        print(f"hyperagent report: {e}", file=sys.stderr)
+        return 1
+    gain = (
+        f", gain {summary.gain:+.1%} over the starting settings" if summary.gain is not None else ""
+    )
+    print(f"{out}: {summary.trials} trials{gain}")
+    return 0
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     from hyperagent.catalog import HELP
 
@@ -303,7 +320,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         best = f"{state.best[1]:.1f}" if state.best else "-"
         gain = f"{state.gain:+.1%}" if state.gain is not None else "-"
         score = f"{record.score:.1f}" if record.score is not None else record.status
-        s = record.settings
+        s = {"bucket_mb": "-", "chunk_kb": "-", **record.settings}
         progress.console.print(
             f"{record.index + 1:>3}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
             f"chunk {s['chunk_kb']:>5} KiB  {s.get('allreduce', ''):<16.16} "
@@ -314,7 +331,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     async def demo(url: str) -> Any:
         with progress:
             return await run_demo(
-                url, args.nodes, args.trials, args.seed, on_trial=on_trial, objective=args.objective
+                url,
+                args.nodes,
+                args.trials,
+                args.seed,
+                on_trial=on_trial,
+                objective=args.objective,
+                report=args.report,
             )
 
     unit = "samples/s" if args.objective == "throughput" else "samples/J"
@@ -338,6 +361,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"measured ({result.simulated_gain:+.1%} on the noiseless model), "
         f"{len(state.trials)} trials, published as settings v{state.final_version}"
     )
+    if args.workload == "simulated":
+        console.print(f"a picture of the tuning: {args.report}")
     return 0
 
 
@@ -401,8 +426,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trials", type=int, help="trial budget (30 simulated, 12 torch-ddp)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--objective", choices=["throughput", "energy"], default="throughput")
+    demo.add_argument(
+        "--report",
+        type=Path,
+        metavar="FILE.png|FILE.html",
+        default=Path(tempfile.gettempdir()) / "hyperagent-demo.png",
+        help="where to draw the tuning (default: %(default)s)",
+    )
     demo.add_argument("--broker", metavar="URL", help="use this broker instead of an embedded one")
     demo.set_defaults(func=cmd_demo)
+
+    report = sub.add_parser("report", help="draw a tuning from its journal (PNG or HTML)")
+    report.add_argument("journal", type=Path, metavar="JOURNAL")
+    report.add_argument("--out", type=Path, metavar="FILE.png|FILE.html")
+    report.set_defaults(func=cmd_report)
 
     metrics = sub.add_parser("metrics", help="list every metric hyperagent exposes")
     metrics.set_defaults(func=cmd_metrics)

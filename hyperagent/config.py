@@ -226,7 +226,7 @@ class SecuritySection(_Model):
     """Shared HMAC key for settings messages; without it an agent refuses every setting."""
 
 
-Backend = Literal["nccl", "gloo", "mpi"]
+Backend = Literal["nccl", "gloo", "mpi", "horovod", "deepspeed"]
 Objective = Literal["throughput", "energy"]
 
 
@@ -249,6 +249,8 @@ class JobTuningSection(_Model):
     id: Name
     nodes: Annotated[tuple[Name, ...], Field(min_length=1)]
     backend: Backend = "nccl"
+    gradient_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """Gradient element type (DeepSpeed's bucket sizes are in elements)."""
     objective: Objective = "throughput"
     mode: Literal["tune", "recommend"] = "tune"
     """recommend: publish nothing; report what would be set, and why."""

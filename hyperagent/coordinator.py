@@ -234,9 +234,12 @@ class Coordinator:
         self.jobs: dict[str, JobState] = {}
         state_dir = config.coordinator.state_dir
         for job in config.coordinator.jobs:
-            space = SearchSpace.default(job.backend, len(job.nodes), job.power_limits_w)
+            space = SearchSpace.default(
+                job.backend, len(job.nodes), job.power_limits_w, gradient_dtype=job.gradient_dtype
+            )
             journal = Journal(state_dir / f"{job.id}.jsonl")
-            state = JobState(job, space, Tuner(space, seed=job.seed), journal)
+            tuner = Tuner(space, seed=job.seed, objective=job.objective)
+            state = JobState(job, space, tuner, journal)
             self.jobs[job.id] = state
         link.subscribe(self.topics.ack("+"), 1, self._on_ack)
         link.subscribe(self.topics.report("+"), 1, self._on_report)
@@ -608,7 +611,9 @@ class Coordinator:
             return state
         if not journal.trials and journal.in_flight is None:
             state.journal.append({"type": "start", "fingerprint": fingerprint(cfg)})
-        state.tuner = Tuner(state.space, seed=cfg.seed, start=self._warm_start(state))
+        state.tuner = Tuner(
+            state.space, seed=cfg.seed, start=self._warm_start(state), objective=cfg.objective
+        )
         self._resume(state, journal)
         await self._trials(state, journal.in_flight)
         return state
@@ -749,7 +754,12 @@ class Coordinator:
     async def retune(self, state: JobState) -> None:
         """A new round of trials from the current best (earlier scores no longer hold)."""
         start = state.best[0] if state.best else None
-        state.tuner = Tuner(state.space, seed=state.config.seed + state.rounds, start=start)
+        state.tuner = Tuner(
+            state.space,
+            seed=state.config.seed + state.rounds,
+            start=start,
+            objective=state.config.objective,
+        )
         state.trials, state.best, state.baseline = [], None, None
         state.done, state.drifting_since = False, None
         state.journal.append({"type": "start", "fingerprint": fingerprint(state.config)})

@@ -273,9 +273,11 @@ async def run_demo(
     trials: int,
     seed: int,
     on_trial: Callable[[JobState, TrialRecord], None] | None = None,
+    report: Path | None = None,
     **kwargs: Any,
 ) -> DemoResult:
-    """Tune the simulated job end to end; returns when the best settings are published."""
+    """Tune the simulated job end to end; returns when the best settings are published.
+    With ``report``, a picture of the tuning is drawn there (PNG or HTML) from its journal."""
     async with simulated_cluster(broker_url, nodes, trials, seed, on_trial=on_trial, **kwargs) as (
         coordinator,
         sim_nodes,
@@ -283,4 +285,8 @@ async def run_demo(
     ):
         await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
+        if report is not None:
+            from hyperagent.report import render_report
+
+            await asyncio.to_thread(render_report, state.journal.path, report)
         return DemoResult(state, sim_nodes, model)

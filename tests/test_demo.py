@@ -6,11 +6,23 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 
-def test_demo_prints_best_settings_and_gain() -> None:
+def test_demo_prints_best_settings_and_gain(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "hyperagent.cli", "demo", "--nodes", "2", "--trials", "5"],
+        [
+            sys.executable,
+            "-m",
+            "hyperagent.cli",
+            "demo",
+            "--nodes",
+            "2",
+            "--trials",
+            "5",
+            "--report",
+            str(tmp_path / "tuning.html"),
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -21,6 +33,9 @@ def test_demo_prints_best_settings_and_gain() -> None:
     assert "embedded MQTT broker on mqtt://127.0.0.1:" in out
     assert re.search(r"best settings: +bucket \d+ MiB, chunk \d+ KiB, \w+, cap \d+ W", out)
     assert re.search(r"gain over the starting settings: [+-]\d+\.\d%", out)
+    assert f"a picture of the tuning: {tmp_path / 'tuning.html'}" in out.replace("\n", "")
+    page = (tmp_path / "tuning.html").read_text()
+    assert "data:image/png;base64," in page and "<table" in page
 
 
 def test_demo_rejects_bad_arguments() -> None:

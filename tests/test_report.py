@@ -270,3 +270,48 @@ def test_output_suffix_and_unwritable_output(tmp_path: Path) -> None:
     upper = tmp_path / "REPORT.PNG"
     render_report(path, upper)
     assert upper.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_report_command_draws_a_journal(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    journal = Journal(tmp_path / "job.jsonl")
+    journal.append({"type": "start", "fingerprint": "nccl/4n/?B/?"})
+    for index, score in enumerate((100.0, 120.0)):
+        journal.append(
+            {
+                "type": "published",
+                "version": index + 1,
+                "trial": index,
+                "settings": {"bucket_mb": 32 * (index + 1)},
+            }
+        )
+        journal.append(
+            {
+                "type": "trial",
+                "index": index,
+                "version": index + 1,
+                "settings": {"bucket_mb": 32 * (index + 1)},
+                "score": score,
+                "status": "ok",
+                "reports": {},
+                "seconds": 1.0,
+            }
+        )
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "report", str(journal.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "job.png").read_bytes().startswith(b"\x89PNG")
+    assert "2 trials, gain +20.0% over the starting settings" in result.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "report", str(tmp_path / "absent.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1 and "absent.jsonl" in missing.stderr
