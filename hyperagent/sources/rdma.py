@@ -20,6 +20,7 @@ the sysfs readings are still reported.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
 import logging
@@ -172,8 +173,8 @@ HELP: dict[str, str] = {
         " metric), named by the kernel in the counter label; its unit is the driver's."
     ),
     "hyperagent_rdma_unreadable_files": (
-        "RDMA sysfs files that could not be read or parsed in the latest read (their fields are"
-        " left out)."
+        "RDMA sysfs files whose content could not be parsed in the latest read (their fields are"
+        " left out; a file that cannot be read at all puts the source down)."
     ),
     "hyperagent_rdma_netdev_mtu_bytes": "MTU of a netdev behind an RDMA port, in bytes.",
     "hyperagent_rdma_qps": (
@@ -311,11 +312,19 @@ DEVICE_ATTRIBUTES = ("fw_ver", "hca_type", "board_id", "parent")
 PORT_ATTRIBUTES = ("state", "phys_state", "rate", "link_layer")
 
 
+_UNSUPPORTED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENODATA, errno.ENOENT})
+"""What the kernel answers for a counter the device does not support, or one that vanished."""
+
+
 def _read_text(path: Path) -> str | None:
+    """A sysfs file's text; None when the device does not support it. Any other failure to
+    read (EIO, EACCES) fails the whole read: the source shows up 0 and names the file."""
     try:
         return path.read_text(errors="replace")
-    except OSError:
-        return None
+    except OSError as e:
+        if e.errno in _UNSUPPORTED:
+            return None
+        raise SourceError(f"cannot read {path}: {e.strerror}") from e
 
 
 def _read_dir(directory: Path) -> dict[str, str | None]:
@@ -530,7 +539,7 @@ def _port_readings(
 
 
 def parse_sysfs(snapshot: SysfsSnapshot) -> list[Reading]:
-    """Readings from a sysfs snapshot; a garbage or unreadable file is left out and counted."""
+    """Readings from a sysfs snapshot; a file with garbage content is left out and counted."""
     out: list[Reading] = []
     unreadable = 0
     for device in snapshot.devices:

@@ -260,9 +260,7 @@ def test_rxe_netdev_comes_from_the_tree() -> None:
     assert value(readings, "hyperagent_rdma_port_info", device="rxe0", netdev="eth0") == 1.0
     assert value(readings, "hyperagent_rdma_netdev_mtu_bytes", netdev="eth0") == 1500
     assert value(readings, "hyperagent_rdma_port_duplicate_requests_total", device="rxe0") == 1567
-    assert (
-        value(readings, "hyperagent_rdma_port_driver_stat_total", counter="sent_pkts") == 168811
-    )
+    assert value(readings, "hyperagent_rdma_port_driver_stat_total", counter="sent_pkts") == 168811
 
 
 def test_queue_pairs_are_counted_not_listed() -> None:
@@ -377,16 +375,33 @@ def test_a_garbage_counter_file_is_skipped_and_counted(tmp_path: Path) -> None:
     assert_well_formed(readings)
 
 
-def test_a_file_that_fails_to_read_is_counted(tmp_path: Path) -> None:
+async def test_a_file_that_cannot_be_read_puts_the_source_down(tmp_path: Path) -> None:
+    from hyperagent.sources.nvml import NvmlSource
+    from hyperagent.sources.runner import SourceRunner
+    from hyperagent.testing.fake_nvml import FakeNvml
+
     root = copy_tree("rxe-qemu-e1000e", tmp_path)
     counter = root / "class" / "infiniband" / "rxe0" / "ports" / "1" / "hw_counters" / "send_err"
     counter.unlink()
     counter.symlink_to("/proc/self/mem")  # a regular file whose read fails with EIO
+    with pytest.raises(SourceError, match="send_err: Input/output error"):
+        read_sysfs(root)
+    gpus = NvmlSource(FakeNvml.from_capture(FIXTURES / "nvidia-smi" / "tesla-t4.xml"))
+    runner = SourceRunner([RdmaSource(root, None), gpus], timeout_s=5)
+    await runner.start()
+    readings = await runner.read_all()
+    up = {r.labels["source"]: r.value for r in readings if r.name == "hyperagent_source_up"}
+    assert up == {"rdma": 0.0, "nvml": 1.0}
+    assert any(r.name == "hyperagent_gpu_power_watts" for r in readings)
+    await runner.close()
+
+
+def test_garbage_mtu_is_skipped_and_counted(tmp_path: Path) -> None:
+    root = copy_tree("rxe-qemu-e1000e", tmp_path)
     (root / "class" / "net" / "eth0" / "mtu").write_text("jumbo\n")
     readings = parse_sysfs(read_sysfs(root))
-    assert value(readings, "hyperagent_rdma_port_driver_stat_total", counter="send_err") is None
     assert value(readings, "hyperagent_rdma_netdev_mtu_bytes", netdev="eth0") is None
-    assert value(readings, "hyperagent_rdma_unreadable_files") == 2
+    assert value(readings, "hyperagent_rdma_unreadable_files") == 1
 
 
 async def test_absent_infiniband_class_is_unavailable(tmp_path: Path) -> None:
