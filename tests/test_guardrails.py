@@ -187,3 +187,61 @@ def test_a_silent_node_means_no_ack_and_a_rollback(mosquitto: Mosquitto, tmp_pat
     assert rollback["settings"] == state.space.defaults()
     assert state.acks[rollback["version"]]["node-1"]["ok"]  # the node came back and rolled back
     assert state.done and not state.lost
+
+
+def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path) -> None:
+    key = tmp_path / "settings.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    key.chmod(0o600)
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'cluster = "g"\nnode = "node-1"\n[mqtt]\nurl = "{mosquitto.url}"\n'
+        f'[agent]\nstate_dir = "{tmp_path / "agent"}"\n'
+        f'[security]\nsettings_key_file = "{key}"\n'
+    )
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hyperagent.cli",
+            "agent",
+            "--config",
+            str(config),
+            "--replay",
+            str(REPO / "fixtures/replay/v100s-8gpu-training"),
+            "--metrics-address",
+            "",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    raw = {
+        "cluster": "g",
+        "mqtt": {"url": mosquitto.url},
+        "coordinator": {
+            "state_dir": str(tmp_path / "c"),
+            "metrics_address": "",
+            "jobs": [{"id": "j", "nodes": ["node-1"], "trials": 1, "power_limits_w": [100, 250]}],
+        },
+    }
+
+    async def cap() -> int:
+        coordinator = Coordinator(
+            build_config(raw), coordinator_link(build_config(raw)), key.read_bytes().strip()
+        )
+        state = coordinator.jobs["j"]
+        async with link_running(coordinator):
+            settings = {**state.space.defaults(), "power_cap_w": 150}
+            version = coordinator._publish_settings(state, settings, None, None)
+            acks = await coordinator._collect(state, state.acks, version, 30)
+        return int(acks["node-1"]["applied"]["power_cap_w"][0])
+
+    try:
+        assert asyncio.run(cap()) == 150
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0
+    assert "restored the original power limit of 8 GPU(s)" in err
