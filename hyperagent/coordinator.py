@@ -30,7 +30,7 @@ from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
 from hyperagent.tuner import SearchSpace, Tuner
 from hyperagent.tuner.journal import Journal, JournalState
-from hyperagent.tuner.trial import MeasurementPlan, score
+from hyperagent.tuner.trial import MeasurementPlan, score, score_noise
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class TrialRecord:
     """ok, aborted, infeasible, refused, no_ack, timeout, nonfinite_loss, xid or lost_nodes."""
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
+    noise: float | None = None
+    """Standard error of the score, from the spread of the measurement windows."""
 
     def to_journal(self) -> dict[str, Any]:
         reports = {
@@ -86,6 +88,7 @@ class TrialRecord:
             "status": self.status,
             "reports": reports,
             "seconds": self.seconds,
+            "noise": self.noise,
         }
 
     @classmethod
@@ -98,6 +101,7 @@ class TrialRecord:
             entry["status"],
             entry.get("reports", {}),
             entry.get("seconds", 0.0),
+            entry.get("noise"),
         )
 
 
@@ -150,7 +154,7 @@ class JobState:
         """Account a finished trial in the tuner and the running best."""
         self.trials.append(trial)
         if trial.score is not None and trial.status == "ok":
-            self.tuner.tell(trial.settings, trial.score)
+            self.tuner.tell(trial.settings, trial.score, noise=trial.noise)
             if self.baseline is None and trial.index == 0:
                 self.baseline = trial.score
             if self.best is None or trial.score > self.best[1]:
@@ -533,6 +537,7 @@ class Coordinator:
             record.status = "xid"
         else:
             record.score = self._score(state, usable)
+            record.noise = score_noise(usable, state.config.objective, len(state.config.nodes))
             if record.score is None:
                 record.status = "infeasible"
 

@@ -186,6 +186,8 @@ class Tuner:
             self._seeds.append(space.snap({**first, "power_cap_w": low_cap}))
         self._observations: list[tuple[Settings, float]] = []
         self._unfitted: list[tuple[list[Any], float]] = []
+        self._noise: list[float] = []
+        """Per told observation (in the model's order): the score's standard error, 0 unknown."""
         self._pending: Settings | None = None
         self._fitted_kernel: Any = None
         self._next_refit = 0
@@ -271,6 +273,10 @@ class Tuner:
         losses = [y for _, y in self._unfitted]
         self._unfitted.clear()
         surrogate = self._optimizer.base_estimator_
+        # measurement noise each trial reported, as variance in the model's normalised units
+        scale = float(np.std([*self._optimizer.yi, *losses])) or 1.0
+        alpha = np.maximum((np.asarray(self._noise) / scale) ** 2, 1e-10)
+        surrogate.set_params(alpha=alpha)
         observed = len(self._optimizer.yi) + len(points)
         refit = self._fitted_kernel is None or observed < REFIT_FROM or observed >= self._next_refit
         if refit:
@@ -325,8 +331,12 @@ class Tuner:
             values = gaussian_lcb(x, model)
         return dict(self._grid[int(candidates[int(np.argmin(values))])])
 
-    def tell(self, settings: Mapping[str, object], score: float) -> None:
-        """Record that ``settings`` (a point of the space, asked or not) scored ``score``."""
+    def tell(
+        self, settings: Mapping[str, object], score: float, noise: float | None = None
+    ) -> None:
+        """Record that ``settings`` (a point of the space, asked or not) scored ``score``;
+        ``noise``, the score's standard error when the measurement estimated it (spread of its
+        windows), makes the model trust that observation accordingly."""
         if not self.space.contains(settings):
             raise ValueError(
                 f"settings are not a point of the search space (snap them first): {settings}"
@@ -338,6 +348,7 @@ class Tuner:
         self._evaluated[index] = True
         if self._optimizer is not None:
             self._unfitted.append((self._to_point(clean), -value))
+            self._noise.append(abs(_real(noise, "noise")) if noise is not None else 0.0)
         self._pending = None
 
     @property

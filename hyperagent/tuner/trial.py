@@ -202,3 +202,20 @@ def score(
         samples = sum(r["samples"] for r in reports)
         return samples / sum(energy)
     raise ValueError(f"unknown objective {objective!r}; choose throughput or energy")
+
+
+def score_noise(
+    reports: Sequence[Mapping[str, Any]], objective: str, nodes: int | None = None
+) -> float | None:
+    """Standard error of the throughput score, from the spread of each node's windows (the
+    nodes' window variances over their counts, summed, scaled like the score); None when a
+    node has fewer than two windows, or for the energy objective (one energy reading)."""
+    if objective != "throughput" or not reports:
+        return None
+    variance = 0.0
+    for report in reports:
+        windows = [float(w) for w in report.get("windows", []) if w]
+        if len(windows) < 2:
+            return None
+        variance += statistics.variance(windows) / len(windows)
+    return math.sqrt(variance) * (nodes or len(reports)) / len(reports)

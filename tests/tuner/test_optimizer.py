@@ -213,3 +213,24 @@ def test_finds_the_simulated_optimum(acq_func: str) -> None:
     best = tuner.best
     assert best is not None
     assert model.throughput(best[0]) >= 0.95 * optimum
+
+
+def test_a_noisy_measurement_is_trusted_less() -> None:
+    from hyperagent.tuner import SearchSpace, Tuner
+
+    space = SearchSpace.default("nccl", 4, (100, 250))
+
+    def tuned(noise: float | None) -> dict[str, object]:
+        tuner = Tuner(space, seed=3, n_initial_points=2)
+        base = space.defaults()
+        hump = ((2, 70.0), (4, 85.0), (8, 95.0), (16, 105.0), (32, 110.0), (64, 105.0), (128, 95.0))
+        for bucket, score in hump:
+            tuner.tell({**base, "bucket_mb": bucket}, score, noise=1.0)
+        # one lucky reading next door, whose windows disagreed wildly (or were not reported)
+        lucky = {**base, "bucket_mb": 256}
+        tuner.tell(lucky, 130.0, noise=noise)
+        assert tuner.best is not None
+        return tuner.best[0]
+
+    assert tuned(noise=None)["bucket_mb"] == 256
+    assert tuned(noise=30.0)["bucket_mb"] == 32

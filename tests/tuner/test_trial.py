@@ -78,3 +78,14 @@ def test_score_objectives() -> None:
     assert score([{**reports[0], "nonfinite_loss": True}], "throughput") is None
     with pytest.raises(ValueError):
         score(reports, "latency")
+
+
+def test_score_noise_from_window_spread() -> None:
+    from hyperagent.tuner.trial import score_noise
+
+    # windows 90, 110: variance 200, over 2 windows -> 100; two such nodes -> sqrt(200)
+    reports = [{"windows": [90.0, 110.0]}, {"windows": [110.0, 90.0]}]
+    assert score_noise(reports, "throughput") == pytest.approx(math.sqrt(200))
+    assert score_noise(reports, "throughput", nodes=4) == pytest.approx(2 * math.sqrt(200))
+    assert score_noise([{"windows": [100.0]}], "throughput") is None
+    assert score_noise(reports, "energy") is None
