@@ -8,7 +8,7 @@ coordinator would measure: the median of four noisy windows (``JobModel.score`` 
 
 Methods:
 
-- ``hyperagent``: :class:`hyperagent.tuner.Tuner` told the landscape's objective, as the
+- ``hyperagent``: :class:`hyperagent.tuner.optimizer.Tuner` told the landscape's objective, as the
   coordinator tells it the job's; its pick is ``Tuner.best``.
 - ``random``: points of the full grid drawn uniformly without replacement. Its median trials
   to the target is also computed exactly from the landscape (how many points are on target):
@@ -55,7 +55,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hyperagent.sim import JobModel
-from hyperagent.tuner import SearchSpace, Settings, Tuner
+from hyperagent.tuner.optimizer import Tuner
+from hyperagent.tuner.space import SearchSpace, Settings
 
 WINDOWS = 4
 TARGET = 0.95

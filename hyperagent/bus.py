@@ -16,6 +16,7 @@ import hmac
 import logging
 import math
 import random
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -149,6 +150,28 @@ def verify(message: Mapping[str, Any], key: bytes) -> bool:
     return hmac.compare_digest(tag, expected)
 
 
+def topic_matches(topic_filter: str, topic: str) -> bool:
+    """Whether ``topic`` matches an MQTT topic filter (``+`` one level, ``#`` the rest, and
+    ``$share/<group>/`` ignored), as aiomqtt's ``Topic.matches`` decides."""
+    levels = topic_filter.split("/")
+    if levels[0] == "$share":
+        levels = levels[2:]
+    parts = topic.split("/")
+    for i, level in enumerate(levels):
+        if level == "#":
+            return True
+        if i >= len(parts) or (level != "+" and level != parts[i]):
+            return False
+    return len(levels) == len(parts)
+
+
+ROUTES_CACHED = 100_000
+"""Topics whose matching handlers are remembered; past this the memory starts over."""
+
+RECEIVE_BATCH = 1000
+"""Queued incoming messages handled in a row before the event loop gets a turn."""
+
+
 async def _await_mqtt(call: Awaitable[Any]) -> Any:
     """Await an aiomqtt call; re-raise a cancellation it swallowed.
 
@@ -217,6 +240,7 @@ class MqttLink:
         if not self.spool:
             self._idle.set()
         self._handlers: list[tuple[str, int, Handler]] = []
+        self._routes: dict[str, tuple[Handler, ...]] = {}
         self.connected = asyncio.Event()
         self.dropped = 0
         self.handler_errors = 0
@@ -226,6 +250,18 @@ class MqttLink:
 
     def subscribe(self, topic_filter: str, qos: int, handler: Handler) -> None:
         self._handlers.append((topic_filter, qos, handler))
+        self._routes.clear()
+
+    def handlers_for(self, topic: str) -> tuple[Handler, ...]:
+        """The handlers whose filters match ``topic``, in subscription order (remembered per
+        topic: a daemon sees the same topics over and over)."""
+        found = self._routes.get(topic)
+        if found is None:
+            if len(self._routes) >= ROUTES_CACHED:
+                self._routes.clear()
+            found = tuple(h for f, _, h in self._handlers if topic_matches(f, topic))
+            self._routes[topic] = found
+        return found
 
     def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
         """Enqueue a message; never blocks. A full queue drops its oldest message (counted)."""
@@ -292,6 +328,8 @@ class MqttLink:
             password=self.password,
             tls_params=self.tls,
             timeout=10,
+            # small QoS 1 packets (acks, PUBACKs) must not wait for the peer's delayed ACK
+            socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         ) as client:
             self._client = client
             self.connects += 1
@@ -348,19 +386,31 @@ class MqttLink:
             )
 
     async def _receive_loop(self, client: aiomqtt.Client) -> None:
+        # aiomqtt's iterator makes a task and an asyncio.wait per message; what its queue
+        # already holds is taken without them, a bounded batch at a time (aiomqtt is pinned
+        # below 3: the queue is its private ``_queue``, skipped if that ever changes).
+        queue = getattr(client, "_queue", None)
+        inbox = queue if isinstance(queue, asyncio.Queue) else None
         async for message in client.messages:
-            topic = message.topic.value
-            payload = message.payload
-            if not isinstance(payload, bytes | bytearray):
-                payload = str(payload or "").encode()
-            for topic_filter, _, handler in self._handlers:
-                if not message.topic.matches(topic_filter):
-                    continue
-                try:
-                    await handler(topic, bytes(payload))
-                except Exception:
-                    self.handler_errors += 1
-                    log.exception("handler for %s failed", topic)
+            await self._dispatch(message)
+            for _ in range(RECEIVE_BATCH):
+                if inbox is None or inbox.empty():
+                    break
+                await self._dispatch(inbox.get_nowait())
+
+    async def _dispatch(self, message: aiomqtt.Message) -> None:
+        topic = message.topic.value
+        payload = message.payload
+        if type(payload) is not bytes:
+            payload = (
+                bytes(payload) if isinstance(payload, bytearray) else str(payload or "").encode()
+            )
+        for handler in self.handlers_for(topic):
+            try:
+                await handler(topic, payload)
+            except Exception:
+                self.handler_errors += 1
+                log.exception("handler for %s failed", topic)
 
     async def disconnect(self, final: Sequence[Outgoing] = ()) -> None:
         """Publish ``final`` (e.g. an offline status) if connected; the caller then cancels run."""

@@ -28,8 +28,9 @@ from hyperagent.errors import PayloadError
 from hyperagent.exporter import SnapshotCollector
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
-from hyperagent.tuner import SearchSpace, Tuner
 from hyperagent.tuner.journal import Journal, JournalState
+from hyperagent.tuner.optimizer import Tuner
+from hyperagent.tuner.space import SearchSpace
 from hyperagent.tuner.trial import MeasurementPlan, score, score_noise
 
 log = logging.getLogger(__name__)

@@ -95,7 +95,7 @@ def quantum_coefficient(model: str, table: Mapping[str, float]) -> float | None:
 
 
 def _per_gpu(snapshot: Snapshot, name: str) -> dict[str | None, Reading]:
-    return {r.labels.get("uuid"): r for r in snapshot.readings if r.name == name}
+    return {r.labels.get("uuid"): r for r in snapshot.named(name)}
 
 
 def _units(snapshot: Snapshot, table: Mapping[str, float]) -> list[tuple[Reading, Unit]]:

@@ -23,9 +23,15 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         names = {n.name for n in nodes}
 
         # ten trials and the best one measured again; bad ones may end early, none fails
-        assert len(state.trials) == 11 and state.trials[-1].settings == state.trials[
-            [t.score for t in state.trials[:10]].index(max(t.score or 0 for t in state.trials[:10]))
-        ].settings
+        assert (
+            len(state.trials) == 11
+            and state.trials[-1].settings
+            == state.trials[
+                [t.score for t in state.trials[:10]].index(
+                    max(t.score or 0 for t in state.trials[:10])
+                )
+            ].settings
+        )
         assert {t.status for t in state.trials} <= {"ok", "aborted"}
         for trial in state.trials:
             acks = state.acks[trial.version]

@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 
 from hyperagent.sim import JobModel, PowerCurve, Step, power_curve
-from hyperagent.tuner import SearchSpace
+from hyperagent.tuner.space import SearchSpace
 
 DEFAULTS = {"bucket_mb": 32, "chunk_kb": 4096, "power_cap_w": 250, "allreduce": "ring"}
 CURVE_SHA256 = "f0b066dd1a451bd78f730e001ac3a7c411979bc7f0846f12c1a9fb604aa90628"

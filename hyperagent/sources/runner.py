@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hyperagent.errors import SourceError, SourceUnavailable
@@ -13,24 +15,57 @@ from hyperagent.sources.base import Source
 
 log = logging.getLogger(__name__)
 
+UP = "hyperagent_source_up"
+DURATION = "hyperagent_source_duration_seconds"
+ERRORS = "hyperagent_source_errors_total"
+LAST_SUCCESS = "hyperagent_source_last_success_timestamp_seconds"
+
 
 @dataclass
 class _Health:
+    labels: dict[str, str]
     up: bool = False
     started: bool = False
     errors: int = 0
     duration_s: float = 0.0
     last_success: float = 0.0
     last_problem: str = field(default="")
+    cached: dict[str, Reading] = field(default_factory=dict)
+    """The last up and errors readings, reused while their values stay the same."""
+    read_at: float = -math.inf
+    """Monotonic time the last read began."""
+    readings: list[Reading] = field(default_factory=list)
+    """What the last successful read returned."""
+
+    def reading(self, name: str, value: float, kind: Kind = Kind.GAUGE) -> Reading:
+        found = self.cached.get(name)
+        if found is None or found.value != value:
+            found = self.cached[name] = Reading(name, value, self.labels, kind)
+        return found
+
+
+DUE_FRACTION = 0.95
+"""A source with an interval is read again once this fraction of it has passed (cycles jitter)."""
 
 
 class SourceRunner:
-    """Starts, reads and closes a set of sources; each read is bounded by ``timeout_s``."""
+    """Starts, reads and closes a set of sources; each read is bounded by ``timeout_s``.
 
-    def __init__(self, sources: list[Source], timeout_s: float) -> None:
+    ``intervals`` (seconds, by source name) slows a source down below the collection rate: a
+    BMC or a PDU updates its readings about once a second, so an agent collecting at 10 Hz
+    reads them at most that often and repeats the last readings (and health) in between.
+    """
+
+    def __init__(
+        self,
+        sources: list[Source],
+        timeout_s: float,
+        intervals: Mapping[str, float] | None = None,
+    ) -> None:
         self.sources = sources
         self.timeout_s = timeout_s
-        self._health = {id(s): _Health() for s in sources}
+        self.intervals = dict(intervals or {})
+        self._health = {id(s): _Health({"source": s.name, "target": s.target}) for s in sources}
 
     async def start(self) -> None:
         """Start every source; one that fails to start is retried on each read."""
@@ -54,8 +89,10 @@ class SourceRunner:
         results = await asyncio.gather(*(self._read(s) for s in self.sources))
         by_source: dict[str, list[Reading]] = {}
         for source, batch in zip(self.sources, results, strict=True):
-            if self._health[id(source)].up:
-                by_source.setdefault(source.name, []).extend(batch)
+            if batch is None:
+                continue
+            found = by_source.get(source.name)
+            by_source[source.name] = batch if found is None else [*found, *batch]
         return by_source
 
     async def read_all(self) -> list[Reading]:
@@ -64,24 +101,34 @@ class SourceRunner:
         readings.extend(self.health_readings())
         return readings
 
-    async def _read(self, source: Source) -> list[Reading]:
+    async def _read(self, source: Source) -> list[Reading] | None:
+        """The source's readings, or None when it failed."""
         health = self._health[id(source)]
+        interval = self.intervals.get(source.name)
+        if interval is not None:
+            now = time.monotonic()
+            if now - health.read_at < DUE_FRACTION * interval:
+                return health.readings if health.up else None
+            health.read_at = now
         began = time.perf_counter()
         try:
-            if not await self._start(source):
-                return []
+            if not health.started and not await self._start(source):
+                return None
             async with asyncio.timeout(self.timeout_s):
                 readings = await source.read()
         except Exception as e:
             health.duration_s = time.perf_counter() - began
             self._note_failure(source, e, "read")
-            return []
+            return None
         health.duration_s = time.perf_counter() - began
         health.last_success = time.time()
-        if not health.up and health.last_problem:
-            log.info("source recovered", extra={"source": source.name, "target": source.target})
-        health.up = True
-        health.last_problem = ""
+        if not health.up:
+            if health.last_problem:
+                log.info("source recovered", extra={"source": source.name, "target": source.target})
+            health.up = True
+            health.last_problem = ""
+        if interval is not None:
+            health.readings = readings
         return readings
 
     def _note_failure(self, source: Source, error: BaseException, stage: str) -> None:
@@ -106,18 +153,11 @@ class SourceRunner:
         out = []
         for source in self.sources:
             h = self._health[id(source)]
-            labels = {"source": source.name, "target": source.target}
-            out.append(Reading("hyperagent_source_up", 1.0 if h.up else 0.0, labels))
-            out.append(
-                Reading("hyperagent_source_duration_seconds", h.duration_s, labels, unit="s")
-            )
-            out.append(Reading("hyperagent_source_errors_total", h.errors, labels, Kind.COUNTER))
+            out.append(h.reading(UP, 1.0 if h.up else 0.0))
+            out.append(Reading(DURATION, h.duration_s, h.labels, unit="s"))
+            out.append(h.reading(ERRORS, h.errors, Kind.COUNTER))
             if h.last_success:
-                out.append(
-                    Reading(
-                        "hyperagent_source_last_success_timestamp_seconds", h.last_success, labels
-                    )
-                )
+                out.append(Reading(LAST_SUCCESS, h.last_success, h.labels))
         return out
 
     async def close(self) -> None:

@@ -1,6 +1,5 @@
-"""Closed-loop tuning of distributed-training settings: the search space and the optimiser."""
+"""Closed-loop tuning of distributed-training settings: the search space (``space``), the
+optimiser (``optimizer``), one trial's measurement and score (``trial``) and the journal.
 
-from hyperagent.tuner.optimizer import Tuner
-from hyperagent.tuner.space import SearchSpace, Settings
-
-__all__ = ["SearchSpace", "Settings", "Tuner"]
+Nothing is imported here: the agent uses ``trial`` alone and must not load scikit-optimize.
+"""

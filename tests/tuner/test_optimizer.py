@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hyperagent.sim import JobModel
-from hyperagent.tuner import SearchSpace, Tuner
+from hyperagent.tuner.optimizer import Tuner
+from hyperagent.tuner.space import SearchSpace
 
 SPACE = SearchSpace.default("nccl", nodes=16, power_limits_w=(200, 400))
 
@@ -216,7 +217,8 @@ def test_finds_the_simulated_optimum(acq_func: str) -> None:
 
 
 def test_a_noisy_measurement_is_trusted_less() -> None:
-    from hyperagent.tuner import SearchSpace, Tuner
+    from hyperagent.tuner.optimizer import Tuner
+    from hyperagent.tuner.space import SearchSpace
 
     space = SearchSpace.default("nccl", 4, (100, 250))
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from hyperagent.tuner import SearchSpace, Tuner
-from hyperagent.tuner.space import APPLIED_AT, APPLY_MODES, BACKENDS, BUCKET_MB
+from hyperagent.tuner.optimizer import Tuner
+from hyperagent.tuner.space import APPLIED_AT, APPLY_MODES, BACKENDS, BUCKET_MB, SearchSpace
 
 
 def test_nccl_space_values_and_size() -> None:

@@ -1,0 +1,661 @@
+"""The processes ``benchmarks/run.py`` measures, one per scenario, so that CPU time and peak RSS
+are the measured process's own.
+
+    python benchmarks/workers.py agent|floor|coordinator|fanout|simagents|loadgen [options]
+
+Each worker prints ``READY ...`` once it is set up, then JSON lines (stats or its result) on
+standard output, and stops when its work is done or its standard input closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # this tree's hyperagent, whatever is installed
+
+from mqttsim import SimClient, connect_all, connect_packet, publish_packet, raise_fd_limit  # noqa: E402
+
+CLUSTER = "bench"
+JOB = "bench"
+SETTINGS_KEY = b"benchmark-settings-key-0123456789"
+
+
+def cpu_seconds() -> float:
+    """User plus system CPU time of this process, every thread included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process: VmHWM, not ru_maxrss, which Linux carries over
+    from the parent's memory at fork (the benchmark's parent holds the tuner's numpy)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def emit(kind: str, data: Any = None) -> None:
+    line = kind if data is None else f"{kind} {orjson.dumps(data).decode()}"
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+async def stdin_closed() -> None:
+    """Returns when the parent closes our standard input (or dies)."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.buffer.read)
+
+
+# -- the agent and the raw-read floor ------------------------------------------------------
+
+
+def _agent_config(args: argparse.Namespace) -> Any:
+    from hyperagent.config import build_config
+
+    return build_config(
+        {
+            "node": args.node,
+            "cluster": CLUSTER,
+            "mqtt": {"enabled": bool(args.broker), "url": args.broker or "mqtt://127.0.0.1:1883"},
+            "agent": {
+                "interval_s": 1.0 / args.hz,
+                "metrics_address": f"127.0.0.1:{args.metrics_port}" if args.metrics_port else "",
+                "state_dir": str(args.state),
+            },
+            "sources": {"job": {"socket": str(args.job_socket)}},
+        }
+    )
+
+
+def _node_sources(args: argparse.Namespace, config: Any) -> tuple[list[Any], Any]:
+    """Every source of a node: the capture directory's (GPUs, RDMA, PDU, BMC), host, job."""
+    from hyperagent.sources import capture_sources
+    from hyperagent.sources.host import HostSource
+    from hyperagent.sources.job import JobSource
+
+    sources, hardware = capture_sources(args.capture, config)
+    if args.real_gpus:  # this machine's GPUs through NVML instead of the capture's FakeNvml
+        import pynvml
+
+        from hyperagent.sources import Hardware
+        from hyperagent.sources.nvml import NvmlSource
+
+        sources = [NvmlSource(pynvml), *(s for s in sources if s.name != "nvml")]
+        hardware = Hardware(nvml=pynvml, replayed=True)
+    sources += [HostSource(), JobSource(args.job_socket)]
+    return sources, hardware
+
+
+async def _measure(
+    args: argparse.Namespace, cycles: Callable[[], int], ready: dict[str, Any]
+) -> None:
+    emit("READY", ready)
+    await asyncio.sleep(args.warmup)
+    cpu0, wall0, cycles0 = cpu_seconds(), time.perf_counter(), cycles()
+    await asyncio.sleep(args.seconds)
+    cpu, wall, done = cpu_seconds() - cpu0, time.perf_counter() - wall0, cycles() - cycles0
+    emit(
+        "RESULT",
+        {
+            "hz": args.hz,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "cycles": done,
+            "cpu_percent": 100 * cpu / wall,
+            "cpu_ms_per_cycle": 1000 * cpu / done if done else None,
+            "peak_rss_mib": peak_rss_mib(),
+        },
+    )
+
+
+async def agent_worker(args: argparse.Namespace) -> None:
+    """The whole agent (``Agent.run``): sources, indicators, /metrics, MQTT telemetry."""
+    from hyperagent.agent import Agent
+
+    config = _agent_config(args)
+    sources, hardware = _node_sources(args, config)
+    agent = Agent.from_config(config, hardware, sources=sources)
+    agent.runner.intervals = dict(args.interval)
+    running = asyncio.create_task(agent.run(), name="agent")
+    try:
+        async with asyncio.timeout(30):
+            await agent.ready.wait()
+            if agent.link is not None:
+                await agent.link.connected.wait()
+        readings = len(agent.snapshot.readings) if agent.snapshot else 0
+        up = {f"{s.name}": h for s, h in zip(agent.runner.sources, _up(agent), strict=True)}
+        await _measure(
+            args,
+            lambda: agent.collections,
+            {"readings": readings, "sources_up": up, "metrics_port": args.metrics_port},
+        )
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+
+def _up(agent: Any) -> list[bool]:
+    return [
+        r.value == 1.0 for r in agent.runner.health_readings() if r.name == "hyperagent_source_up"
+    ]
+
+
+async def floor_worker(args: argparse.Namespace) -> None:
+    """The raw reads alone: every source's ``read()`` on the agent's schedule, nothing else."""
+    config = _agent_config(args)
+    sources, _ = _node_sources(args, config)
+    for source in sources:
+        await source.start()
+    interval = 1.0 / args.hz
+    slow = dict(args.interval)
+    read_at = {id(s): -1e9 for s in sources}
+    cycles = 0
+    readings = 0
+
+    def due(source: Any, now: float) -> bool:
+        if now - read_at[id(source)] < 0.95 * slow.get(source.name, 0.0):
+            return False
+        read_at[id(source)] = now
+        return True
+
+    async def loop() -> None:
+        nonlocal cycles, readings
+        next_due = time.monotonic()
+        while True:
+            now = time.monotonic()
+            chosen = [s for s in sources if due(s, now)]
+            results = await asyncio.gather(*(s.read() for s in chosen), return_exceptions=True)
+            readings = sum(len(r) for r in results if isinstance(r, list))
+            cycles += 1
+            next_due += interval
+            delay = next_due - time.monotonic()
+            if delay < 0:
+                next_due, delay = time.monotonic(), 0
+            await asyncio.sleep(delay)
+
+    reading = asyncio.create_task(loop(), name="floor")
+    try:
+        await asyncio.sleep(interval)
+        await _measure(args, lambda: cycles, {"readings": readings})
+    finally:
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        for source in sources:
+            await source.close()
+
+
+# -- the coordinator's ingest path ---------------------------------------------------------
+
+
+def node_names(count: int) -> list[str]:
+    return [f"sim{i:05d}" for i in range(count)]
+
+
+def _coordinator_config(broker: str, state: Path, jobs: list[dict[str, Any]]) -> Any:
+    from hyperagent.config import build_config
+
+    return build_config(
+        {
+            "node": "coordinator",
+            "cluster": CLUSTER,
+            "mqtt": {"url": broker, "reconnect_min_s": 0.1},
+            "coordinator": {"metrics_address": "", "state_dir": str(state), "jobs": jobs},
+        }
+    )
+
+
+async def coordinator_worker(args: argparse.Namespace) -> None:
+    """A real Coordinator whose job lists every simulated node; it ingests their telemetry.
+
+    The job is in recommend mode, so nothing but the ingest path runs; a subclass counts the
+    telemetry messages handled. Prints a stats line every ``--every`` seconds.
+    """
+    from hyperagent.coordinator import Coordinator, coordinator_link
+
+    class CountingCoordinator(Coordinator):
+        ingested = 0
+
+        async def _on_telemetry(self, topic: str, payload: bytes) -> None:
+            self.ingested += 1
+            await super()._on_telemetry(topic, payload)
+
+    job = {"id": JOB, "nodes": node_names(args.nodes), "mode": "recommend"}
+    config = _coordinator_config(args.broker, args.state, [job])
+    coordinator = CountingCoordinator(config, coordinator_link(config), SETTINGS_KEY)
+    running = asyncio.create_task(coordinator.run(), name="coordinator")
+    try:
+        async with asyncio.timeout(30):
+            await coordinator.link.connected.wait()
+        emit("READY", {"nodes": args.nodes})
+        stop = asyncio.create_task(stdin_closed())
+        while not stop.done():
+            state = coordinator.jobs[JOB]
+            emit(
+                "STATS",
+                {
+                    "t": time.monotonic(),
+                    "ingested": coordinator.ingested,
+                    "invalid": coordinator.invalid_payloads,
+                    "tracked_nodes": len(state.progress),
+                    "cpu_s": cpu_seconds(),
+                    "peak_rss_mib": peak_rss_mib(),
+                },
+            )
+            await asyncio.wait({stop}, timeout=args.every)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+
+# -- settings fan-out ----------------------------------------------------------------------
+
+
+async def fanout_worker(args: argparse.Namespace) -> None:
+    """A real Coordinator publishing settings versions to ``--nodes`` simulated agents and
+    waiting for every ack (``_publish_settings`` then ``_collect``, as a trial does)."""
+    from hyperagent.coordinator import Coordinator, coordinator_link
+
+    job_id = f"fan{args.nodes}"
+    job = {"id": job_id, "nodes": node_names(args.nodes), "ack_timeout_s": args.timeout}
+    config = _coordinator_config(args.broker, args.state, [job])
+    coordinator = Coordinator(config, coordinator_link(config), SETTINGS_KEY)
+    link = coordinator.link
+    running = asyncio.create_task(link.run(), name="mqtt")
+    state = coordinator.jobs[job_id]
+    settings = state.space.defaults()
+    times: list[float] = []
+    missing = 0
+    try:
+        async with asyncio.timeout(30):
+            await link.connected.wait()
+        emit("READY", {"nodes": args.nodes})
+        for round_ in range(args.rounds + 1):
+            began = time.perf_counter()
+            version = coordinator._publish_settings(state, settings, None, None)
+            acks = await coordinator._collect(state, state.acks, version, args.timeout)
+            elapsed = time.perf_counter() - began
+            if round_:  # the first round warms the broker's subscription tree up
+                times.append(elapsed)
+                missing += args.nodes - len(acks)
+        link.publish(coordinator.topics.settings(job_id), b"", 1, True)  # clear the retained
+        await link.flush(5)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    ordered = sorted(times)
+    emit(
+        "RESULT",
+        {
+            "nodes": args.nodes,
+            "rounds": len(times),
+            "p50_s": statistics.median(ordered),
+            "p99_s": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+            "max_s": ordered[-1],
+            "missing_acks": missing,
+        },
+    )
+
+
+async def simagents_worker(args: argparse.Namespace) -> None:
+    """Simulated agents ``--first``..``--first + --count - 1``: each subscribes to settings,
+    decodes and verifies what arrives with the package's own codec, and acks it (QoS 1)."""
+    from hyperagent import bus
+
+    raise_fd_limit(args.count + 100)
+    topics = bus.Topics(CLUSTER)
+    names = node_names(args.first + args.count)[args.first :]
+
+    async def on_message(client: SimClient, topic: str, payload: bytes) -> None:
+        if not payload:
+            return
+        message = bus.decode(payload, "settings")
+        if not bus.verify(message, SETTINGS_KEY) or client.client_id not in message["nodes"]:
+            return
+        ack = {
+            "job": message["job"],
+            "node": client.client_id,
+            "version": message["version"],
+            "ok": True,
+            "error": None,
+            "applied": {},
+            "ts": time.time(),
+        }
+        client.publish(topics.ack(message["job"]), bus.encode(ack), qos=1)
+
+    clients = [SimClient(name, on_message) for name in names]
+    await connect_all(clients, "127.0.0.1", args.port)
+    await asyncio.gather(*(c.subscribe(topics.settings("+"), 1) for c in clients))
+    emit("READY", {"agents": len(clients)})
+    await stdin_closed()
+    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+# -- replay --------------------------------------------------------------------------------
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def record(capture: Path, frames: int, out: Path) -> int:
+    """A 1 Hz recording of the capture directory's sources, the host and a job reporting 40
+    steps a second, ``frames`` seconds long, written with the package's Recorder."""
+    from hyperagent import job as protocol
+    from hyperagent.config import build_config
+    from hyperagent.replay import Recorder
+    from hyperagent.sources import capture_sources
+    from hyperagent.sources.host import HostSource
+    from hyperagent.sources.job import JobSource
+    from hyperagent.sources.runner import SourceRunner
+
+    config = build_config({"node": "bench-node", "mqtt": {"enabled": False}})
+    clock = VirtualClock()
+    sources, _ = capture_sources(capture, config, clock=clock)
+    job = JobSource(out.parent / "unused.sock")
+    runner = SourceRunner([*sources, HostSource(), job], 10.0)
+    await runner.start()
+    steps = [
+        protocol.encode_step(protocol.StepReport(JOB, rank, 32, 0.2, 0.16, 0.04, 2.0, 0))
+        for rank in range(8)
+    ]
+    with out.open("wb") as f:
+        recorder = Recorder(f, config.node, 1.0)
+        for second in range(frames):
+            clock.now = float(second)
+            for _ in range(5):
+                for step in steps:
+                    job.receive(step, None)
+            recorder.write(1_790_000_000.0 + second, await runner.read_by_source())
+    await runner.close()
+    return recorder.frames
+
+
+async def _replay(directory: Path, frames: int, as_recorded: bool) -> dict[str, Any]:
+    """Replay the recording through ``Agent.collect_once``, one recorded second per cycle on a
+    virtual clock. ``as_recorded`` hands every source's recorded readings over as they are;
+    otherwise the sources are what ``capture_sources`` builds (GPU readings go through
+    NvmlSource over a FakeNvml rebuilt from each frame)."""
+    from hyperagent.agent import Agent
+    from hyperagent.config import build_config
+    from hyperagent.replay import RECORDING_FILE, Player, RecordedSource, load_recording
+    from hyperagent.sources import Hardware, capture_sources
+
+    config = build_config(
+        {
+            "node": "bench-node",
+            "mqtt": {"enabled": False},
+            "agent": {"metrics_address": "", "state_dir": str(directory)},
+        }
+    )
+    clock = VirtualClock()
+    began = time.perf_counter()
+    if as_recorded:
+        player = Player(load_recording(directory / RECORDING_FILE), clock)
+        sources: list[Any] = [RecordedSource(n, player) for n in player.recording.source_names]
+        hardware = Hardware(nvml=None, replayed=True)
+    else:
+        sources, hardware = capture_sources(directory, config, clock=clock)
+    load_s = time.perf_counter() - began
+    agent = Agent(config, hardware, sources=sources)
+    await agent.runner.start()
+    readings = 0
+    began, cpu0 = time.perf_counter(), cpu_seconds()
+    for second in range(frames):
+        clock.now = float(second)
+        snapshot = await agent.collect_once()
+        readings = len(snapshot.readings)
+    wall, cpu = time.perf_counter() - began, cpu_seconds() - cpu0
+    await agent.runner.close()
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "load_s": load_s,
+        "speedup": frames / wall,
+        "speedup_with_load": frames / (wall + load_s),
+        "readings_per_frame": readings,
+    }
+
+
+async def replay_worker(args: argparse.Namespace) -> None:
+    """Record ``--frames`` seconds at 1 Hz, then replay them both ways (see ``_replay``)."""
+    import tempfile
+
+    from hyperagent.replay import RECORDING_FILE
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        frames = await record(args.capture, args.frames, directory / RECORDING_FILE)
+        through_sources = await _replay(directory, frames, as_recorded=False)
+        as_recorded = await _replay(directory, frames, as_recorded=True)
+    emit(
+        "RESULT",
+        {
+            "frames": frames,
+            "recorded_s": float(frames),
+            **through_sources,
+            "as_recorded": as_recorded,
+        },
+    )
+
+
+# -- telemetry load ------------------------------------------------------------------------
+
+
+def telemetry_template(capture: Path) -> dict[str, Any]:
+    """A real agent's telemetry payload for the capture directory (second cycle, so windowed
+    indicators are present), decoded: simulated agents send it with their own name and time."""
+    from hyperagent.agent import telemetry_payload
+    from hyperagent.config import build_config
+    from hyperagent.indicators import derive
+    from hyperagent.readings import Snapshot
+    from hyperagent.sources import capture_sources
+    from hyperagent.sources.host import HostSource
+    from hyperagent.sources.runner import SourceRunner
+
+    async def build() -> bytes:
+        config = build_config({"node": "template", "cluster": CLUSTER, "mqtt": {"enabled": False}})
+        clock = [0.0]
+        sources, _ = capture_sources(capture, config, clock=lambda: clock[0])
+        runner = SourceRunner([*sources, HostSource()], 10.0)
+        await runner.start()
+        previous = None
+        payload = b""
+        for ts in (0.0, 1.0):
+            clock[0] = ts
+            readings = await runner.read_all()
+            snapshot = Snapshot(ts, "template", tuple(readings))
+            indicators = derive(snapshot, previous, config.indicators.quantum_coefficients)
+            jobs = {JOB: {"samples": 0, "step_s": 0.0}}
+            payload = telemetry_payload(snapshot, indicators, jobs)
+            previous = snapshot
+        await runner.close()
+        return payload
+
+    message: dict[str, Any] = orjson.loads(asyncio.run(build()))
+    return message
+
+
+class LoadGenerator:
+    """Simulated agents publishing telemetry at 1 Hz each (QoS 0), over blocking sockets.
+
+    Node i publishes once a second, spread evenly over the second; nodes share ``connections``
+    MQTT connections round-robin (one each when there are as many connections as nodes). A
+    message is the template with the node's name, the time and its job's running totals; the
+    unchanging part is encoded once, so that the generator stays cheap next to the broker and
+    the coordinator.
+    """
+
+    def __init__(self, port: int, template: dict[str, Any], nodes: int, connections: int) -> None:
+        from hyperagent import bus
+
+        raise_fd_limit(connections + 100)
+        topics = bus.Topics(CLUSTER)
+        fixed = {k: v for k, v in template.items() if k not in ("node", "ts", "jobs")}
+        self.tail = b"," + orjson.dumps(fixed)[1:]
+        self.names = [orjson.dumps(name) for name in node_names(nodes)]
+        self.topics = [topics.telemetry(name).encode() for name in node_names(nodes)]
+        self.samples = [0] * nodes
+        self.sockets: list[socket.socket] = []
+        for i in range(connections):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(connect_packet(f"load-{os.getpid()}-{i}"))
+            answer = sock.recv(4)
+            if answer[:1] != b"\x20" or answer[3:4] != b"\x00":
+                raise RuntimeError(f"broker refused load connection {i}: {answer!r}")
+            self.sockets.append(sock)
+        self.sent = 0
+        self._next = 0
+
+    def _packet(self, node: int, now: bytes) -> bytes:
+        self.samples[node] += 32
+        samples = self.samples[node]
+        payload = b"".join(
+            (
+                b'{"node":',
+                self.names[node],
+                b',"ts":',
+                now,
+                f',"jobs":{{"{JOB}":{{"samples":{samples},"step_s":{samples / 320!r}}}}}'.encode(),
+                self.tail,
+            )
+        )
+        return publish_packet(self.topics[node], payload)
+
+    def run(self, active: int, seconds: float) -> dict[str, Any]:
+        """Nodes 0..active-1 publish at 1 Hz for ``seconds``; returns what was sent when."""
+        began = time.monotonic()
+        sent_before = self.sent
+        connections = len(self.sockets)
+        while True:
+            now = time.monotonic()
+            elapsed = now - began
+            if elapsed >= seconds:
+                break
+            due = int(active * elapsed) - (self.sent - sent_before)
+            batches: dict[int, list[bytes]] = {}
+            wall = orjson.dumps(time.time())
+            for _ in range(due):
+                node = self._next % active
+                self._next = node + 1
+                batches.setdefault(node % connections, []).append(self._packet(node, wall))
+            for index, packets in batches.items():
+                self.sockets[index].sendall(b"".join(packets))
+            self.sent += due
+            time.sleep(0.005)
+        ended = time.monotonic()
+        sent = self.sent - sent_before
+        return {"t0": began, "t1": ended, "sent": sent, "rate": sent / (ended - began)}
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.sendall(b"\xe0\x00")
+                sock.close()
+
+
+def loadgen_worker(args: argparse.Namespace) -> None:
+    """Steps of ``--rates`` (agents publishing at 1 Hz) for ``--step-s`` seconds each."""
+    rates = [int(r) for r in args.rates.split(",")]
+    generator = LoadGenerator(
+        args.port, telemetry_template(args.capture), max(rates), args.connections
+    )
+    emit("READY", {"connections": len(generator.sockets), "nodes": max(rates)})
+    try:
+        for rate in rates:
+            emit("STEP", {"agents": rate, **generator.run(rate, args.step_s)})
+    finally:
+        generator.close()
+    emit("DONE")
+
+
+def _interval(text: str) -> tuple[str, float]:
+    name, _, seconds = text.partition("=")
+    return name, float(seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    sub = parser.add_subparsers(dest="kind", required=True)
+    for kind in ("agent", "floor"):
+        p = sub.add_parser(kind)
+        p.add_argument("--capture", type=Path, required=True)
+        p.add_argument("--hz", type=float, required=True)
+        p.add_argument("--seconds", type=float, required=True)
+        p.add_argument("--warmup", type=float, default=3.0)
+        p.add_argument("--state", type=Path, required=True)
+        p.add_argument("--job-socket", type=Path, required=True)
+        p.add_argument("--broker", default="")
+        p.add_argument("--metrics-port", type=int, default=0)
+        p.add_argument("--node", default="bench-node", help="node name (and MQTT client id)")
+        p.add_argument("--real-gpus", action="store_true", help="NVML of this machine's GPUs")
+        p.add_argument(
+            "--interval",
+            type=_interval,
+            action="append",
+            default=[],
+            metavar="SOURCE=SECONDS",
+            help="read this source at most this often (repeatable)",
+        )
+    p = sub.add_parser("coordinator")
+    p.add_argument("--broker", required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--state", type=Path, required=True)
+    p.add_argument("--every", type=float, default=0.25)
+    p = sub.add_parser("fanout")
+    p.add_argument("--broker", required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--state", type=Path, required=True)
+    p = sub.add_parser("simagents")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--first", type=int, required=True)
+    p.add_argument("--count", type=int, required=True)
+    p = sub.add_parser("replay")
+    p.add_argument("--capture", type=Path, required=True)
+    p.add_argument("--frames", type=int, required=True)
+    p = sub.add_parser("loadgen")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--capture", type=Path, required=True)
+    p.add_argument("--rates", required=True, help="comma-separated agent counts, one per step")
+    p.add_argument("--step-s", type=float, required=True)
+    p.add_argument("--connections", type=int, required=True)
+    args = parser.parse_args(argv)
+    if args.kind == "loadgen":
+        loadgen_worker(args)
+        return 0
+    workers = {
+        "agent": agent_worker,
+        "floor": floor_worker,
+        "coordinator": coordinator_worker,
+        "fanout": fanout_worker,
+        "simagents": simagents_worker,
+        "replay": replay_worker,
+    }
+    asyncio.run(workers[args.kind](args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
