@@ -1,10 +1,19 @@
 """Recordings: a time series of every source's readings, written by ``hyperagent record`` and
 replayed through the agent as if the sources were live.
 
-The format is JSON lines: a header, then one line per collection cycle::
+The format is JSON lines: a header, then one line per collection cycle. A cycle holds each
+source's values in the order of that source's series (name, labels, kind), and the series
+themselves only when they differ from the source's previous cycle, so a day at 1 Hz stores the
+labels once rather than 86,400 times::
 
-    {"format": "hyperagent-recording", "version": 1, "node": "gpu-017", "interval_s": 1.0}
-    {"ts": 1790000000.5, "sources": {"nvml": [[name, labels, value, kind], ...], "host": [...]}}
+    {"format": "hyperagent-recording", "version": 2, "node": "gpu-017", "interval_s": 1.0}
+    {"ts": 1790000000.5, "series": {"nvml": [[name, labels, kind], ...]},
+     "sources": {"nvml": [value, ...]}}
+    {"ts": 1790000001.5, "sources": {"nvml": [value, ...]}}
+
+(one line each). A value that is not a number (NaN) is written as null and read back as NaN.
+
+Version 1 recordings (each reading as ``[name, labels, value, kind]`` on every line) load too.
 
 Replay follows a clock (wall time scaled by ``speed``, or a virtual clock in tests): the frame
 shown is the last one whose recorded time has passed; after the last frame it stays there, so
@@ -14,6 +23,7 @@ counters stop rather than reset.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +36,8 @@ from hyperagent.errors import SourceError, SourceUnavailable
 from hyperagent.readings import Kind, Reading
 
 FORMAT = "hyperagent-recording"
-VERSION = 1
+VERSION = 2
+"""The version ``Recorder`` writes; ``load_recording`` reads it and version 1."""
 RECORDING_FILE = "recording.jsonl"
 
 
@@ -34,29 +45,78 @@ class RecordingError(SourceError):
     """A recording is missing, malformed or of an unknown version."""
 
 
-def encode_readings(readings: Iterable[Reading]) -> list[list[Any]]:
-    return [[r.name, dict(r.labels), r.value, r.kind.value] for r in readings]
+_KINDS = {kind.value: kind for kind in Kind}
+
+Series = tuple[str, Mapping[str, str], Kind]
+"""One recorded series: metric name, labels and kind."""
+
+
+def _bad(where: str, row: Any) -> RecordingError:
+    return RecordingError(f"{where}: bad reading {str(row)[:120]}")
+
+
+def _labels(labels: Any) -> bool:
+    return type(labels) is dict and all(
+        type(k) is str and type(v) is str for k, v in labels.items()
+    )
+
+
+def _value(value: Any) -> bool:
+    kind = type(value)
+    return kind is float or kind is int
+
+
+def _value_or_null(value: Any) -> bool:
+    kind = type(value)
+    return kind is float or kind is int or value is None
 
 
 def decode_readings(rows: Any, where: str) -> list[Reading]:
-    """Readings from recorded rows; raises RecordingError naming ``where`` on bad rows."""
+    """Readings from version 1 rows; raises RecordingError naming ``where`` on bad rows."""
     if not isinstance(rows, list):
         raise RecordingError(f"{where}: readings must be a list")
     out = []
     for row in rows:
-        if (
-            not isinstance(row, list)
-            or len(row) != 4
-            or not isinstance(row[0], str)
-            or not isinstance(row[1], dict)
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in row[1].items())
-            or isinstance(row[2], bool)
-            or not isinstance(row[2], int | float)
-            or row[3] not in ("gauge", "counter", "info")
-        ):
-            raise RecordingError(f"{where}: bad reading {str(row)[:120]}")
-        out.append(Reading(row[0], float(row[2]), row[1], Kind(row[3])))
+        if type(row) is not list or len(row) != 4:
+            raise _bad(where, row)
+        name, labels, value, kind = row
+        found = _KINDS.get(kind) if type(kind) is str else None
+        if type(name) is not str or found is None or not _value(value) or not _labels(labels):
+            raise _bad(where, row)
+        out.append(Reading(name, float(value), labels, found))
     return out
+
+
+def decode_series(rows: Any, where: str) -> list[Series]:
+    """A source's series from version 2 rows ``[name, labels, kind]``."""
+    if not isinstance(rows, list):
+        raise RecordingError(f"{where}: series must be a list")
+    out: list[Series] = []
+    for row in rows:
+        if type(row) is not list or len(row) != 3:
+            raise _bad(where, row)
+        name, labels, kind = row
+        found = _KINDS.get(kind) if type(kind) is str else None
+        if type(name) is not str or found is None or not _labels(labels):
+            raise _bad(where, row)
+        out.append((name, labels, found))
+    return out
+
+
+def decode_values(series: Sequence[Series], values: Any, where: str) -> list[Reading]:
+    """Readings from a version 2 source's values, one per series in order."""
+    if not isinstance(values, list) or len(values) != len(series):
+        raise RecordingError(
+            f"{where}: {len(series)} series but "
+            + (f"{len(values)} values" if isinstance(values, list) else "no list of values")
+        )
+    if not all(map(_value_or_null, values)):
+        bad = next(v for v in values if not _value_or_null(v))
+        raise RecordingError(f"{where}: bad value {str(bad)[:60]}")
+    return [
+        Reading(name, math.nan if value is None else float(value), labels, kind)
+        for (name, labels, kind), value in zip(series, values, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -101,9 +161,11 @@ def load_recording(path: Path) -> Recording:
         raise RecordingError(f"{path}:1: not JSON: {e}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise RecordingError(f"{path}:1: not a hyperagent recording")
-    if header.get("version") != VERSION:
-        raise RecordingError(f"{path}:1: unsupported version {header.get('version')!r}")
+    version = header.get("version")
+    if version not in (1, VERSION):
+        raise RecordingError(f"{path}:1: unsupported version {version!r}")
     frames: list[Frame] = []
+    layouts: dict[str, list[Series]] = {}
     for number, line in enumerate(lines[1:], start=2):
         if not line.strip():
             continue
@@ -117,10 +179,13 @@ def load_recording(path: Path) -> Recording:
         sources = data.get("sources")
         if not isinstance(sources, dict):
             raise RecordingError(f"{where}: a frame needs a sources object")
-        frame = Frame(
-            float(data["ts"]),
-            {name: decode_readings(rows, f"{where} {name}") for name, rows in sources.items()},
-        )
+        if version == 1:
+            decoded = {
+                name: decode_readings(rows, f"{where} {name}") for name, rows in sources.items()
+            }
+        else:
+            decoded = _decode_frame(data, layouts, where)
+        frame = Frame(float(data["ts"]), decoded)
         if frames and frame.ts < frames[-1].ts:
             raise RecordingError(f"{where}: frames go back in time")
         frames.append(frame)
@@ -129,12 +194,30 @@ def load_recording(path: Path) -> Recording:
     return Recording(str(header.get("node", "")), float(header.get("interval_s", 1.0)), frames)
 
 
+def _decode_frame(
+    data: Mapping[str, Any], layouts: dict[str, list[Series]], where: str
+) -> dict[str, list[Reading]]:
+    series = data.get("series", {})
+    if not isinstance(series, dict):
+        raise RecordingError(f"{where}: series must be an object")
+    for name, rows in series.items():
+        layouts[name] = decode_series(rows, f"{where} {name}")
+    out = {}
+    for name, values in data["sources"].items():
+        layout = layouts.get(name)
+        if layout is None:
+            raise RecordingError(f"{where} {name}: values before the series they belong to")
+        out[name] = decode_values(layout, values, f"{where} {name}")
+    return out
+
+
 class Recorder:
     """Writes a recording, one frame per ``write`` call (flushed, so a crash loses one line)."""
 
     def __init__(self, out: IO[bytes], node: str, interval_s: float) -> None:
         self.out = out
         self.frames = 0
+        self._layouts: dict[str, list[Series]] = {}
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -145,7 +228,19 @@ class Recorder:
         out.write(orjson.dumps(header) + b"\n")
 
     def write(self, ts: float, sources: Mapping[str, Iterable[Reading]]) -> None:
-        frame = {"ts": ts, "sources": {name: encode_readings(r) for name, r in sources.items()}}
+        frame: dict[str, Any] = {"ts": ts}
+        changed: dict[str, list[list[Any]]] = {}
+        values: dict[str, list[float]] = {}
+        for name, readings in sources.items():
+            batch = list(readings)
+            layout = [(r.name, r.labels, r.kind) for r in batch]
+            if self._layouts.get(name) != layout:
+                self._layouts[name] = layout
+                changed[name] = [[n, dict(labels), kind.value] for n, labels, kind in layout]
+            values[name] = [r.value for r in batch]
+        if changed:
+            frame["series"] = changed
+        frame["sources"] = values
         self.out.write(orjson.dumps(frame) + b"\n")
         self.out.flush()
         self.frames += 1

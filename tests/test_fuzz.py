@@ -273,10 +273,15 @@ def test_text_parsers_raise_only_their_errors(text: str) -> None:
 
 
 @FUZZ
-@given(lines=st.lists(st.binary(max_size=120) | json_values.map(orjson.dumps), max_size=5))
-def test_recordings_load_or_raise_recording_error(lines: list[bytes], tmp_path: Path) -> None:
+@given(
+    version=st.sampled_from([1, 2]),
+    lines=st.lists(st.binary(max_size=120) | json_values.map(orjson.dumps), max_size=5),
+)
+def test_recordings_load_or_raise_recording_error(
+    version: int, lines: list[bytes], tmp_path: Path
+) -> None:
     path = tmp_path / "recording.jsonl"
-    header = orjson.dumps({"format": "hyperagent-recording", "version": 1})
+    header = orjson.dumps({"format": "hyperagent-recording", "version": version})
     path.write_bytes(b"\n".join([header, *lines]))
     try:
         recording = load_recording(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import subprocess
 import sys
 import time
@@ -25,7 +26,8 @@ from hyperagent.sources.base import Source
 from conftest import REPO, free_port, wait_for_port
 
 CAPTURE = REPO / "fixtures" / "replay" / "v100s-8gpu-training"
-HEADER = b'{"format": "hyperagent-recording", "version": 1}\n'
+HEADER = b'{"format": "hyperagent-recording", "version": 2}\n'
+HEADER_V1 = b'{"format": "hyperagent-recording", "version": 1}\n'
 
 
 class Clock:
@@ -66,6 +68,36 @@ def test_recording_roundtrip_and_player(tmp_path: Path) -> None:
     assert player.frame().sources["nvml"][0].kind is Kind.COUNTER
 
 
+def test_labels_are_written_once_and_nan_survives(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    recorder = Recorder(out, "n1", 1.0)
+    gpu = {"gpu": "0", "uuid": "GPU-1"}
+    for i in range(3):
+        recorder.write(100.0 + i, {"nvml": [Reading("hyperagent_gpu_power_watts", 10.0 * i, gpu)]})
+    recorder.write(103.0, {"nvml": [Reading("hyperagent_gpu_power_watts", math.nan, gpu)]})
+    recorder.write(104.0, {"nvml": [Reading("hyperagent_gpu_temperature_celsius", 40, gpu)]})
+    assert out.getvalue().count(b"GPU-1") == 2  # first frame, and when the series changed
+    path = tmp_path / "recording.jsonl"
+    path.write_bytes(out.getvalue())
+    frames = load_recording(path).frames
+    assert [f.sources["nvml"][0].value for f in frames[:3]] == [0.0, 10.0, 20.0]
+    assert math.isnan(frames[3].sources["nvml"][0].value)
+    assert frames[4].sources["nvml"][0].name == "hyperagent_gpu_temperature_celsius"
+    assert dict(frames[4].sources["nvml"][0].labels) == gpu
+
+
+def test_version_1_recordings_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "recording.jsonl"
+    row = b'["hyperagent_job_loss", {"job_id": "j"}, 2.5, "gauge"]'
+    path.write_bytes(HEADER_V1 + b'{"ts": 5, "sources": {"job": [' + row + b"]}}\n")
+    (reading,) = load_recording(path).frames[0].sources["job"]
+    assert (reading.name, dict(reading.labels), reading.value) == (
+        "hyperagent_job_loss",
+        {"job_id": "j"},
+        2.5,
+    )
+
+
 async def test_recorded_source_replays_readings(tmp_path: Path) -> None:
     out = io.BytesIO()
     Recorder(out, "n1", 1.0).write(
@@ -85,9 +117,20 @@ async def test_recorded_source_replays_readings(tmp_path: Path) -> None:
         (b'{"format": "hyperagent-recording", "version": 9}\n', "unsupported version"),
         (HEADER, "no frames"),
         (HEADER + b'{"ts": "x"}\n', ":2: a frame needs"),
+        (HEADER_V1 + b'{"ts": 1, "sources": {"a": [[1]]}}\n', ":2 a: bad reading"),
+        (HEADER + b'{"ts": 1, "series": {"a": [["m", {}]]}, "sources": {}}\n', ":2 a: bad reading"),
         (
-            HEADER + b'{"ts": 1, "sources": {"a": [[1]]}}\n',
-            ":2 a: bad reading",
+            HEADER + b'{"ts": 1, "series": {"a": [["m", {"l": 1}, "gauge"]]}, "sources": {}}\n',
+            "bad",
+        ),
+        (HEADER + b'{"ts": 1, "sources": {"a": [1.0]}}\n', ":2 a: values before the series"),
+        (
+            HEADER + b'{"ts": 1, "series": {"a": [["m", {}, "gauge"]]}, "sources": {"a": []}}\n',
+            ":2 a: 1 series but 0 values",
+        ),
+        (
+            HEADER + b'{"ts": 1, "series": {"a": [["m", {}, "gauge"]]}, "sources": {"a": ["1"]}}\n',
+            ":2 a: bad value",
         ),
         (
             HEADER + b'{"ts": 2, "sources": {}}\n{"ts": 1, "sources": {}}\n',
