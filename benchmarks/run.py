@@ -293,7 +293,8 @@ class Schedule:
 ALL_1HZ = Schedule("1hz", 1.0)
 ALL_10HZ = Schedule("10hz_all", 10.0)
 SLOW_BMC_PDU_10HZ = Schedule("10hz", 10.0, (("ipmi", 1.0), ("pdu", 1.0)))
-"""10 Hz with the BMC and the PDU read once a second, as often as they update their sensors."""
+"""10 Hz with the BMC and the PDU read once a second, as often as they update their sensors (the
+shipped default: ``sources.ipmi.interval_s`` and ``sources.pdu.interval_s``)."""
 
 
 def agents(

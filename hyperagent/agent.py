@@ -76,7 +76,7 @@ class Agent:
         self.hardware = hardware
         if sources is None:
             sources = build_sources(config, hardware)
-        self.runner = SourceRunner(sources, config.sources.timeout_s)
+        self.runner = SourceRunner(sources, config.sources.timeout_s, config.sources.intervals)
         self.job_source = next((s for s in self.runner.sources if isinstance(s, JobSource)), None)
         self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
         self.actuator = None

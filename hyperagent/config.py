@@ -138,6 +138,9 @@ class IpmiSection(_Model):
     timeout_s: PositiveSeconds = 1.5
     """Bound of one read; keep it below sources.timeout_s."""
     dcmi: bool = True
+    interval_s: PositiveSeconds = 1.0
+    """Read the BMC at most this often (its sensors update about once a second): an agent
+    collecting faster repeats the last readings in between."""
 
     @model_validator(mode="after")
     def _lan(self) -> IpmiSection:
@@ -157,6 +160,8 @@ class RdmaSection(_Model):
     commands: bool = True
     """Run `rdma -j resource show` and `ethtool -S`; false reads sysfs only."""
     command_timeout_s: PositiveSeconds = 1.5
+    interval_s: PositiveSeconds | None = None
+    """Read at most this often; None reads every collection cycle."""
 
 
 class PduTargetSection(_Model):
@@ -175,6 +180,8 @@ class PduSection(_Model):
     """Bound of one SNMP request (a read makes about twenty)."""
     retries: Annotated[int, Field(ge=0, le=5)] = 1
     targets: tuple[PduTargetSection, ...] = ()
+    interval_s: PositiveSeconds = 1.0
+    """Poll the PDUs at most this often (they update about once a second)."""
 
 
 class SourcesSection(_Model):
@@ -185,6 +192,16 @@ class SourcesSection(_Model):
     ipmi: IpmiSection = IpmiSection()
     rdma: RdmaSection = RdmaSection()
     pdu: PduSection = PduSection()
+
+    @property
+    def intervals(self) -> dict[str, float]:
+        """Source name -> the least time between two reads, where one is set."""
+        slowed = {
+            "ipmi": self.ipmi.interval_s,
+            "rdma": self.rdma.interval_s,
+            "pdu": self.pdu.interval_s,
+        }
+        return {name: interval for name, interval in slowed.items() if interval is not None}
 
     @model_validator(mode="after")
     def _bounds(self) -> SourcesSection:

@@ -192,3 +192,22 @@ def test_coordinator_recommend_mode_publishes_nothing_and_explains(tmp_path: Pat
     assert "big: would set" in result.stdout and "chunk 1024 KiB, halving_doubling" in result.stdout
     assert "because BACKGROUND.md's table for 10 nodes" in result.stdout
     assert not (tmp_path / "big.jsonl").exists()
+
+
+def test_bmc_and_pdu_are_read_at_most_once_a_second_by_default(tmp_path: Path) -> None:
+    from hyperagent.agent import Agent
+    from hyperagent.sources import Hardware
+
+    assert build_config({}).sources.intervals == {"ipmi": 1.0, "pdu": 1.0}
+    config = build_config(
+        {
+            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(tmp_path)},
+            "mqtt": {"enabled": False},
+            "sources": {"rdma": {"interval_s": 5}, "pdu": {"interval_s": 2}},
+        }
+    )
+    agent = Agent.from_config(config, Hardware(nvml=None, replayed=True), sources=[])
+    assert agent.runner.intervals == {"ipmi": 1.0, "rdma": 5.0, "pdu": 2.0}
+    with pytest.raises(ConfigError) as e:
+        build_config({"sources": {"ipmi": {"interval_s": 0}}})
+    assert [p.key for p in e.value.problems] == ["sources.ipmi.interval_s"]
