@@ -315,64 +315,172 @@ PORT_ATTRIBUTES = ("state", "phys_state", "rate", "link_layer")
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENODATA, errno.ENOENT})
 """What the kernel answers for a counter the device does not support, or one that vanished."""
 
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
+"""Errors of opening a file that mean it is not there (what ``Path.exists`` ignores)."""
 
-def _read_text(path: Path) -> str | None:
-    """A sysfs file's text; None when the device does not support it. Any other failure to
-    read (EIO, EACCES) fails the whole read: the source shows up 0 and names the file."""
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_DIRECTORY", 0)
+_CHUNK = 8192
+"""Bytes asked for per read(2): every sysfs attribute (at most a page) comes in one."""
+
+
+class _Absent:
+    """What :func:`_read_file` answers for a file that is not there (or is a directory)."""
+
+
+_ABSENT_FILE = _Absent()
+
+
+def _read_file(
+    path: str,
+    absent: frozenset[int] = frozenset(),
+    directory_absent: bool = False,
+    name: str = "",
+    dir_fd: int | None = None,
+) -> str | _Absent | None:
+    """A file's text, read with one open, read and close (sysfs is read every cycle).
+
+    ``_ABSENT_FILE`` when opening it fails with an errno in ``absent`` (or it is a directory
+    and ``directory_absent``), None when the device does not support it. Any other failure to
+    read (EIO, EACCES) fails the whole read: the source shows up 0 and names the file.
+    With ``dir_fd``, the file ``name`` in that open directory is read (``path`` names it in
+    errors): the kernel walks the directory's path once, not once per file."""
     try:
-        return path.read_text(errors="replace")
+        fd = os.open(path if dir_fd is None else name, _OPEN_FLAGS, dir_fd=dir_fd)
     except OSError as e:
+        if e.errno in absent:
+            return _ABSENT_FILE
         if e.errno in _UNSUPPORTED:
             return None
         raise SourceError(f"cannot read {path}: {e.strerror}") from e
-
-
-def _read_dir(directory: Path) -> dict[str, str | None]:
     try:
-        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        data = os.read(fd, _CHUNK)
+        if len(data) == _CHUNK:
+            chunks = [data]
+            while chunk := os.read(fd, _CHUNK):
+                chunks.append(chunk)
+            data = b"".join(chunks)
+    except OSError as e:
+        if directory_absent and e.errno == errno.EISDIR:
+            return _ABSENT_FILE
+        if e.errno in _UNSUPPORTED:
+            return None
+        raise SourceError(f"cannot read {path}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+    text = data.decode(errors="replace")
+    if "\r" in text:  # what text mode's universal newlines made of it
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def _read_text(path: str) -> str | None:
+    """A sysfs file's text; None when the device does not support it (or it vanished)."""
+    text = _read_file(path)
+    assert not isinstance(text, _Absent)
+    return text
+
+
+def _read_dir(directory: str) -> dict[str, str | None]:
+    try:
+        dir_fd = os.open(directory, _DIRECTORY_FLAGS)
     except OSError:
         return {}
-    return {e.name: _read_text(Path(e.path)) for e in entries if e.is_file()}
+    try:
+        try:
+            with os.scandir(dir_fd) as it:
+                entries = sorted(it, key=_entry_name)
+        except OSError:
+            return {}
+        files: dict[str, str | None] = {}
+        for entry in entries:
+            if entry.is_file():
+                name = entry.name
+                text = _read_file(f"{directory}/{name}", name=name, dir_fd=dir_fd)
+                assert not isinstance(text, _Absent)
+                files[name] = text
+        return files
+    finally:
+        os.close(dir_fd)
 
 
-def _read_attributes(directory: Path, names: Iterable[str]) -> dict[str, str | None]:
-    return {name: _read_text(directory / name) for name in names if (directory / name).is_file()}
+def _entry_name(entry: os.DirEntry[str]) -> str:
+    return entry.name
 
 
-def _gid_netdevs(port_dir: Path) -> tuple[str, ...]:
-    ndevs = port_dir / "gid_attrs" / "ndevs"
+def _open_dir(directory: str) -> int | None:
+    """An fd of ``directory`` to read files in it by name; None when it cannot be opened (the
+    files are then opened by path, and fail as they would without it); FileNotFoundError
+    when it does not exist (so neither do its files)."""
+    try:
+        return os.open(directory, _DIRECTORY_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return None
+
+
+def _read_attributes(directory: str, names: Iterable[str]) -> dict[str, str | None]:
+    """The files among ``names`` in ``directory``: one read attempt each, no stat first."""
+    found: dict[str, str | None] = {}
+    try:
+        dir_fd = _open_dir(directory)
+    except FileNotFoundError:
+        return found
+    try:
+        for name in names:
+            text = _read_file(f"{directory}/{name}", _ABSENT, True, name, dir_fd)
+            if not isinstance(text, _Absent):
+                found[name] = text
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+    return found
+
+
+def _gid_netdevs(port_dir: str) -> tuple[str, ...]:
+    ndevs = f"{port_dir}/gid_attrs/ndevs"
     found: list[str] = []
-    for index in range(NDEV_GIDS_SCANNED):
-        text = _read_text(ndevs / str(index))
-        name = text.strip() if text else ""
-        if name and name not in found:
-            found.append(name)
+    try:
+        dir_fd = _open_dir(ndevs)
+    except FileNotFoundError:
+        return ()  # no GID table: every entry would be unsupported
+    try:
+        for index in range(NDEV_GIDS_SCANNED):
+            text = _read_file(f"{ndevs}/{index}", name=str(index), dir_fd=dir_fd)
+            name = text.strip() if isinstance(text, str) else ""
+            if name and name not in found:
+                found.append(name)
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
     return tuple(found)
 
 
-def _listdir(directory: Path) -> tuple[str, ...]:
+def _listdir(directory: str) -> tuple[str, ...]:
     try:
         return tuple(sorted(os.listdir(directory)))
     except OSError:
         return ()
 
 
-def _read_device(device_dir: Path) -> DeviceFiles:
+def _read_device(name: str, device_dir: str) -> DeviceFiles:
     ports: dict[str, PortFiles] = {}
-    for port in _listdir(device_dir / "ports"):
-        port_dir = device_dir / "ports" / port
+    ports_dir = f"{device_dir}/ports"
+    for port in _listdir(ports_dir):
+        port_dir = f"{ports_dir}/{port}"
         ports[port] = PortFiles(
             attributes=_read_attributes(port_dir, PORT_ATTRIBUTES),
-            counters=_read_dir(port_dir / "counters"),
-            counters_ext=_read_dir(port_dir / "counters_ext"),
-            hw_counters=_read_dir(port_dir / "hw_counters"),
+            counters=_read_dir(f"{port_dir}/counters"),
+            counters_ext=_read_dir(f"{port_dir}/counters_ext"),
+            hw_counters=_read_dir(f"{port_dir}/hw_counters"),
             gid_netdevs=_gid_netdevs(port_dir),
         )
     return DeviceFiles(
-        name=device_dir.name,
+        name=name,
         attributes=_read_attributes(device_dir, DEVICE_ATTRIBUTES),
         ports=ports,
-        pci_netdevs=_listdir(device_dir / "device" / "net"),
+        pci_netdevs=_listdir(f"{device_dir}/device/net"),
     )
 
 
@@ -382,16 +490,16 @@ def read_sysfs(sysfs_root: Path, netdevs: Sequence[str] = ()) -> SysfsSnapshot:
     Raises SourceUnavailable when ``class/infiniband`` is absent or holds no device.
     """
     class_dir = sysfs_root / "class" / "infiniband"
-    names = _listdir(class_dir)
+    names = _listdir(str(class_dir))
     if not names:
         raise SourceUnavailable(f"no RDMA devices under {class_dir}")
-    devices = tuple(_read_device(class_dir / name) for name in names)
+    devices = tuple(_read_device(name, str(class_dir / name)) for name in names)
     snapshot = SysfsSnapshot(devices)
-    mtus = {
-        netdev: _read_text(sysfs_root / "class" / "net" / netdev / "mtu")
-        for netdev in rdma_netdevs(snapshot, netdevs)
-        if (sysfs_root / "class" / "net" / netdev / "mtu").exists()
-    }
+    mtus: dict[str, str | None] = {}
+    for netdev in rdma_netdevs(snapshot, netdevs):
+        text = _read_file(str(sysfs_root / "class" / "net" / netdev / "mtu"), _ABSENT)
+        if not isinstance(text, _Absent):
+            mtus[netdev] = text
     return SysfsSnapshot(devices, mtus)
 
 
@@ -469,18 +577,17 @@ class _PortReadings:
 
     def __init__(self, device: str, port: str) -> None:
         self.base = {"device": device, "port": port}
-        self.readings: dict[tuple[str, tuple[tuple[str, str], ...]], Reading] = {}
+        # Keyed by metric and the labels beyond the port's own (the same for every key): a
+        # mapped counter's label tuple, or the file name of a driver counter.
+        self.readings: dict[tuple[str, object], Reading] = {}
         self.unreadable = 0
-
-    def add(self, name: str, value: float, labels: Mapping[str, str]) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        if key not in self.readings:
-            self.readings[key] = Reading(name, value, dict(labels), Kind.COUNTER)
 
     def counters(
         self, files: Mapping[str, str | None], known: Mapping[str, _Counter], tail: bool
     ) -> None:
         """Add the counter files of one directory; unknown names go to the tail when ``tail``."""
+        base = self.base
+        readings = self.readings
         for file, text in files.items():
             mapped = known.get(file)
             if file in HW_COUNTER_SETTINGS or (mapped is None and not tail):
@@ -493,10 +600,19 @@ class _PortReadings:
             if value is None:
                 continue
             if mapped is None:
-                self.add(DRIVER_COUNTER, float(value), {**self.base, "counter": file})
+                key: tuple[str, object] = (DRIVER_COUNTER, file)
+                if key not in readings:
+                    labels = {**base, "counter": file}
+                    readings[key] = Reading(DRIVER_COUNTER, float(value), labels, Kind.COUNTER)
             else:
-                labels = {**self.base, **dict(mapped.labels)}
-                self.add(mapped.metric, float(value * mapped.scale), labels)
+                key = (mapped.metric, mapped.labels)
+                if key not in readings:
+                    # Readings are immutable: the port's counters without labels of their own
+                    # share its label dict.
+                    labels = {**base, **dict(mapped.labels)} if mapped.labels else base
+                    readings[key] = Reading(
+                        mapped.metric, float(value * mapped.scale), labels, Kind.COUNTER
+                    )
 
 
 def _port_readings(
@@ -674,29 +790,65 @@ def parse_ethtool_statistics(text: str, what: str = "ethtool -S") -> dict[str, s
     return statistics
 
 
+def _pause_statistic() -> tuple[re.Pattern[str], dict[str, tuple[str, float, str, str | None]]]:
+    """:data:`PAUSE_STATISTICS` as one pattern, each alternative in a group ``p<i>`` (the
+    last group a match closes, so ``lastgroup``), and what each group stands for: metric,
+    scale and the names of its direction and priority groups. Alternatives are tried in
+    order, so the first pattern that matches a name wins, as it would one by one."""
+    alternatives: list[str] = []
+    meanings: dict[str, tuple[str, float, str, str | None]] = {}
+    for i, (pattern, metric, scale) in enumerate(PAUSE_STATISTICS):
+        source = pattern.pattern.replace("(?P<dir>", f"(?P<dir{i}>")
+        source = source.replace("(?P<prio>", f"(?P<prio{i}>")
+        alternatives.append(f"(?P<p{i}>{source})")
+        prio = f"prio{i}" if "prio" in pattern.groupindex else None
+        meanings[f"p{i}"] = (metric, scale, f"dir{i}", prio)
+    return re.compile("|".join(alternatives)), meanings
+
+
+_PAUSE_STATISTIC, _PAUSE_MEANINGS = _pause_statistic()
+_PAUSE_HINTS = ("pause", "pfc", "xoff")
+"""Every :data:`PAUSE_STATISTICS` name holds one of these: other lines are not parsed."""
+_HEADER = "NIC statistics:"
+
+
 def parse_ethtool_pause(text: str, netdev: str) -> list[Reading]:
     """Pause frame, duration and transition counters of ``ethtool -S <netdev>`` output.
 
-    A pause statistic whose value is not a non-negative integer is skipped.
+    A pause statistic whose value is not a non-negative integer is skipped; text without a
+    statistics header raises SourceError (as :func:`parse_ethtool_statistics`).
     """
+    lines = text.splitlines()
+    if _HEADER not in text or not any(line.strip() == _HEADER for line in lines if _HEADER in line):
+        raise SourceError(f"ethtool -S {netdev}: no 'NIC statistics:' header in the output")
     out: list[Reading] = []
-    for name, value_text in parse_ethtool_statistics(text, f"ethtool -S {netdev}").items():
-        for pattern, metric, scale in PAUSE_STATISTICS:
-            match = pattern.fullmatch(name)
-            if not match:
-                continue
-            try:
-                value = int(value_text)
-            except ValueError:
-                log.debug("ethtool -S %s: %s is not a number: %r", netdev, name, value_text)
-                break
-            if value < 0:
-                break
-            labels = {"netdev": netdev, "direction": _DIRECTION[match.group("dir")]}
-            if metric != PHY_FRAMES:
-                labels["priority"] = match.groupdict().get("prio") or "global"
-            out.append(Reading(metric, value * scale, labels, Kind.COUNTER))
-            break
+    seen: set[str] = set()  # the first line of a name counts, as in parse_ethtool_statistics
+    hint_a, hint_b, hint_c = _PAUSE_HINTS
+    for line in lines:
+        if hint_a not in line and hint_b not in line and hint_c not in line:
+            continue
+        statistic = _STATISTIC.match(line)
+        if not statistic:
+            continue
+        name, value_text = statistic.group("name", "value")
+        if name in seen:
+            continue
+        seen.add(name)
+        match = _PAUSE_STATISTIC.fullmatch(name)
+        if not match:
+            continue
+        metric, scale, dir_group, prio_group = _PAUSE_MEANINGS[match.lastgroup or ""]
+        try:
+            value = int(value_text)
+        except ValueError:
+            log.debug("ethtool -S %s: %s is not a number: %r", netdev, name, value_text)
+            continue
+        if value < 0:
+            continue
+        labels = {"netdev": netdev, "direction": _DIRECTION[match.group(dir_group)]}
+        if metric != PHY_FRAMES:
+            labels["priority"] = (match.group(prio_group) if prio_group else None) or "global"
+        out.append(Reading(metric, value * scale, labels, Kind.COUNTER))
     return out
 
 
