@@ -83,8 +83,11 @@ class SnmpClient(Protocol):
         ...
 
 
+@functools.lru_cache(maxsize=32768)
 def parse_oid(text: str) -> Oid:
-    """``"1.3.6.1"`` or ``".1.3.6.1"`` as a tuple of ints; ValueError when it is not an OID."""
+    """``"1.3.6.1"`` or ``".1.3.6.1"`` as a tuple of ints; ValueError when it is not an OID.
+
+    Memoised (bounded): every read parses the same few hundred OIDs of a PDU's walk."""
     parts = text.strip().lstrip(".").split(".")
     if not parts or not all(p.isdigit() for p in parts):
         raise ValueError(f"not an OID: {text!r}")
@@ -542,11 +545,30 @@ class Walk:
 
     def __init__(self, binds: Iterable[VarBind]) -> None:
         self.values: dict[Oid, SnmpValue] = {}
+        values = self.values
         for oid, value in binds:
             try:
-                self.values[parse_oid(oid)] = value
+                values[parse_oid(oid)] = value
             except ValueError:
                 continue
+        self._by_width: dict[int, dict[Oid, list[tuple[Oid, SnmpValue]]]] = {}
+
+    def _objects(self, width: int) -> dict[Oid, list[tuple[Oid, SnmpValue]]]:
+        """The objects with an index of ``width`` integers, by their column's entry OID (what
+        is left without the column number and the index), in walk order; built once per width
+        rather than scanning every object for every table."""
+        found = self._by_width.get(width)
+        if found is None:
+            found = self._by_width[width] = {}
+            cut = -1 - width
+            for oid, value in self.values.items():
+                entry = oid[:cut]
+                group = found.get(entry)
+                if group is None:
+                    found[entry] = [(oid, value)]
+                else:
+                    group.append((oid, value))
+        return found
 
     def scalar(self, oid: str) -> SnmpValue | None:
         return self.values.get(parse_oid(oid))
@@ -557,9 +579,8 @@ class Walk:
         prefix = parse_oid(entry)
         n = len(prefix)
         rows: dict[Oid, Row] = {}
-        for oid, value in self.values.items():
-            if len(oid) == n + 1 + width and oid[:n] == prefix:
-                rows.setdefault(oid[n + 1 :], {})[oid[n]] = value
+        for oid, value in self._objects(width).get(prefix, ()):
+            rows.setdefault(oid[n + 1 :], {})[oid[n]] = value
         return dict(sorted(rows.items()))
 
 
