@@ -192,21 +192,42 @@ def _value_from_text(
     return metric, convert(float(match.group(1)))
 
 
-def _ipmitool_value(name: str, entity: str, status: str, reading: str) -> SensorValue | None:
-    severity = _IPMITOOL_STATUS.get(status.lower())
-    if not name or severity is None or reading.lower() in _UNREADABLE:
-        return None
-    metric, value = _value_from_text(reading, _IPMITOOL_UNITS)
-    return SensorValue(name, entity, severity, metric, value)
+class _IpmitoolReadings:
+    """Readings of ``ipmitool`` sensor rows as :func:`sensor_readings` makes them of sensor
+    values (the first of two sensors with the same name and entity wins), without building a
+    SensorValue per row: the SDR is parsed every cycle."""
+
+    def __init__(self) -> None:
+        self.out: list[Reading] = []
+        self.seen: set[tuple[str, str]] = set()
+
+    def add(self, name: str, entity: str, severity: int, reading: str) -> None:
+        """A row whose status (``severity``) is known; unnamed and unreadable ones are skipped."""
+        if not name or reading.lower() in _UNREADABLE:
+            return
+        key = (name, entity)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        labels = {"sensor": name, "entity": entity}
+        metric, value = _value_from_text(reading, _IPMITOOL_UNITS)
+        if metric is not None and value is not None:
+            self.out.append(Reading(metric, value, labels))
+        self.out.append(Reading(SENSOR_STATE, float(severity), labels))
 
 
 def _table_rows(text: str, columns: int) -> tuple[list[list[str]], int]:
     """The rows of a ``|``-separated table with ``columns`` fields, and the non-empty line count."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    rows = [
-        fields for line in lines if len(fields := [f.strip() for f in line.split("|")]) == columns
-    ]
-    return rows, len(lines)
+    rows: list[list[str]] = []
+    lines = 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        lines += 1
+        fields = line.split("|")
+        if len(fields) == columns:
+            rows.append([f.strip() for f in fields])
+    return rows, lines
 
 
 def parse_sdr_elist(text: str) -> list[Reading]:
@@ -215,15 +236,28 @@ def parse_sdr_elist(text: str) -> list[Reading]:
     A line that does not have these five fields, or has an unknown status or a malformed entity,
     is skipped; output with no such line at all raises SourceError.
     """
-    rows, lines = _table_rows(text, 5)
+    readings = _IpmitoolReadings()
+    status_of = _IPMITOOL_STATUS.get
+    entity_ok = _ENTITY.match
+    lines = rows = 0
+    for line in text.splitlines():
+        if not line or line.isspace():
+            continue
+        lines += 1
+        fields = line.split("|")
+        if len(fields) != 5:
+            continue
+        rows += 1
+        # Cheap filters first: about half the sensors of a BMC are "ns" (no reading).
+        severity = status_of(fields[2].strip().lower())
+        if severity is None:
+            continue
+        entity = fields[3].strip()
+        if entity_ok(entity):
+            readings.add(fields[0].strip(), entity, severity, fields[4].strip())
     if lines and not rows:
         raise SourceError("ipmitool sdr elist output has no sensor lines")
-    values = [
-        _ipmitool_value(name, entity, status, reading)
-        for name, _number, status, entity, reading in rows
-        if _ENTITY.match(entity)
-    ]
-    return sensor_readings(v for v in values if v is not None)
+    return readings.out
 
 
 def parse_sdr(text: str) -> list[Reading]:
@@ -232,11 +266,23 @@ def parse_sdr(text: str) -> list[Reading]:
     The plain format cannot tell apart sensors that share a name (a dual-CPU board's two "Temp"
     sensors): only the first is kept. ``sdr elist`` output names their entities.
     """
-    rows, lines = _table_rows(text, 3)
+    readings = _IpmitoolReadings()
+    status_of = _IPMITOOL_STATUS.get
+    lines = rows = 0
+    for line in text.splitlines():
+        if not line or line.isspace():
+            continue
+        lines += 1
+        fields = line.split("|")
+        if len(fields) != 3:
+            continue
+        rows += 1
+        severity = status_of(fields[2].strip().lower())
+        if severity is not None:
+            readings.add(fields[0].strip(), "", severity, fields[1].strip())
     if lines and not rows:
         raise SourceError("ipmitool sdr output has no sensor lines")
-    values = [_ipmitool_value(name, "", status, reading) for name, reading, status in rows]
-    return sensor_readings(v for v in values if v is not None)
+    return readings.out
 
 
 def parse_sdr_output(text: str) -> list[Reading]:
