@@ -301,6 +301,7 @@ class NvmlSource:
         self._by_handle: dict[Any, _GpuState] = {}
         self._by_uuid: dict[str, _GpuState] = {}
         self._inflight: asyncio.Task[list[Reading]] | None = None
+        self._nvml_error: type[Exception] = nv.NVMLError
         self._unsupported = (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND)
         self._unknown_id = (*self._unsupported, nv.NVML_ERROR_INVALID_ARGUMENT)
         self._violations = violation_policies(nv)
@@ -528,7 +529,10 @@ class NvmlSource:
         A failure raises NvmlSourceError naming the GPU, ``what`` and the call's arguments
         after the handle.
         """
-        return self._call_or_none(gpu, what, self._unsupported, call, *args)
+        try:
+            return call(*args)
+        except self._nvml_error as e:
+            return self._failed(gpu, what, self._unsupported, args, e)
 
     def _call_or_none(
         self,
@@ -538,14 +542,22 @@ class NvmlSource:
         call: Callable[..., Any],
         *args: Any,
     ) -> Any:
+        """:meth:`_call`, with ``absent`` the error codes that mean "not supported"."""
         try:
             return call(*args)
-        except self.nvml.NVMLError as e:
-            code = nvml_error_code(e)
-            if code in absent:
-                return None
-            detail = f" {list(args[1:])}" if len(args) > 1 else ""
-            raise NvmlSourceError(f"GPU {gpu.index} ({gpu.uuid}): {what}{detail}: {e}", code) from e
+        except self._nvml_error as e:
+            return self._failed(gpu, what, absent, args, e)
+
+    @staticmethod
+    def _failed(
+        gpu: GpuIdentity, what: str, absent: tuple[int, ...], args: tuple[Any, ...], e: Exception
+    ) -> None:
+        """None for an error code in ``absent``; else raise NvmlSourceError naming the call."""
+        code = nvml_error_code(e)
+        if code in absent:
+            return None
+        detail = f" {list(args[1:])}" if len(args) > 1 else ""
+        raise NvmlSourceError(f"GPU {gpu.index} ({gpu.uuid}): {what}{detail}: {e}", code) from e
 
     def _read_gpu(self, state: _GpuState, out: list[Reading]) -> None:
         nv, gpu = self.nvml, state.identity

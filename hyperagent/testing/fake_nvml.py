@@ -334,7 +334,11 @@ class FakeNvml:
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith(_PROXIED):
-            return getattr(pynvml, name)
+            value = getattr(pynvml, name)
+            # pynvml's constants, error and struct types never change: kept on the instance,
+            # later lookups are plain attribute reads (as on the pynvml module), not this call.
+            self.__dict__[name] = value
+            return value
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     # -- simulation controls -------------------------------------------------------------------
@@ -455,8 +459,18 @@ class FakeNvml:
         return device
 
     def _record(self, handle: object) -> GpuRecord:
+        """`_device(handle).record`, inlined: most calls of a read go through here."""
         with self._lock:
-            return self._device(handle).record
+            if self._refcount == 0:
+                raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+            if not isinstance(handle, FakeNvmlHandle) or handle._owner is not self:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            device = self._devices[handle.index]
+            if device.failure is not None:
+                raise _error(device.failure)
+            if handle.mig is not None:
+                raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            return device.record
 
     def _mig_record(self, handle: object) -> tuple[_Device, MigRecord | None]:
         """The device and, for a MIG device handle, its MIG record (call under the lock)."""
