@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hyperagent.errors import SourceError
-from hyperagent.sources.host import HostSource, parse_numa_balancing
+from hyperagent.sources.host import HostSource, parse_numa_balancing, swap_from_meminfo
 
 
 def procfs(tmp_path: Path, numa: str | None) -> Path:
@@ -44,3 +44,16 @@ def test_garbage_is_an_error_naming_the_key() -> None:
     assert parse_numa_balancing("2")[0].value == 2
     with pytest.raises(SourceError, match="numa_balancing"):
         parse_numa_balancing("enabled")
+
+
+def test_swap_from_meminfo_is_what_psutil_reports() -> None:
+    meminfo = (
+        b"MemTotal:       16303824 kB\n"
+        b"SwapCached:        12345 kB\n"
+        b"SwapTotal:       8388604 kB\n"
+        b"SwapFree:        7388604 kB\n"
+    )
+    swap = swap_from_meminfo(meminfo)
+    assert swap is not None
+    assert (swap.total, swap.used) == (8388604 * 1024, 1000000 * 1024)
+    assert swap_from_meminfo(b"MemTotal:       16303824 kB\n") is None

@@ -606,3 +606,27 @@ async def test_the_real_tools_never_stop_the_sysfs_readings() -> None:
     }
     assert commands["ethtool -S lo"] == 0.0  # loopback has no NIC statistics
     assert value(readings, "hyperagent_rdma_port_duplicate_requests_total", device="rxe0") == 1567
+
+
+def test_sysfs_odd_files_read_as_path_read_text_did(tmp_path: Path) -> None:
+    """Files are read with one open/read/close and no stat first: a directory in place of an
+    attribute is left out like a missing one, CRLF text and counters past one read still parse,
+    and a directory in place of the netdev's MTU file is an error naming it."""
+    root = copy_tree("rxe-qemu-e1000e", tmp_path)
+    device = root / "class" / "infiniband" / "rxe0"
+    (device / "fw_ver").unlink()
+    (device / "fw_ver").mkdir()
+    (device / "ports" / "1" / "rate").write_text("10 Gb/sec (1X QDR)\r\n")
+    (device / "ports" / "1" / "hw_counters" / "send_err").write_text(" " * 9000 + "17\n")
+    readings = parse_sysfs(read_sysfs(root))
+    labels = {"device": "rxe0", "port": "1"}
+    assert value(readings, "hyperagent_rdma_device_info", device="rxe0", fw_ver="") == 1.0
+    assert value(readings, "hyperagent_rdma_port_rate_bytes_per_second", **labels) == 1.25e9
+    counter = {**labels, "counter": "send_err"}
+    assert value(readings, "hyperagent_rdma_port_driver_stat_total", **counter) == 17.0
+    assert value(readings, "hyperagent_rdma_unreadable_files") == 0
+    mtu = root / "class" / "net" / "eth0" / "mtu"
+    mtu.unlink()
+    mtu.mkdir()
+    with pytest.raises(SourceError, match="eth0/mtu: Is a directory"):
+        read_sysfs(root)
