@@ -17,6 +17,7 @@ import logging
 import math
 import random
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -171,6 +172,12 @@ ROUTES_CACHED = 100_000
 RECEIVE_BATCH = 1000
 """Queued incoming messages handled in a row before the event loop gets a turn."""
 
+READ_CHUNKS = 4
+"""Socket reads (of up to 64 KiB) parsed per turn of the event loop."""
+
+INBOX_HIGH = 10_000
+"""Received messages waiting for their handlers past which the socket is not read."""
+
 
 async def _await_mqtt(call: Awaitable[Any]) -> Any:
     """Await an aiomqtt call; re-raise a cancellation it swallowed.
@@ -183,6 +190,66 @@ async def _await_mqtt(call: Awaitable[Any]) -> Any:
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
     return result
+
+
+class _BufferedSocket:
+    """The socket paho reads through: paho asks for a packet's fixed header a byte at a time,
+    then for its body, each with a ``recv`` system call; here ``fill`` takes what the socket
+    holds (up to ``size`` bytes) with one, and paho's ``recv`` is served from that. With
+    nothing buffered paho's ``recv`` would block (BlockingIOError, as on a non-blocking socket
+    without data); the end of the stream and errors reach paho as the socket gave them.
+    Everything else is the wrapped socket's."""
+
+    def __init__(self, sock: Any, size: int = 1 << 16) -> None:
+        self._sock = sock
+        self._size = size
+        self._data = b""
+        self._pos = 0
+        self._eof = False
+        self._error: BaseException | None = None
+
+    def fill(self) -> bool:
+        """Read what the socket holds into the (drained) buffer; False when it held nothing."""
+        try:
+            data = self._sock.recv(self._size)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return False
+        except OSError as e:  # paho's recv raises it, and paho handles it
+            self._error = e
+            return True
+        if not data:
+            self._eof = True
+            return True
+        self._data, self._pos = data, 0
+        return True
+
+    @property
+    def unread(self) -> bool:
+        """Whether paho has something to read: data, the end of the stream or an error."""
+        return self._pos < len(self._data) or self._eof or self._error is not None
+
+    def recv(self, bufsize: int) -> bytes:
+        pos = self._pos
+        data = self._data
+        if pos >= len(data):
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self._eof:
+                return b""
+            raise BlockingIOError
+        end = pos + bufsize
+        self._pos = end
+        return data[pos:end]
+
+    def pending(self) -> int:
+        """Bytes the wrapped (TLS) socket decrypted already; none are left in the buffer when
+        anyone but paho asks."""
+        inner = getattr(self._sock, "pending", None)
+        return int(inner()) if inner is not None else 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +314,10 @@ class MqttLink:
         self.connects = 0
         self._client: aiomqtt.Client | None = None
         self._was_up = False
+        self._inbox: deque[tuple[str, bytes]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._legacy_receive = True
+        self._resume_reading: Callable[[], None] | None = None
 
     def subscribe(self, topic_filter: str, qos: int, handler: Handler) -> None:
         self._handlers.append((topic_filter, qos, handler))
@@ -332,6 +403,7 @@ class MqttLink:
             socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         ) as client:
             self._client = client
+            self._take_over_receiving(client)
             self.connects += 1
             self._was_up = True
             self.open_gate(False)  # a gated link learns again, in every session, who listens
@@ -385,22 +457,128 @@ class MqttLink:
                 )
             )
 
+    def _take_over_receiving(self, client: aiomqtt.Client) -> None:
+        """Receive through this link instead of aiomqtt's message machinery.
+
+        aiomqtt reads one packet per turn of the event loop, with about four ``recv`` calls,
+        and makes a ``Message`` (with a validated ``Topic``) and a queue entry of every
+        incoming message; a coordinator ingesting thousands of telemetry messages a second
+        spends most of its time there. Instead, this link's reader takes up to
+        ``READ_CHUNKS`` socket reads per turn (``_BufferedSocket``) and lets paho parse all
+        of it; paho's ``on_message`` puts (topic, payload) in the inbox, which the receive
+        loop hands to the handlers. While the inbox holds ``INBOX_HIGH`` messages the socket
+        is not read (the broker's queue, not this process's memory, takes the excess). Called
+        right after connecting, before subscribing: what came in before is in aiomqtt's queue
+        and is handled first. Without the private attributes this relies on (aiomqtt is pinned
+        below 3) aiomqtt's own iterator is used.
+        """
+        self._inbox.clear()
+        self._legacy_receive = True
+        self._resume_reading = None
+        paho: Any = getattr(client, "_client", None)
+        queue = getattr(client, "_queue", None)
+        disconnected = getattr(client, "_disconnected", None)
+        sock = getattr(paho, "_sock", None)
+        if (
+            sock is None
+            or not isinstance(queue, asyncio.Queue)
+            or not isinstance(disconnected, asyncio.Future)
+        ):
+            return
+        buffered = _BufferedSocket(sock)
+        fd = sock.fileno()
+        loop = asyncio.get_running_loop()
+        inbox = self._inbox
+
+        def wake() -> None:
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        def on_message(_client: Any, _userdata: Any, message: Any) -> None:
+            try:
+                topic = message.topic
+            except UnicodeDecodeError:
+                log.warning("dropped a message whose topic is not UTF-8: %r", message._topic)
+                return
+            inbox.append((topic, message.payload))
+            wake()
+
+        def on_readable() -> None:
+            if len(inbox) >= INBOX_HIGH:
+                loop.remove_reader(fd)
+                self._resume_reading = resume
+                return
+            try:
+                for _ in range(READ_CHUNKS):
+                    if paho._sock is not buffered or not buffered.fill():
+                        break
+                    while paho._sock is buffered and buffered.unread:
+                        paho.loop_read()
+                if paho._sock is buffered and buffered.pending():
+                    loop.call_soon(on_readable)  # decrypted already: no wake-up will say so
+            except Exception as exc:  # as aiomqtt's reader: a broken connection
+                if not disconnected.done():
+                    disconnected.set_exception(exc)
+
+        def resume() -> None:
+            self._resume_reading = None
+            if paho._sock is buffered:
+                loop.add_reader(fd, on_readable)
+
+        paho._sock = buffered
+        paho.on_message = on_message
+        loop.add_reader(fd, on_readable)  # in place of aiomqtt's; removed when it closes
+        disconnected.add_done_callback(lambda _: wake())
+        self._legacy_receive = False
+
     async def _receive_loop(self, client: aiomqtt.Client) -> None:
+        if self._legacy_receive:
+            await self._receive_messages(client)
+            return
+        queue: asyncio.Queue[aiomqtt.Message] = client._queue
+        while not queue.empty():  # what came before this link took over
+            await self._dispatch_message(queue.get_nowait())
+        disconnected: asyncio.Future[Any] = client._disconnected
+        inbox = self._inbox
+        loop = asyncio.get_running_loop()
+        while True:
+            if not inbox:
+                if disconnected.done():
+                    raise aiomqtt.MqttError(
+                        "Disconnected during message iteration"
+                    ) from disconnected.exception()
+                self._waiter = loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+                continue
+            for _ in range(RECEIVE_BATCH):
+                if not inbox:
+                    break
+                topic, payload = inbox.popleft()
+                await self._dispatch(topic, payload)
+            if self._resume_reading is not None and len(inbox) < INBOX_HIGH:
+                self._resume_reading()
+            await asyncio.sleep(0)  # the event loop gets a turn between batches
+
+    async def _receive_messages(self, client: aiomqtt.Client) -> None:
         # aiomqtt's iterator makes a task and an asyncio.wait per message; what its queue
-        # already holds is taken without them, a bounded batch at a time (aiomqtt is pinned
-        # below 3: the queue is its private ``_queue``, skipped if that ever changes).
+        # already holds is taken without them, a bounded batch at a time.
         queue = getattr(client, "_queue", None)
         inbox = queue if isinstance(queue, asyncio.Queue) else None
         async for message in client.messages:
-            await self._dispatch(message)
+            await self._dispatch_message(message)
             for _ in range(RECEIVE_BATCH):
                 if inbox is None or inbox.empty():
                     break
-                await self._dispatch(inbox.get_nowait())
+                await self._dispatch_message(inbox.get_nowait())
 
-    async def _dispatch(self, message: aiomqtt.Message) -> None:
-        topic = message.topic.value
-        payload = message.payload
+    async def _dispatch_message(self, message: aiomqtt.Message) -> None:
+        await self._dispatch(message.topic.value, message.payload)
+
+    async def _dispatch(self, topic: str, payload: Any) -> None:
         if type(payload) is not bytes:
             payload = (
                 bytes(payload) if isinstance(payload, bytearray) else str(payload or "").encode()

@@ -139,6 +139,18 @@ class JobState:
     """node -> (samples, step seconds, wall time) of the last telemetry, for drift."""
     drifting_since: float | None = None
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    _members: tuple[tuple[str, ...], frozenset[str]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def has_node(self, node: str) -> bool:
+        """Whether ``node`` is one of the job's nodes (a set lookup: telemetry from thousands
+        of nodes asks this for every message)."""
+        nodes = self.config.nodes
+        members = self._members
+        if members is None or members[0] is not nodes:
+            members = self._members = (nodes, frozenset(nodes))
+        return node in members[1]
 
     @property
     def active_nodes(self) -> list[str]:
@@ -319,7 +331,7 @@ class Coordinator:
             log.warning("dropped an invalid %s: %s", kind, e)
             return
         state = self.jobs.get(message["job"])
-        if state is None or message["node"] not in state.config.nodes:
+        if state is None or not state.has_node(message["node"]):
             return
         if kind == "ack":
             table = state.acks
@@ -348,7 +360,7 @@ class Coordinator:
         online = message["state"] == "online"
         self.nodes[node] = (online, float(message["ts"]))
         for state in self.jobs.values():
-            if node not in state.config.nodes:
+            if not state.has_node(node):
                 continue
             if online and state.lost.get(node) == "offline":
                 del state.lost[node]
@@ -375,7 +387,7 @@ class Coordinator:
             return
         for job, totals in jobs.items():
             state = self.jobs.get(job)
-            if state is None or node not in state.config.nodes or not isinstance(totals, dict):
+            if state is None or not state.has_node(node) or not isinstance(totals, dict):
                 continue
             samples, step_s = totals.get("samples"), totals.get("step_s")
             if isinstance(samples, int | float) and isinstance(step_s, int | float):

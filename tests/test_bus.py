@@ -172,3 +172,155 @@ async def test_last_will_says_offline_when_a_node_dies(mosquitto) -> None:  # ty
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_buffered_socket_serves_paho_from_one_read() -> None:
+    import socket
+
+    left, right = socket.socketpair()
+    left.setblocking(False)
+    try:
+        buffered = bus._BufferedSocket(left, size=8)
+        assert not buffered.fill() and not buffered.unread  # nothing there yet
+        with pytest.raises(BlockingIOError):
+            buffered.recv(1)
+        right.sendall(b"abcdefghij")
+        assert buffered.fill() and buffered.unread
+        assert [buffered.recv(1), buffered.recv(2), buffered.recv(100)] == [b"a", b"bc", b"defgh"]
+        assert not buffered.unread
+        with pytest.raises(BlockingIOError):
+            buffered.recv(4)  # never reads the socket itself: only fill() does
+        assert buffered.fill() and buffered.recv(4) == b"ij"
+        right.close()
+        assert buffered.fill() and buffered.unread and buffered.recv(1) == b""  # end of stream
+        assert buffered.pending() == 0 and buffered.fileno() == left.fileno()
+    finally:
+        left.close()
+        right.close()
+
+
+async def test_link_takes_a_burst_in_order_and_pauses_reading(mosquitto, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Thousands of messages at once all reach the handler, in order; while the handler is
+    stuck the link stops reading past a small inbox (the broker holds the rest)."""
+    monkeypatch.setattr(bus, "INBOX_HIGH", 50)
+    monkeypatch.setattr(bus, "READ_CHUNKS", 1)
+    topic = "hyperagent/v1/t/node/n1/telemetry"
+    received: list[bytes] = []
+    go = asyncio.Event()
+    inbox_peak = 0
+    paused = False
+
+    async def handler(topic_: str, payload: bytes) -> None:
+        nonlocal inbox_peak, paused
+        assert topic_ == topic
+        received.append(payload)
+        await go.wait()
+        inbox_peak = max(inbox_peak, len(link._inbox))
+        paused = paused or link._resume_reading is not None
+
+    link = bus.MqttLink("127.0.0.1", mosquitto.port, "burst")
+    link.subscribe("hyperagent/v1/t/node/+/telemetry", 0, handler)
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(10):
+            await link.connected.wait()
+        assert not link._legacy_receive  # the link reads the socket itself
+        count = 3000
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port) as other:
+            for i in range(count):
+                await other.publish(topic, b"%d" % i, qos=0)
+        await asyncio.sleep(0.5)  # the handler is stuck at the first message meanwhile
+        assert len(received) == 1 and len(link._inbox) < count - 1
+        go.set()
+        async with asyncio.timeout(20):
+            while len(received) < count:
+                await asyncio.sleep(0.01)
+        assert received == [b"%d" % i for i in range(count)]
+        # one socket read's worth of (at least 40-byte) packets past the mark, at most
+        assert paused and inbox_peak <= 50 + (1 << 16) // 40
+        assert link.handler_errors == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_link_gets_what_waited_for_it_and_reconnects(persistent_mosquitto) -> None:  # type: ignore[no-untyped-def]
+    """QoS 1 messages queued for a persistent session arrive on reconnect (some may come in
+    before the link subscribes again), and the link keeps receiving after a broker restart."""
+    broker = persistent_mosquitto
+    topic = "hyperagent/v1/t/job/j/report"
+    received: list[bytes] = []
+
+    async def handler(topic_: str, payload: bytes) -> None:
+        received.append(payload)
+
+    def make_link() -> bus.MqttLink:
+        link = bus.MqttLink(
+            "127.0.0.1",
+            broker.port,
+            "keeper",
+            persistent_session=True,
+            backoff_min_s=0.1,
+            backoff_max_s=0.3,
+        )
+        link.subscribe("hyperagent/v1/t/job/+/report", 1, handler)
+        return link
+
+    async def wait_for(count: int) -> None:
+        async with asyncio.timeout(20):
+            while len(received) < count:
+                await asyncio.sleep(0.01)
+
+    link = make_link()
+    task = asyncio.create_task(link.run())
+    async with asyncio.timeout(10):
+        await link.connected.wait()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    async with aiomqtt.Client("127.0.0.1", broker.port) as other:
+        for i in range(200):
+            await other.publish(topic, b"q%d" % i, qos=1)
+    link = make_link()
+    task = asyncio.create_task(link.run())
+    try:
+        await wait_for(200)
+        assert received == [b"q%d" % i for i in range(200)]
+        broker.stop()
+        broker.start()
+        async with asyncio.timeout(20):
+            while link.connects < 2 or not link.connected.is_set():
+                await asyncio.sleep(0.05)
+        async with aiomqtt.Client("127.0.0.1", broker.port) as other:
+            await other.publish(topic, b"after", qos=1)
+        await wait_for(201)
+        assert received[-1] == b"after"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_link_falls_back_to_aiomqtts_iterator(mosquitto, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Should aiomqtt's internals this link relies on change, it receives as aiomqtt does."""
+    monkeypatch.setattr(bus.MqttLink, "_take_over_receiving", lambda self, client: None)
+    received: list[bytes] = []
+
+    async def handler(topic: str, payload: bytes) -> None:
+        received.append(payload)
+
+    link = bus.MqttLink("127.0.0.1", mosquitto.port, "legacy")
+    link.subscribe("hyperagent/v1/t/job/+/ack", 1, handler)
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(10):
+            await link.connected.wait()
+        assert link._legacy_receive
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port) as other:
+            for i in range(50):
+                await other.publish("hyperagent/v1/t/job/j/ack", b"%d" % i, qos=1)
+        async with asyncio.timeout(10):
+            while len(received) < 50:
+                await asyncio.sleep(0.01)
+        assert received == [b"%d" % i for i in range(50)]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from hyperagent.demo import JOB, simulated_cluster
 
 
@@ -41,6 +43,13 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
 
         assert state.best is not None
         best = state.best[0]
+        # the agents acked the final settings; each rank takes them at its next step boundary
+        async with asyncio.timeout(5):
+            while any(
+                n.reporter.applied is None or n.reporter.applied.version != state.final_version
+                for n in nodes
+            ):
+                await asyncio.sleep(0.005)
         for node in nodes:
             assert node.agent.applied_versions[JOB] == state.final_version
             assert limits_w(node.nvml) == {float(best["power_cap_w"])}
