@@ -160,6 +160,9 @@ class RdmaSection(_Model):
     commands: bool = True
     """Run `rdma -j resource show` and `ethtool -S`; false reads sysfs only."""
     command_timeout_s: PositiveSeconds = 1.5
+    commands_interval_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
+    """Run the commands at most this often (each run starts processes); the sysfs counters are
+    read every cycle. 0 runs them every cycle."""
     interval_s: PositiveSeconds | None = None
     """Read at most this often; None reads every collection cycle."""
 

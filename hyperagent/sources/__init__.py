@@ -88,7 +88,7 @@ def ipmi_sources(config: Config, hardware: Hardware) -> list[Source]:
 def rdma_sources(config: Config, hardware: Hardware) -> list[Source]:
     c = config.sources.rdma
     runner = partial(rdma.run_command, timeout_s=c.command_timeout_s) if c.commands else None
-    return [rdma.RdmaSource(c.sysfs_root, runner, c.netdevs)]
+    return [rdma.RdmaSource(c.sysfs_root, runner, c.netdevs, c.commands_interval_s)]
 
 
 def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
@@ -128,7 +128,14 @@ def capture_sources(
         nvml = FakeNvml.from_capture(smi, clock=clock)
         sources.append(NvmlSource(nvml, clock=clock))
     if (directory / "sys" / "class" / "infiniband").is_dir():
-        sources.append(rdma.RdmaSource(directory / "sys", rdma.capture_runner(directory)))
+        sources.append(
+            rdma.RdmaSource(
+                directory / "sys",
+                rdma.capture_runner(directory),
+                commands_interval_s=config.sources.rdma.commands_interval_s,
+                clock=clock,
+            )
+        )
     if (directory / "pdu").is_dir():
         sources += pdu.pdu_sources([], replay_dir=directory / "pdu")
     if (directory / "ipmitool-sdr.txt").is_file():

@@ -24,8 +24,10 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -885,6 +887,9 @@ class RdmaSource:
     runs ``rdma`` and ``ethtool`` (:func:`run_command`, :func:`capture_runner`), or None to read
     sysfs only; ``netdevs`` names RDMA netdevs the tree does not tell (they are added to the
     discovered ones). ``target`` is "local" for ``/sys``, else the sysfs root.
+    ``commands_interval_s`` runs the commands at most that often (each run starts processes;
+    queue counts and pause counters change slowly): reads in between repeat their readings,
+    while the sysfs counters are read every time. Zero runs them on every read.
     """
 
     name = "rdma"
@@ -894,10 +899,16 @@ class RdmaSource:
         sysfs_root: Path = Path("/sys"),
         run_command: RunCommand | None = run_command,
         netdevs: Sequence[str] = (),
+        commands_interval_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sysfs_root = sysfs_root
         self.run_command = run_command
         self.netdevs = tuple(netdevs)
+        self.commands_interval_s = commands_interval_s
+        self.clock = clock
+        self._commands_at = -math.inf
+        self._command_readings: list[Reading] = []
         self.target = "local" if sysfs_root == Path("/sys") else str(sysfs_root)
         self._inflight: asyncio.Task[list[Reading]] | None = None
         self._problems: dict[str, str] = {}
@@ -921,6 +932,15 @@ class RdmaSource:
         run = self.run_command
         if run is None:
             return readings
+        now = self.clock()
+        if now - self._commands_at < self.commands_interval_s:
+            return readings + self._command_readings
+        self._command_readings = await self._run_commands(run, snapshot)
+        self._commands_at = now
+        return readings + self._command_readings
+
+    async def _run_commands(self, run: RunCommand, snapshot: SysfsSnapshot) -> list[Reading]:
+        readings: list[Reading] = []
         devices = [device.name for device in snapshot.devices]
         commands: list[tuple[Sequence[str], Callable[[str], list[Reading]]]] = [
             (RDMA_QP_COMMAND, parse_rdma_qps),

@@ -461,6 +461,36 @@ async def test_failing_commands_leave_the_sysfs_readings(
     assert [r for r in readings if r.name == "hyperagent_rdma_qps"] == []
 
 
+async def test_commands_run_at_most_once_per_interval_while_sysfs_is_read_every_time(
+    tmp_path: Path,
+) -> None:
+    ran: list[str] = []
+    capture = capture_runner(REPLAY)
+
+    async def counting(argv: Sequence[str]) -> str:
+        ran.append(" ".join(argv))
+        return await capture(argv)
+
+    now = [100.0]
+    root = tmp_path / "sys"
+    shutil.copytree(SYSFS_ROOTS["rxe-qemu-e1000e"], root, symlinks=True)
+    source = RdmaSource(root, counting, commands_interval_s=5.0, clock=lambda: now[0])
+    first = await source.read()
+    assert len(ran) == 3  # qp, cq, ethtool -S eth0
+    counter = root / "class/infiniband/rxe0/ports/1/hw_counters/duplicate_request"
+    counter.write_text("123456789\n")
+    now[0] += 4.0
+    second = await source.read()
+    assert len(ran) == 3
+    assert value(second, "hyperagent_rdma_port_duplicate_requests_total") == 123456789
+    assert value(second, "hyperagent_rdma_cqs", device="rxe0") == value(
+        first, "hyperagent_rdma_cqs", device="rxe0"
+    )
+    now[0] += 1.0
+    await source.read()
+    assert len(ran) == 6
+
+
 async def test_without_a_command_runner_only_sysfs_is_read() -> None:
     source = RdmaSource(SYSFS_ROOTS["rxe-qemu-e1000e"], run_command=None)
     readings = await source.read()
