@@ -220,6 +220,10 @@ class _Mig:
     labels: dict[str, str]
 
 
+UNSUPPORTED_RETRY_READS = 300
+"""Reads between two tries of a call the GPU said it does not support (5 minutes at 1 Hz)."""
+
+
 @dataclass
 class _GpuState:
     """What the read thread keeps per GPU: labels built once, links, and sampling state."""
@@ -236,6 +240,10 @@ class _GpuState:
     integrated_s: dict[str, float] = field(default_factory=dict)
     mig_slots: int | None = None
     mig: dict[tuple[int, str], _Mig] = field(default_factory=dict)
+    unsupported_violations: set[int] = field(default_factory=set)
+    """Violation policies the GPU answered "not supported"; asked again every
+    ``UNSUPPORTED_RETRY_READS`` reads (a driver update or a MIG change may add them)."""
+    reads: int = 0
 
     def labelled(self, key: str, value: str) -> dict[str, str]:
         """The GPU's labels plus ``key=value``, built once and shared by every reading."""
@@ -656,7 +664,13 @@ class NvmlSource:
     def _read_throttle(self, state: _GpuState, counter: Callable[..., None]) -> None:
         nv, gpu = self.nvml, state.identity
         counted: set[str] = set()
+        state.reads += 1
+        skipped = state.unsupported_violations
+        if state.reads % UNSUPPORTED_RETRY_READS == 0:
+            skipped.clear()
         for reason, policy in self._violations:
+            if policy in skipped:
+                continue
             violation = self._call_or_none(
                 gpu,
                 "violation status",
@@ -665,7 +679,9 @@ class NvmlSource:
                 gpu.handle,
                 policy,
             )
-            if violation is not None:
+            if violation is None:
+                skipped.add(policy)
+            else:
                 counted.add(reason)
                 counter(THROTTLE, violation.violationTime / 1e9, state.labelled("reason", reason))
         mask = self._clock_event_reasons(gpu)

@@ -741,3 +741,33 @@ async def test_promtool_accepts_every_metric() -> None:
     assert result.returncode == 0 and not result.stdout and not result.stderr, (
         result.stdout + result.stderr
     ).decode()
+
+
+async def test_violation_policies_a_gpu_does_not_support_are_asked_again_only_now_and_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hyperagent.sources import nvml as nvml_module
+
+    clock = Clock()
+    nvml = capture("tesla-t4.xml", clock)
+    asked: list[int] = []
+    violation_status = nvml.nvmlDeviceGetViolationStatus
+
+    def counting(handle: Any, policy: int) -> Any:
+        asked.append(policy)
+        return violation_status(handle, policy)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetViolationStatus", counting, raising=False)
+    monkeypatch.setattr(nvml_module, "UNSUPPORTED_RETRY_READS", 4)
+    source = await started(nvml, clock)
+    first = await source.read()
+    per_read = len(asked)
+    assert per_read > 0
+    for _ in range(2):
+        clock.now += 1.0
+        assert await source.read()
+    assert len(asked) == per_read  # nothing the T4's capture lacks was asked again
+    clock.now += 1.0
+    await source.read()  # the fourth read asks everything again
+    assert len(asked) == 2 * per_read
+    assert {r.name for r in first} == {r.name for r in await source.read()}
