@@ -88,6 +88,30 @@ async def test_reports_and_settings_over_the_socket(tmp_path: Path) -> None:
         await source.close()
 
 
+async def test_a_burst_of_reports_from_many_ranks_is_counted_whole(tmp_path: Path) -> None:
+    """Eight ranks report at once (the kernel queues 10 datagrams): each wake-up takes them all."""
+    source = JobSource(tmp_path / "job.sock")
+    await source.start()
+    try:
+        reporters = []
+        for rank in range(8):  # each says hello on creation
+            reporters.append(JobReporter("burst", rank=rank, socket_path=tmp_path / "job.sock"))
+            await asyncio.sleep(0.01)
+        for _ in range(40):
+            for reporter in reporters:
+                reporter.report_step(samples=2, step_s=0.01, compute_s=0.008, comm_s=0.002)
+            await asyncio.sleep(0.01)
+        await _until(lambda: "burst" in source.jobs and source.jobs["burst"].steps == 320)
+        await asyncio.sleep(0.2)
+        assert source.jobs["burst"].samples == 640 and source.invalid == 0
+        assert sum(reporter.dropped for reporter in reporters) == 0
+        assert set(source.jobs["burst"].reporters) == set(range(8))
+        for reporter in reporters:
+            reporter.close()
+    finally:
+        await source.close()
+
+
 async def test_garbage_is_counted_and_dropped(tmp_path: Path) -> None:
     source = JobSource(tmp_path / "job.sock")
     await source.start()

@@ -51,12 +51,10 @@ class JobTotals:
                 self.nonfinite_losses += 1
 
 
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, source: JobSource) -> None:
-        self.source = source
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.source.receive(data, addr)
+BATCH = 1000
+"""Datagrams taken per wake-up at most (the rest wait for the next turn of the event loop).
+Each wake-up takes everything queued: the kernel queues only ``net.unix.max_dgram_qlen``
+datagrams (10 by default) before the ranks' non-blocking sends fail."""
 
 
 class JobSource:
@@ -74,7 +72,6 @@ class JobSource:
         self.jobs: dict[str, JobTotals] = {}
         self.invalid = 0
         self.listeners: list[StepListener] = []
-        self._transport: asyncio.DatagramTransport | None = None
         self._sock: socket.socket | None = None
         self._last_settings: dict[str, JobSettings] = {}
         self._invalid_reasons: set[str] = set()
@@ -94,9 +91,21 @@ class JobSource:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         sock.setblocking(False)
         self._sock = sock
-        loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
-        self._transport = transport
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(BATCH):
+            try:
+                data, addr = sock.recvfrom(protocol.MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                log.warning("job socket %s: %s", self.socket_path, e)
+                break
+            self.receive(data, addr)
 
     def receive(self, data: bytes, addr: Any) -> None:
         """Handle one datagram (public for tests and replays)."""
@@ -140,10 +149,10 @@ class JobSource:
         return sum(self._send(addr, job, settings) for addr in list(totals.reporters.values()))
 
     def _send(self, addr: Any, job: str, settings: JobSettings) -> bool:
-        if self._transport is None:
+        if self._sock is None:
             return False
         try:
-            self._transport.sendto(protocol.encode_settings(job, settings), addr)
+            self._sock.sendto(protocol.encode_settings(job, settings), addr)
         except OSError as e:
             log.info("settings for %s not delivered to %s: %s", job, addr, e)
             return False
@@ -171,8 +180,9 @@ class JobSource:
         return out
 
     async def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
