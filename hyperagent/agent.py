@@ -24,7 +24,7 @@ from hyperagent.sources import Hardware, build_sources
 from hyperagent.sources.base import Source
 from hyperagent.sources.job import JobSource
 from hyperagent.sources.nvml import NvmlSource
-from hyperagent.sources.runner import SourceRunner
+from hyperagent.sources.runner import DUE_FRACTION, SourceRunner
 from hyperagent.tuner.trial import MeasurementPlan, Phase, TrialMeasurement
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class Agent:
         self._trial_events: asyncio.Queue[tuple[_Trial, Phase]] = asyncio.Queue()
         self._logged_rejections: set[str] = set()
         self.collections = 0
+        self._telemetry_at = -math.inf
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
@@ -221,7 +222,11 @@ class Agent:
         self.collector.update(snapshot.readings)
         self.collections += 1
         self.last_collection = time.monotonic()
-        if self.link is not None:
+        telemetry_due = self.last_collection - self._telemetry_at >= (
+            DUE_FRACTION * self.config.agent.telemetry_interval_s
+        )
+        if self.link is not None and telemetry_due:
+            self._telemetry_at = self.last_collection
             jobs = {}
             if self.job_source is not None:
                 jobs = {

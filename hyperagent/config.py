@@ -53,6 +53,10 @@ def _check_address(value: str) -> str:
 
 class AgentSection(_Model):
     interval_s: PositiveSeconds = 1.0
+    telemetry_interval_s: PositiveSeconds = 1.0
+    """Publish telemetry over MQTT at most this often (the latest cycle's): an agent collecting
+    at 10 Hz serves /metrics from every cycle but costs the broker and the coordinator one
+    message a second."""
     metrics_address: str = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
     state_dir: Path = Path("/var/lib/hyperagent")
 

@@ -332,3 +332,36 @@ async def test_no_secret_in_logs_metrics_or_payloads(
         assert all(secret not in payload for payload in seen)
         assert secret.decode() not in caplog.text
     assert build_config({}).agent.metrics_address.startswith("127.0.0.1:")
+
+
+async def test_collecting_at_10_hz_publishes_telemetry_once_a_second(
+    mosquitto,
+    tmp_path: Path,
+    nvidia_smi_dir: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    config = build_config(
+        {
+            "node": "fast",
+            "cluster": "c",
+            "mqtt": {"url": mosquitto.url},
+            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(tmp_path)},
+            "sources": {"job": {"socket": str(tmp_path / "j.sock")}},
+        }
+    )
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    received = []
+    async with aiomqtt.Client("127.0.0.1", mosquitto.port) as listener:
+        await listener.subscribe(bus.Topics("c").telemetry("fast"), qos=0)
+        task = asyncio.create_task(agent.run())
+        try:
+            async with asyncio.timeout(3.5):
+                async for message in listener.messages:
+                    received.append(message)
+        except TimeoutError:
+            pass
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert agent.collections >= 15  # /metrics and the indicators follow every cycle
+    assert 2 <= len(received) <= 4  # the broker gets one message a second
