@@ -66,19 +66,31 @@ async def stdin_closed() -> None:
 
 
 def _agent_config(args: argparse.Namespace) -> Any:
+    """The shipped defaults; with ``--every-cycle`` every source and telemetry every cycle."""
     from hyperagent.config import build_config
 
+    every = 1.0 / args.hz
+    sources: dict[str, Any] = {"job": {"socket": str(args.job_socket)}}
+    agent: dict[str, Any] = {}
+    if args.every_cycle:
+        sources |= {
+            "rdma": {"commands_interval_s": 0},
+            "ipmi": {"interval_s": every},
+            "pdu": {"interval_s": every},
+        }
+        agent["telemetry_interval_s"] = every
     return build_config(
         {
             "node": args.node,
             "cluster": CLUSTER,
             "mqtt": {"enabled": bool(args.broker), "url": args.broker or "mqtt://127.0.0.1:1883"},
             "agent": {
-                "interval_s": 1.0 / args.hz,
+                "interval_s": every,
                 "metrics_address": f"127.0.0.1:{args.metrics_port}" if args.metrics_port else "",
                 "state_dir": str(args.state),
+                **agent,
             },
-            "sources": {"job": {"socket": str(args.job_socket)}},
+            "sources": sources,
         }
     )
 
@@ -131,7 +143,8 @@ async def agent_worker(args: argparse.Namespace) -> None:
     config = _agent_config(args)
     sources, hardware = _node_sources(args, config)
     agent = Agent.from_config(config, hardware, sources=sources)
-    agent.runner.intervals = dict(args.interval)
+    if args.every_cycle:
+        agent.runner.intervals = {}
     running = asyncio.create_task(agent.run(), name="agent")
     try:
         async with asyncio.timeout(30):
@@ -163,7 +176,7 @@ async def floor_worker(args: argparse.Namespace) -> None:
     for source in sources:
         await source.start()
     interval = 1.0 / args.hz
-    slow = dict(args.interval)
+    slow = {} if args.every_cycle else config.sources.intervals
     read_at = {id(s): -1e9 for s in sources}
     cycles = 0
     readings = 0
@@ -589,11 +602,6 @@ def loadgen_worker(args: argparse.Namespace) -> None:
     emit("DONE")
 
 
-def _interval(text: str) -> tuple[str, float]:
-    name, _, seconds = text.partition("=")
-    return name, float(seconds)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True)
@@ -610,12 +618,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--node", default="bench-node", help="node name (and MQTT client id)")
         p.add_argument("--real-gpus", action="store_true", help="NVML of this machine's GPUs")
         p.add_argument(
-            "--interval",
-            type=_interval,
-            action="append",
-            default=[],
-            metavar="SOURCE=SECONDS",
-            help="read this source at most this often (repeatable)",
+            "--every-cycle",
+            action="store_true",
+            help="every source (and telemetry) every cycle instead of the shipped intervals",
         )
     p = sub.add_parser("coordinator")
     p.add_argument("--broker", required=True)

@@ -142,9 +142,10 @@ class IpmiSection(_Model):
     timeout_s: PositiveSeconds = 1.5
     """Bound of one read; keep it below sources.timeout_s."""
     dcmi: bool = True
-    interval_s: PositiveSeconds = 1.0
-    """Read the BMC at most this often (its sensors update about once a second): an agent
-    collecting faster repeats the last readings in between."""
+    interval_s: PositiveSeconds = 5.0
+    """Read the BMC at most this often: its fans, temperatures and DCMI power change over
+    seconds, and a full SDR read over KCS keeps many BMCs busy for a second or more. Cycles in
+    between repeat the last readings."""
 
     @model_validator(mode="after")
     def _lan(self) -> IpmiSection:

@@ -58,7 +58,7 @@ def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) ->
     assert all(isinstance(figures[k], float) and figures[k] > 0 for k in measured), figures
     assert figures["fanout_p99_s_5"] > 0
     details = figures["details"]
-    assert set(details["agent"]) == {"1hz", "10hz", "10hz_all"}
+    assert set(details["agent"]) == {"1hz", "1hz_all", "10hz", "10hz_all"}
     assert all(run["agent"]["cycles"] >= 1 for run in details["agent"].values())
     assert all(details["agent"]["1hz"]["agent"]["ready"]["sources_up"].values())
     assert details["fanout"]["5"]["missing_acks"] == 0

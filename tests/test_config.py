@@ -194,16 +194,16 @@ def test_coordinator_recommend_mode_publishes_nothing_and_explains(tmp_path: Pat
     assert not (tmp_path / "big.jsonl").exists()
 
 
-def test_bmc_and_pdu_are_read_at_most_once_a_second_by_default(tmp_path: Path) -> None:
+def test_bmc_and_pdu_are_read_at_their_own_pace_by_default(tmp_path: Path) -> None:
     from hyperagent.agent import Agent
     from hyperagent.sources import Hardware
 
-    assert build_config({}).sources.intervals == {"ipmi": 1.0, "pdu": 1.0}
+    assert build_config({}).sources.intervals == {"ipmi": 5.0, "pdu": 1.0}
     config = build_config(
         {
             "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(tmp_path)},
             "mqtt": {"enabled": False},
-            "sources": {"rdma": {"interval_s": 5}, "pdu": {"interval_s": 2}},
+            "sources": {"rdma": {"interval_s": 5}, "pdu": {"interval_s": 2}, "ipmi": {"interval_s": 1}},
         }
     )
     agent = Agent.from_config(config, Hardware(nvml=None, replayed=True), sources=[])
