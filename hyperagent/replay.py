@@ -25,7 +25,8 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -103,8 +104,8 @@ def decode_series(rows: Any, where: str) -> list[Series]:
     return out
 
 
-def decode_values(series: Sequence[Series], values: Any, where: str) -> list[Reading]:
-    """Readings from a version 2 source's values, one per series in order."""
+def decode_values(series: Sequence[Series], values: Any, where: str) -> array[float]:
+    """A version 2 source's values, one per series in order (null as NaN), checked."""
     if not isinstance(values, list) or len(values) != len(series):
         raise RecordingError(
             f"{where}: {len(series)} series but "
@@ -113,10 +114,36 @@ def decode_values(series: Sequence[Series], values: Any, where: str) -> list[Rea
     if not all(map(_value_or_null, values)):
         bad = next(v for v in values if not _value_or_null(v))
         raise RecordingError(f"{where}: bad value {str(bad)[:60]}")
-    return [
-        Reading(name, math.nan if value is None else float(value), labels, kind)
-        for (name, labels, kind), value in zip(series, values, strict=True)
-    ]
+    if None in values:
+        values = [math.nan if value is None else value for value in values]
+    return array("d", values)
+
+
+class FrameSources(Mapping[str, list[Reading]]):
+    """One frame's readings by source, made when asked for: a recording keeps each frame's
+    values (8 bytes each) and its sources' series, not a Reading object per value, so a day
+    at 1 Hz of a full node loads in seconds and fits in a few hundred MiB."""
+
+    __slots__ = ("_series", "_values")
+
+    def __init__(
+        self, series: Mapping[str, Sequence[Series]], values: Mapping[str, array[float]]
+    ) -> None:
+        self._series = series
+        self._values = values
+
+    def __getitem__(self, name: str) -> list[Reading]:
+        values = self._values[name]
+        return [
+            Reading(metric, value, labels, kind)
+            for (metric, labels, kind), value in zip(self._series[name], values, strict=True)
+        ]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 @dataclass(frozen=True)
@@ -179,6 +206,7 @@ def load_recording(path: Path) -> Recording:
         sources = data.get("sources")
         if not isinstance(sources, dict):
             raise RecordingError(f"{where}: a frame needs a sources object")
+        decoded: Mapping[str, list[Reading]]
         if version == 1:
             decoded = {
                 name: decode_readings(rows, f"{where} {name}") for name, rows in sources.items()
@@ -196,19 +224,21 @@ def load_recording(path: Path) -> Recording:
 
 def _decode_frame(
     data: Mapping[str, Any], layouts: dict[str, list[Series]], where: str
-) -> dict[str, list[Reading]]:
+) -> FrameSources:
     series = data.get("series", {})
     if not isinstance(series, dict):
         raise RecordingError(f"{where}: series must be an object")
     for name, rows in series.items():
         layouts[name] = decode_series(rows, f"{where} {name}")
-    out = {}
-    for name, values in data["sources"].items():
+    values: dict[str, array[float]] = {}
+    series_now: dict[str, list[Series]] = {}
+    for name, rows in data["sources"].items():
         layout = layouts.get(name)
         if layout is None:
             raise RecordingError(f"{where} {name}: values before the series they belong to")
-        out[name] = decode_values(layout, values, f"{where} {name}")
-    return out
+        values[name] = decode_values(layout, rows, f"{where} {name}")
+        series_now[name] = layout
+    return FrameSources(series_now, values)
 
 
 class Recorder:
