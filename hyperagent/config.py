@@ -116,6 +116,9 @@ class NvmlSection(_Model):
     enabled: bool = True
     dump: Path | None = None
     """Replay this ``nvidia-smi -q -x`` dump (or query-gpu capture) instead of the driver."""
+    health_interval_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    """Read ECC counts, retired pages, remapped rows and the power limit range at most this
+    often (they change rarely; 0 reads them every cycle)."""
 
 
 class HostSection(_Model):

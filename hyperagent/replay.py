@@ -346,7 +346,8 @@ class RecordedNvmlSource:
             self.fake = FakeNvml.from_readings(first.sources["nvml"], clock=self._recorded_time)
         except ValueError as e:
             raise RecordingError(f"recorded GPU readings at {first.ts}: {e}") from e
-        self.source = NvmlSource(self.fake, clock=self._recorded_time)
+        # every frame's health readings as recorded, not repeated
+        self.source = NvmlSource(self.fake, clock=self._recorded_time, health_interval_s=0.0)
 
     def _recorded_time(self) -> float:
         return self._now

@@ -101,7 +101,9 @@ def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
 
 
 SOURCES: dict[str, SourceFactory] = {
-    "nvml": lambda config, hw: [NvmlSource(hw.nvml)],
+    "nvml": lambda config, hw: [
+        NvmlSource(hw.nvml, health_interval_s=config.sources.nvml.health_interval_s)
+    ],
     "host": lambda config, hw: [HostSource()],
     "job": lambda config, hw: [JobSource(config.sources.job.socket)],
     "ipmi": ipmi_sources,
@@ -126,7 +128,9 @@ def capture_sources(
     smi = directory / "nvidia-smi.xml"
     if smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
-        sources.append(NvmlSource(nvml, clock=clock))
+        sources.append(
+            NvmlSource(nvml, clock=clock, health_interval_s=config.sources.nvml.health_interval_s)
+        )
     if (directory / "sys" / "class" / "infiniband").is_dir():
         sources.append(
             rdma.RdmaSource(

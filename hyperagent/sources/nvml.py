@@ -240,6 +240,10 @@ class _GpuState:
     integrated_s: dict[str, float] = field(default_factory=dict)
     mig_slots: int | None = None
     mig: dict[tuple[int, str], _Mig] = field(default_factory=dict)
+    health: list[Reading] = field(default_factory=list)
+    """The last memory health readings, repeated until ``health_at`` + the health interval."""
+    health_at: float = -math.inf
+    power_bounds: Any = None
     unsupported_violations: set[int] = field(default_factory=set)
     """Violation policies the GPU answered "not supported"; asked again every
     ``UNSUPPORTED_RETRY_READS`` reads (a driver update or a MIG change may add them)."""
@@ -258,6 +262,7 @@ class _GpuState:
     def forget_sampling(self) -> None:
         """Drop two-sample state after a failed read, so an outage is not integrated."""
         self.reasons_seen_at = None
+        self.health_at = -math.inf
         if self.gpm is not None:
             self.gpm.latest = None
 
@@ -286,6 +291,10 @@ class NvmlSource:
     ``event_wait_ms`` timeout; counts are kept per GPU and XID from ``start()`` on and the
     thread stops in ``close()``. ``clock`` (seconds, monotonic) times the integration; pass
     the clock of a replayed NVML to integrate in its time.
+
+    Memory health (ECC counts, retired pages, remapped rows) and the power limit range change
+    rarely: they are read every ``health_interval_s`` of ``clock`` (every read with 0), and
+    the reads in between repeat them (39% of the NVML calls of a read, on eight V100s).
     """
 
     name = "nvml"
@@ -297,9 +306,11 @@ class NvmlSource:
         *,
         clock: Callable[[], float] = time.monotonic,
         event_wait_ms: int = 250,
+        health_interval_s: float = 10.0,
     ) -> None:
         nv = nvml
         self.nvml = nvml
+        self.health_interval_s = health_interval_s
         self.gpus: list[GpuIdentity] = []
         self.driver = ""
         self.event_wait_ms = event_wait_ms
@@ -593,9 +604,13 @@ class NvmlSource:
         limit_mw = self._call(gpu, "power limit", nv.nvmlDeviceGetEnforcedPowerLimit, h)
         if limit_mw is not None:
             gauge(POWER_LIMIT, limit_mw / 1000)
-        bounds = self._call(
-            gpu, "power limit constraints", nv.nvmlDeviceGetPowerManagementLimitConstraints, h
-        )
+        now = self._clock()
+        health_due = now - state.health_at >= self.health_interval_s
+        if health_due:
+            state.power_bounds = self._call(
+                gpu, "power limit constraints", nv.nvmlDeviceGetPowerManagementLimitConstraints, h
+            )
+        bounds = state.power_bounds
         if bounds is not None:
             gauge(POWER_LIMIT_MIN, bounds[0] / 1000)
             gauge(POWER_LIMIT_MAX, bounds[1] / 1000)
@@ -613,7 +628,13 @@ class NvmlSource:
                 gauge(name, mhz * 1e6)
         self._read_fields(state, out)
         self._read_throttle(state, counter)
-        self._read_memory_health(state, gauge, counter)
+        if health_due:
+            first = len(out)
+            self._read_memory_health(state, gauge, counter)
+            state.health = out[first:]
+            state.health_at = now
+        else:
+            out.extend(state.health)
         self._read_pcie(state, gauge, counter)
         self._read_nvlink(state, gauge, counter)
         self._read_mig(state, out)

@@ -771,3 +771,36 @@ async def test_violation_policies_a_gpu_does_not_support_are_asked_again_only_no
     await source.read()  # the fourth read asks everything again
     assert len(asked) == 2 * per_read
     assert {r.name for r in first} == {r.name for r in await source.read()}
+
+
+async def test_memory_health_is_read_every_health_interval_and_repeated_between() -> None:
+    from dataclasses import replace
+
+    clock = Clock()
+    nvml = FakeNvml.from_capture(
+        FIXTURES / "replay" / "v100s-8gpu-training" / "nvidia-smi.xml", clock=clock
+    )
+    source = NvmlSource(nvml, clock=clock, event_wait_ms=20, health_interval_s=10.0)
+    await source.start()
+
+    def retired(readings: list[Reading]) -> float:
+        return next(
+            r.value
+            for r in readings
+            if r.name == "hyperagent_gpu_retired_pages"
+            and r.labels["gpu"] == "0"
+            and r.labels["cause"] == "single_bit_ecc"
+        )
+
+    try:
+        before = retired(await source.read())
+        device = nvml._devices[0]
+        device.record = replace(device.record, retired_pages_single_bit=int(before) + 3)
+        clock.now += 5.0
+        between = await source.read()
+        assert retired(between) == before  # repeated, not asked
+        clock.now += 5.0
+        assert retired(await source.read()) == before + 3
+        assert {key(r) for r in between} == {key(r) for r in await source.read()}
+    finally:
+        await source.close()
