@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import time
@@ -194,6 +195,9 @@ class Agent:
         while True:
             await self.collect_once()
             if not self.ready.is_set():
+                # what start-up made lives as long as the agent: full collections skip it
+                gc.collect()
+                gc.freeze()
                 self.ready.set()
                 where = (
                     f", /metrics on {self.metrics.host}:{self.metrics.port}" if self.metrics else ""
@@ -217,7 +221,7 @@ class Agent:
         readings += self._self_readings()
         snapshot = Snapshot(now, self.node, tuple(readings))
         indicators = derive(snapshot, self.snapshot, self.config.indicators.quantum_coefficients)
-        snapshot = Snapshot(snapshot.ts, self.node, (*readings, *indicators))
+        snapshot = snapshot.extended(indicators)
         self.snapshot = snapshot
         self.collector.update(snapshot.readings)
         self.collections += 1

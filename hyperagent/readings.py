@@ -72,6 +72,24 @@ class Snapshot:
             object.__setattr__(self, "_index", index)
         return index.get(name, ())
 
+    def extended(self, extra: Sequence[Reading]) -> Snapshot:
+        """This snapshot with ``extra`` readings after its own; a name index already built is
+        carried over (its lists shared, those of the names in ``extra`` copied)."""
+        out = Snapshot(self.ts, self.node, (*self.readings, *extra))
+        index = self._index
+        if index is not None:
+            grown = dict(index)
+            for reading in extra:
+                found = grown.get(reading.name)
+                if found is None:
+                    grown[reading.name] = [reading]
+                elif found is index.get(reading.name):
+                    grown[reading.name] = [*found, reading]
+                else:
+                    found.append(reading)
+            object.__setattr__(out, "_index", grown)
+        return out
+
     def values(self, name: str) -> list[tuple[Mapping[str, str], float]]:
         """All (labels, value) pairs of the metric ``name``."""
         return [(r.labels, r.value) for r in self.named(name)]

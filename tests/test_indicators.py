@@ -112,3 +112,19 @@ def test_derive_from_snapshots() -> None:
         "hyperagent_ccr_ratio" not in first and "hyperagent_energy_per_sample_joules" not in first
     )
     assert "hyperagent_qu_ratio" in first
+
+
+def test_an_extended_snapshot_answers_like_one_built_whole() -> None:
+    base = [Reading("a", 1.0, {"gpu": "0"}), Reading("b", 2.0), Reading("a", 3.0, {"gpu": "1"})]
+    extra = [Reading("a", 5.0, {"gpu": "2"}), Reading("c", 7.0), Reading("c", 8.0)]
+    whole = Snapshot(1.0, "n", (*base, *extra))
+    for indexed_first in (False, True):
+        snapshot = Snapshot(1.0, "n", tuple(base))
+        if indexed_first:
+            assert snapshot.total("a") == 4.0  # builds the index that extended carries over
+        grown = snapshot.extended(extra)
+        assert grown.readings == whole.readings
+        for name in ("a", "b", "c", "d"):
+            assert list(grown.named(name)) == list(whole.named(name))
+            assert grown.total(name) == whole.total(name)
+        assert snapshot.total("a") == 4.0 and snapshot.named("c") == ()  # the original is intact
