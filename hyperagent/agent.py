@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import time
@@ -195,9 +194,6 @@ class Agent:
         while True:
             await self.collect_once()
             if not self.ready.is_set():
-                # what start-up made lives as long as the agent: full collections skip it
-                gc.collect()
-                gc.freeze()
                 self.ready.set()
                 where = (
                     f", /metrics on {self.metrics.host}:{self.metrics.port}" if self.metrics else ""
