@@ -203,7 +203,11 @@ def test_bmc_and_pdu_are_read_at_their_own_pace_by_default(tmp_path: Path) -> No
         {
             "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(tmp_path)},
             "mqtt": {"enabled": False},
-            "sources": {"rdma": {"interval_s": 5}, "pdu": {"interval_s": 2}, "ipmi": {"interval_s": 1}},
+            "sources": {
+                "rdma": {"interval_s": 5},
+                "pdu": {"interval_s": 2},
+                "ipmi": {"interval_s": 1},
+            },
         }
     )
     agent = Agent.from_config(config, Hardware(nvml=None, replayed=True), sources=[])
