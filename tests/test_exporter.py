@@ -114,3 +114,50 @@ async def test_promtool_check_metrics_is_clean(capture: str, nvidia_smi_dir: Pat
     assert result.returncode == 0 and not result.stdout and not result.stderr, (
         result.stdout + result.stderr
     ).decode()
+
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+        "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",  # Prometheus 3
+        "application/openmetrics-text",
+        "text/plain;version=0.0.4",
+        "",
+    ],
+)
+def test_http_exposition_is_byte_for_byte_what_prometheus_client_encodes(accept: str) -> None:
+    """/metrics is rendered by hyperagent (once per cycle); it must equal prometheus_client's
+    encoder for the same Accept header, escapes, info metrics and mixed labels included."""
+    import urllib.request
+
+    from prometheus_client.exposition import choose_encoder
+
+    from hyperagent.readings import Kind, Reading
+
+    readings = [
+        Reading("hyperagent_gpu_power_watts", 251.5, {"gpu": "0", "uuid": "GPU-a"}),
+        Reading("hyperagent_gpu_power_watts", float("nan"), {"gpu": "1", "uuid": "GPU-b"}),
+        Reading("hyperagent_gpu_energy_joules_total", 1e12, {"gpu": "0"}, Kind.COUNTER),
+        Reading("hyperagent_gpu_info", 1.0, {"gpu": "0", "name": 'Tesla "V100"\\x\n'}, Kind.INFO),
+        Reading("hyperagent_source_up", 1.0, {"source": "nvml", "target": "local"}),
+        Reading("hyperagent_source_up", 0.0, {"source": "pdu"}),  # one label short
+        Reading("hyperagent_qu_ratio", float("inf")),
+        Reading("hyperagent_rdma_unreadable_files", 3),
+    ]
+    server = MetricsServer("127.0.0.1:0")
+    server.collector.update(readings)
+    server.start()
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": accept}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body, content_type = response.read(), response.headers["Content-Type"]
+    finally:
+        server.stop()
+    encoder, expected_type = choose_encoder(accept)
+    assert content_type == expected_type
+    assert server.collector.exposition(expected_type) == body  # hyperagent rendered it
+    assert body == encoder(server.registry)
+    assert b'name="Tesla \\"V100\\"\\\\x\\n"' in body
