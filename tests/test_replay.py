@@ -219,3 +219,30 @@ def test_record_then_replay_serves_the_same_metrics(tmp_path: Path) -> None:
     # the same values; time-integrated counters agree to float precision (integrated anew)
     assert served == pytest.approx(last, rel=1e-9)
     assert 'hyperagent_source_up{source="nvml",target="recording"} 1.0' in text
+
+
+async def test_a_real_h200_under_bf16_load_replays_with_its_indicators(tmp_path: Path) -> None:
+    """The recording made with `hyperagent record` on a real H200 (fixtures SOURCES.md)."""
+    from hyperagent.agent import Agent
+    from hyperagent.config import build_config
+    from hyperagent.sources import capture_sources
+
+    clock = Clock()
+    config = build_config(
+        {"mqtt": {"enabled": False}, "agent": {"metrics_address": "", "state_dir": str(tmp_path)}}
+    )
+    directory = REPO / "fixtures" / "replay" / "h200-bf16-matmul"
+    sources, hardware = capture_sources(directory, config, clock)
+    agent = Agent(config, hardware, sources=sources)
+    await agent.runner.start()
+    try:
+        for second in (10.0, 11.0):
+            clock.now = second
+            snapshot = await agent.collect_once()
+    finally:
+        await agent.runner.close()
+    assert snapshot.value("hyperagent_gpu_info", model="NVIDIA H200") == 1.0
+    assert 680 < (snapshot.value("hyperagent_gpu_power_watts") or 0) <= 700  # at its cap
+    assert 0.9 < (snapshot.value("hyperagent_gpu_tensor_active_ratio") or 0) < 1
+    assert 0.9 < (snapshot.value("hyperagent_qu_ratio") or 0) <= 1  # one busy H200
+    assert snapshot.value("hyperagent_memory_pressure_ratio") == pytest.approx(0.0122, abs=1e-3)
