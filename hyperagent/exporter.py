@@ -1,15 +1,14 @@
 """Prometheus exposition of the latest snapshot: a custom collector doing no I/O in collect().
 
-The HTTP server renders the two formats Prometheus asks for (OpenMetrics 1.0.0 and text 0.0.4)
-itself, once per snapshot and byte for byte as prometheus_client would; anything else (another
-format or escaping, ``name[]`` filters, other methods) goes to prometheus_client's own app.
+A scrape's body is prometheus_client's encoding for the Accept header, made once per snapshot
+and format and kept for later scrapes of the same snapshot; ``name[]`` filters and methods other
+than GET go to prometheus_client's own app.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gzip
-import re
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -19,11 +18,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.core import Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, gzip_accepted
-from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
 from hyperagent.catalog import help_text
 from hyperagent.errors import ConfigError, ConfigProblem
@@ -67,66 +64,6 @@ def families(readings: Sequence[Reading]) -> list[Metric]:
     return out
 
 
-OPENMETRICS = openmetrics.CONTENT_TYPE_LATEST
-"""What prometheus_client answers an Accept header naming OpenMetrics without a version."""
-OPENMETRICS_1_0_0 = f"{OPENMETRICS}; escaping={openmetrics.UNDERSCORES}"
-"""... and one naming version 1.0.0 (as Prometheus sends) with the default escaping."""
-_PLAIN_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-_plain_names: set[str] = set()
-
-
-def _plain(name: str) -> bool:
-    """Whether every escaping scheme leaves ``name`` as it is (a legacy name without colons)."""
-    if name in _plain_names:
-        return True
-    if _PLAIN_NAME.fullmatch(name) is None:
-        return False
-    _plain_names.add(name)
-    return True
-
-
-def _escape_value(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-    return value
-
-
-def render(metrics: Iterable[Metric], content_type: str) -> bytes | None:
-    """The exposition prometheus_client's encoder for ``content_type`` (text 0.0.4 or
-    OpenMetrics 1.0.0) would produce for ``metrics``; None for another format, or a name that
-    an escaping scheme would change (prometheus_client then renders it)."""
-    om = content_type in (OPENMETRICS, OPENMETRICS_1_0_0)
-    if not om and content_type != CONTENT_TYPE_PLAIN_0_0_4:
-        return None
-    out: list[str] = []
-    for metric in metrics:
-        name, kind = metric.name, metric.type
-        if not _plain(name) or metric.unit or kind not in ("gauge", "counter", "info"):
-            return None
-        if om:
-            out.append(f"# HELP {name} {_escape_value(metric.documentation)}\n")
-            out.append(f"# TYPE {name} {kind}\n")
-        else:
-            shown = name + _SUFFIX[Kind(kind)]
-            doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
-            out.append(f"# HELP {shown} {doc}\n")
-            out.append(f"# TYPE {shown} {'gauge' if kind == 'info' else kind}\n")
-        for sample in metric.samples:
-            if sample.timestamp is not None or sample.exemplar or sample.native_histogram:
-                return None
-            if sample.labels:
-                pairs = sorted(sample.labels.items())
-                if not all(_plain(k) for k, _ in pairs):
-                    return None
-                labels = ",".join(f'{k}="{_escape_value(v)}"' for k, v in pairs)
-                out.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}\n")
-            else:
-                out.append(f"{sample.name} {floatToGoString(sample.value)}\n")
-    if om:
-        out.append("# EOF\n")
-    return "".join(out).encode()
-
-
 class SnapshotCollector:
     """Exposes whatever readings were last handed to ``update``; thread-safe swap.
 
@@ -137,7 +74,7 @@ class SnapshotCollector:
     def __init__(self) -> None:
         self._readings: tuple[Reading, ...] = ()
         self._families: list[Metric] | None = []
-        self._rendered: dict[str, bytes | None] = {}
+        self._rendered: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def update(self, readings: Sequence[Reading]) -> None:
@@ -160,16 +97,18 @@ class SnapshotCollector:
                     self._families = built
         return readings, built
 
-    def exposition(self, content_type: str) -> bytes | None:
-        """The body of a scrape in ``content_type`` (see :func:`render`), cached per update."""
+    def exposition(
+        self, content_type: str, encoder: Callable[[SnapshotCollector], bytes] | None = None
+    ) -> bytes:
+        """The body of a scrape in ``content_type``: ``encoder`` (by default prometheus_client's
+        for that content type) over this collector, cached until the next update."""
         with self._lock:
-            if content_type in self._rendered:
-                return self._rendered[content_type]
-        readings, built = self._built()
-        body = render(built, content_type)
-        with self._lock:
-            if self._readings is readings:
-                self._rendered[content_type] = body
+            readings, body = self._readings, self._rendered.get(content_type)
+        if body is None:
+            body = (encoder or choose_encoder(content_type)[0])(self)
+            with self._lock:
+                if self._readings is readings:
+                    self._rendered[content_type] = body
         return body
 
 
@@ -210,15 +149,14 @@ class MetricsServer:
             and environ.get("PATH_INFO") != "/favicon.ico"
             and "name[]" not in environ.get("QUERY_STRING", "")
         ):
-            _, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
-            body = self.collector.exposition(content_type)
-            if body is not None:
-                headers = [("Content-Type", content_type)]
-                if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
-                    body = gzip.compress(body)
-                    headers.append(("Content-Encoding", "gzip"))
-                start_response("200 OK", headers)
-                return [body]
+            encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+            body = self.collector.exposition(content_type, encoder)
+            headers = [("Content-Type", content_type)]
+            if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
+                body = gzip.compress(body)
+                headers.append(("Content-Encoding", "gzip"))
+            start_response("200 OK", headers)
+            return [body]
         response: Iterable[bytes] = self._fallback(environ, start_response)
         return response
 

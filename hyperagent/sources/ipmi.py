@@ -216,17 +216,19 @@ class _IpmitoolReadings:
         self.out.append(Reading(SENSOR_STATE, float(severity), labels))
 
 
-def _table_rows(text: str, columns: int) -> tuple[list[list[str]], int]:
-    """The rows of a ``|``-separated table with ``columns`` fields, and the non-empty line count."""
+def _table_rows(text: str, columns: int, strip: bool = True) -> tuple[list[list[str]], int]:
+    """The rows of a ``|``-separated table with ``columns`` fields (stripped unless ``strip`` is
+    false: a caller that skips most rows strips only what it keeps), and the non-empty line
+    count."""
     rows: list[list[str]] = []
     lines = 0
     for line in text.splitlines():
-        if not line.strip():
+        if not line or line.isspace():
             continue
         lines += 1
         fields = line.split("|")
         if len(fields) == columns:
-            rows.append([f.strip() for f in fields])
+            rows.append([f.strip() for f in fields] if strip else fields)
     return rows, lines
 
 
@@ -236,18 +238,13 @@ def parse_sdr_elist(text: str) -> list[Reading]:
     A line that does not have these five fields, or has an unknown status or a malformed entity,
     is skipped; output with no such line at all raises SourceError.
     """
+    rows, lines = _table_rows(text, 5, strip=False)
+    if lines and not rows:
+        raise SourceError("ipmitool sdr elist output has no sensor lines")
     readings = _IpmitoolReadings()
     status_of = _IPMITOOL_STATUS.get
     entity_ok = _ENTITY.match
-    lines = rows = 0
-    for line in text.splitlines():
-        if not line or line.isspace():
-            continue
-        lines += 1
-        fields = line.split("|")
-        if len(fields) != 5:
-            continue
-        rows += 1
+    for fields in rows:
         # Cheap filters first: about half the sensors of a BMC are "ns" (no reading).
         severity = status_of(fields[2].strip().lower())
         if severity is None:
@@ -255,8 +252,6 @@ def parse_sdr_elist(text: str) -> list[Reading]:
         entity = fields[3].strip()
         if entity_ok(entity):
             readings.add(fields[0].strip(), entity, severity, fields[4].strip())
-    if lines and not rows:
-        raise SourceError("ipmitool sdr elist output has no sensor lines")
     return readings.out
 
 
@@ -266,22 +261,15 @@ def parse_sdr(text: str) -> list[Reading]:
     The plain format cannot tell apart sensors that share a name (a dual-CPU board's two "Temp"
     sensors): only the first is kept. ``sdr elist`` output names their entities.
     """
+    rows, lines = _table_rows(text, 3, strip=False)
+    if lines and not rows:
+        raise SourceError("ipmitool sdr output has no sensor lines")
     readings = _IpmitoolReadings()
     status_of = _IPMITOOL_STATUS.get
-    lines = rows = 0
-    for line in text.splitlines():
-        if not line or line.isspace():
-            continue
-        lines += 1
-        fields = line.split("|")
-        if len(fields) != 3:
-            continue
-        rows += 1
+    for fields in rows:
         severity = status_of(fields[2].strip().lower())
         if severity is not None:
             readings.add(fields[0].strip(), "", severity, fields[1].strip())
-    if lines and not rows:
-        raise SourceError("ipmitool sdr output has no sensor lines")
     return readings.out
 
 

@@ -714,6 +714,16 @@ _RARITAN_ACTIVE_POWER = 5
 _RARITAN_ACTIVE_ENERGY = 8
 
 
+def _raritan_add(
+    out: _Builder, metrics: Mapping[int, str], sensor: int, value: float, **labels: str
+) -> None:
+    """The reading of one Raritan sensor, if its type has a metric here (energy is in Wh)."""
+    if sensor == _RARITAN_ACTIVE_ENERGY and sensor in metrics:
+        out.counter(metrics[sensor], value * JOULES_PER_WH, **labels)
+    elif sensor in metrics:
+        out.gauge(metrics[sensor], value, **labels)
+
+
 def _raritan_values(
     sensors: Mapping[Oid, Row], digits: Mapping[Oid, Row], digits_key: Callable[[Oid], Oid]
 ) -> dict[Oid, float]:
@@ -747,27 +757,25 @@ def parse_raritan(binds: Sequence[VarBind], pdu: str) -> list[Reading]:
     )
     inlet_digits = walk.table(RARITAN_INLET_SENSOR_CONFIG, 3)
     inlets = _raritan_values(walk.table(RARITAN_INLET_SENSORS, 3), inlet_digits, lambda i: i)
+    inlet_metrics = {
+        _RARITAN_RMS_CURRENT: INLET_CURRENT,
+        _RARITAN_RMS_VOLTAGE: INLET_VOLTAGE,
+        _RARITAN_ACTIVE_POWER: INLET_POWER,
+        _RARITAN_ACTIVE_ENERGY: INLET_ENERGY,
+    }
     for (pdu_id, inlet_id, sensor), value in inlets.items():
-        inlet = unit_id(pdu_id, inlet_id)
-        if sensor == _RARITAN_RMS_CURRENT:
-            out.gauge(INLET_CURRENT, value, inlet=inlet)
-        elif sensor == _RARITAN_RMS_VOLTAGE:
-            out.gauge(INLET_VOLTAGE, value, inlet=inlet)
-        elif sensor == _RARITAN_ACTIVE_POWER:
-            out.gauge(INLET_POWER, value, inlet=inlet)
-        elif sensor == _RARITAN_ACTIVE_ENERGY:
-            out.counter(INLET_ENERGY, value * JOULES_PER_WH, inlet=inlet)
+        _raritan_add(out, inlet_metrics, sensor, value, inlet=unit_id(pdu_id, inlet_id))
     poles = _raritan_values(
         walk.table(RARITAN_INLET_POLE_SENSORS, 4), inlet_digits, lambda i: (i[0], i[1], i[3])
     )
+    pole_metrics = {
+        _RARITAN_RMS_CURRENT: PHASE_CURRENT,
+        _RARITAN_RMS_VOLTAGE: PHASE_VOLTAGE,
+        _RARITAN_ACTIVE_POWER: PHASE_POWER,
+    }
     for (pdu_id, inlet_id, pole, sensor), value in poles.items():
-        inlet, phase = unit_id(pdu_id, inlet_id), f"L{pole}"
-        if sensor == _RARITAN_RMS_CURRENT:
-            out.gauge(PHASE_CURRENT, value, inlet=inlet, phase=phase)
-        elif sensor == _RARITAN_RMS_VOLTAGE:
-            out.gauge(PHASE_VOLTAGE, value, inlet=inlet, phase=phase)
-        elif sensor == _RARITAN_ACTIVE_POWER:
-            out.gauge(PHASE_POWER, value, inlet=inlet, phase=phase)
+        inlet = unit_id(pdu_id, inlet_id)
+        _raritan_add(out, pole_metrics, sensor, value, inlet=inlet, phase=f"L{pole}")
     config = walk.table(RARITAN_OUTLET_CONFIG, 2)
     outlet_ids = {
         index: unit_id(index[0], text(row.get(2)) or index[1]) for index, row in config.items()
@@ -779,16 +787,15 @@ def parse_raritan(binds: Sequence[VarBind], pdu: str) -> list[Reading]:
         walk.table(RARITAN_OUTLET_SENSOR_CONFIG, 3),
         lambda i: i,
     )
+    outlet_metrics = {
+        _RARITAN_RMS_CURRENT: OUTLET_CURRENT,
+        _RARITAN_RMS_VOLTAGE: OUTLET_VOLTAGE,
+        _RARITAN_ACTIVE_POWER: OUTLET_POWER,
+        _RARITAN_ACTIVE_ENERGY: OUTLET_ENERGY,
+    }
     for (pdu_id, outlet_id, sensor), value in outlets.items():
         outlet = outlet_ids.get((pdu_id, outlet_id)) or unit_id(pdu_id, outlet_id)
-        if sensor == _RARITAN_RMS_CURRENT:
-            out.gauge(OUTLET_CURRENT, value, outlet=outlet)
-        elif sensor == _RARITAN_RMS_VOLTAGE:
-            out.gauge(OUTLET_VOLTAGE, value, outlet=outlet)
-        elif sensor == _RARITAN_ACTIVE_POWER:
-            out.gauge(OUTLET_POWER, value, outlet=outlet)
-        elif sensor == _RARITAN_ACTIVE_ENERGY:
-            out.counter(OUTLET_ENERGY, value * JOULES_PER_WH, outlet=outlet)
+        _raritan_add(out, outlet_metrics, sensor, value, outlet=outlet)
     return out.readings
 
 
