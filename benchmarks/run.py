@@ -298,6 +298,8 @@ DEFAULT_1HZ = Schedule("1hz", 1.0)
 DEFAULT_10HZ = Schedule("10hz", 10.0)
 ALL_1HZ = Schedule("1hz_all", 1.0, every_cycle=True)
 ALL_10HZ = Schedule("10hz_all", 10.0, every_cycle=True)
+KINDS = ("agent", "floor")
+"""The agent, and the raw reads alone (``workers.py``)."""
 
 
 def agents(
@@ -307,14 +309,16 @@ def agents(
     broker: Mosquitto,
     work: Path,
     real_gpus: bool = False,
+    kinds: tuple[str, ...] = KINDS,
 ) -> dict[str, dict[str, Any]]:
-    """For each schedule, the agent and the raw-read floor side by side, all at once (each
-    process needs well under a core)."""
+    """For each schedule, the measurements of the agent and of the raw-read floor, by kind.
+    The processes of one kind run at once (one per schedule), each with its job's reporters
+    and, for the agent, a Prometheus scraper and the broker."""
     results: dict[str, dict[str, Any]] = {}
-    with ExitStack() as stack:
-        running = []
-        for schedule in schedules:
-            for kind in ("agent", "floor"):
+    for kind in kinds:
+        with ExitStack() as stack:
+            running = []
+            for schedule in schedules:
                 state = work / f"{kind}-{schedule.label}"
                 state.mkdir()
                 args = [kind, "--capture", str(CAPTURE), "--hz", str(schedule.hz)]
@@ -326,20 +330,25 @@ def agents(
                 if kind == "agent":
                     args += ["--broker", broker.url, "--metrics-port", str(free_port())]
                 w = stack.enter_context(worker(*args))
-                running.append((schedule, kind, w, state / "job.sock"))
-        scrapers = {}
-        for schedule, kind, w, socket_path in running:
-            ready = w.wait_for("READY", 120)
-            reports = JobReports(socket_path)
-            stack.callback(reports.close)
-            if kind == "agent":
-                scrapers[schedule.label] = scraper = Scraper(ready["metrics_port"])
-                stack.callback(scraper.close)
-            results.setdefault(schedule.label, {})[kind] = {"ready": ready}
-        for schedule, kind, w, _ in running:
-            results[schedule.label][kind].update(w.wait_for("RESULT", seconds + warmup + 120))
-        for label, scraper in scrapers.items():
-            results[label]["agent"].update(scrapes=scraper.scrapes, scrape_bytes=scraper.bytes)
+                running.append((schedule, w, state / "job.sock"))
+            scrapers = {}
+            for schedule, w, socket_path in running:
+                ready = w.wait_for("READY", 120)
+                reports = JobReports(socket_path)
+                stack.callback(reports.close)
+                if kind == "agent":
+                    scrapers[schedule.label] = scraper = Scraper(ready["metrics_port"])
+                    stack.callback(scraper.close)
+                results.setdefault(schedule.label, {})[kind] = {"ready": ready}
+            for schedule, w, _ in running:
+                results[schedule.label][kind].update(w.wait_for("RESULT", seconds + warmup + 120))
+            for label, scraper in scrapers.items():
+                results[label]["agent"].update(scrapes=scraper.scrapes, scrape_bytes=scraper.bytes)
+    return results
+
+
+def compare_with_floor(results: dict[str, dict[str, Any]], schedules: tuple[Schedule, ...]) -> None:
+    """Adds each schedule's agent/floor CPU ratio to ``results`` and prints the figures."""
     for schedule in schedules:
         result = results[schedule.label]
         agent, floor = result["agent"], result["floor"]
@@ -358,7 +367,6 @@ def agents(
             f"per cycle), peak RSS {floor['peak_rss_mib']:.1f} MiB; agent/floor CPU "
             f"{result['overhead_vs_floor']:.2f}x"
         )
-    return results
 
 
 # -- coordinator ingest --------------------------------------------------------------------
@@ -657,14 +665,21 @@ def main(argv: list[str] | None = None) -> int:
                     (ALL_10HZ, plan.agent_10hz_s),
                 ]
                 if plan.agents_together:
-                    runs = [(tuple(s for s, _ in timed), max(t for _, t in timed))]
-                else:  # one agent and its floor at a time: nothing else shares the two cores
-                    runs = [((schedule,), seconds) for schedule, seconds in timed]
+                    runs = [(tuple(s for s, _ in timed), max(t for _, t in timed), KINDS)]
+                else:  # one process at a time: nothing else measured shares the two cores
+                    runs = [
+                        ((schedule,), seconds, (kind,))
+                        for schedule, seconds in timed
+                        for kind in KINDS
+                    ]
                 details["agent"] = {}
-                for schedules, seconds in runs:
-                    details["agent"].update(
-                        agents(schedules, seconds, plan.warmup_s, broker, work, args.real_gpus)
+                for schedules, seconds, kinds in runs:
+                    measured = agents(
+                        schedules, seconds, plan.warmup_s, broker, work, args.real_gpus, kinds
                     )
+                    for label, result in measured.items():
+                        details["agent"].setdefault(label, {}).update(result)
+                compare_with_floor(details["agent"], tuple(s for s, _ in timed))
             if "coordinator" in sections:
                 ladder = ingest(
                     broker, work, plan.ladder, plan.ladder_step_s, plan.ladder_connections
