@@ -173,6 +173,10 @@ class RdmaSection(_Model):
     read every cycle. 0 runs them every cycle."""
     interval_s: PositiveSeconds | None = None
     """Read at most this often; None reads every collection cycle."""
+    rescan_interval_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    """Walk the sysfs tree again this often (devices and ports that come or go, firmware,
+    netdevs, MTUs); in between each read is one pread(2) per held counter or port-state file.
+    0 walks it on every read."""
 
 
 class PduTargetSection(_Model):

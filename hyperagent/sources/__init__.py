@@ -88,7 +88,15 @@ def ipmi_sources(config: Config, hardware: Hardware) -> list[Source]:
 def rdma_sources(config: Config, hardware: Hardware) -> list[Source]:
     c = config.sources.rdma
     runner = partial(rdma.run_command, timeout_s=c.command_timeout_s) if c.commands else None
-    return [rdma.RdmaSource(c.sysfs_root, runner, c.netdevs, c.commands_interval_s)]
+    return [
+        rdma.RdmaSource(
+            c.sysfs_root,
+            runner,
+            c.netdevs,
+            c.commands_interval_s,
+            rescan_interval_s=c.rescan_interval_s,
+        )
+    ]
 
 
 def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
@@ -138,6 +146,7 @@ def capture_sources(
                 rdma.capture_runner(directory),
                 commands_interval_s=config.sources.rdma.commands_interval_s,
                 clock=clock,
+                rescan_interval_s=config.sources.rdma.rescan_interval_s,
             )
         )
     if (directory / "pdu").is_dir():

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import re
+import resource
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -370,16 +371,13 @@ def _read_file(
         raise SourceError(f"cannot read {path}: {e.strerror}") from e
     finally:
         os.close(fd)
+    return _decode(data)
+
+
+def _decode(data: bytes) -> str:
     text = data.decode(errors="replace")
     if "\r" in text:  # what text mode's universal newlines made of it
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
-
-
-def _read_text(path: str) -> str | None:
-    """A sysfs file's text; None when the device does not support it (or it vanished)."""
-    text = _read_file(path)
-    assert not isinstance(text, _Absent)
     return text
 
 
@@ -503,6 +501,169 @@ def read_sysfs(sysfs_root: Path, netdevs: Sequence[str] = ()) -> SysfsSnapshot:
         if not isinstance(text, _Absent):
             mtus[netdev] = text
     return SysfsSnapshot(devices, mtus)
+
+
+RESCAN_INTERVAL_S = 10.0
+"""How often :class:`SysfsReader` walks the tree again by default (devices and ports that come
+or go, firmware versions, netdevs, MTUs)."""
+
+
+class _Stale(Exception):
+    """A held file failed: the tree changed under the reader (or the file cannot be read)."""
+
+
+HELD_SHARE_OF_FD_LIMIT = 4
+"""The reader holds at most a quarter of the process's descriptor limit (``RLIMIT_NOFILE``)
+open; files beyond are opened by path on each read."""
+
+
+class _HeldFile:
+    """One sysfs file read again and again: its descriptor, or its path when none could be
+    spared (``hold`` false, or the process is out of descriptors)."""
+
+    __slots__ = ("fd", "path")
+
+    def __init__(self, path: str, hold: bool) -> None:
+        self.path = path
+        self.fd: int | None = None
+        if not hold:
+            return
+        try:
+            self.fd = os.open(path, _OPEN_FLAGS)
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise _Stale(path) from e
+
+    def read(self) -> str | None:
+        """The file's text now; None when the device does not support it. Raises _Stale."""
+        fd = self.fd
+        if fd is None:
+            text = _read_file(self.path)
+            assert not isinstance(text, _Absent)
+            return text
+        try:
+            data = os.pread(fd, _CHUNK, 0)
+            if len(data) == _CHUNK:
+                chunks = [data]
+                while chunk := os.pread(fd, _CHUNK, _CHUNK * len(chunks)):
+                    chunks.append(chunk)
+                data = b"".join(chunks)
+        except OSError as e:
+            if e.errno in _UNSUPPORTED:
+                return None
+            raise _Stale(self.path) from e
+        return _decode(data)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+_PortHeld = tuple[str, dict[str, dict[str, _HeldFile]]]
+"""A port's name and its held files by group (attributes, counters, counters_ext, hw_counters)."""
+
+
+class SysfsReader:
+    """Reads the RDMA sysfs tree again and again, cheaply: the tree is walked (:func:`read_sysfs`)
+    and its port state and counter files opened once, then each read is one ``pread(2)`` per
+    file (sysfs makes an attribute's text afresh on every read at offset 0), without path
+    lookups, directory listings or open and close calls.
+
+    The identity files (device attributes, GID and PCI netdevs, MTUs) are what the latest walk
+    found. The tree is walked again every ``rescan_interval_s`` (0: on every read), and at once
+    when a held file fails: a device that went away, or a file that cannot be read, is then
+    reported as a fresh walk reports it. Not thread-safe: one read at a time.
+    """
+
+    def __init__(
+        self,
+        sysfs_root: Path,
+        netdevs: Sequence[str] = (),
+        rescan_interval_s: float = RESCAN_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sysfs_root = sysfs_root
+        self.netdevs = tuple(netdevs)
+        self.rescan_interval_s = rescan_interval_s
+        self.clock = clock
+        self._walked: SysfsSnapshot | None = None
+        self._walked_at = -math.inf
+        self._held: list[tuple[DeviceFiles, list[_PortHeld]]] = []
+
+    def read(self) -> SysfsSnapshot:
+        """The tree's files now (blocking I/O); raises as :func:`read_sysfs` does."""
+        now = self.clock()
+        if self._walked is None or now - self._walked_at >= self.rescan_interval_s:
+            return self._walk(now)
+        try:
+            return self._reread(self._walked)
+        except _Stale:
+            return self._walk(now)
+
+    def close(self) -> None:
+        """Close the held files."""
+        for _, ports in self._held:
+            for _, groups in ports:
+                for files in groups.values():
+                    for held in files.values():
+                        held.close()
+        self._held = []
+        self._walked = None
+
+    def _walk(self, now: float) -> SysfsSnapshot:
+        self.close()
+        snapshot = read_sysfs(self.sysfs_root, self.netdevs)
+        class_dir = self.sysfs_root / "class" / "infiniband"
+        budget = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // HELD_SHARE_OF_FD_LIMIT
+
+        def held(path: str) -> _HeldFile:
+            nonlocal budget
+            budget -= 1
+            return _HeldFile(path, budget >= 0)
+
+        try:
+            for device in snapshot.devices:
+                ports: list[_PortHeld] = []
+                self._held.append((device, ports))
+                for name, port in device.ports.items():
+                    port_dir = f"{class_dir}/{device.name}/ports/{name}"
+                    groups = {
+                        "attributes": {a: held(f"{port_dir}/{a}") for a in port.attributes},
+                        **{
+                            group: {f: held(f"{port_dir}/{group}/{f}") for f in files}
+                            for group, files in (
+                                ("counters", port.counters),
+                                ("counters_ext", port.counters_ext),
+                                ("hw_counters", port.hw_counters),
+                            )
+                        },
+                    }
+                    ports.append((name, groups))
+        except _Stale:  # the tree changed since the walk: walk again at the next read
+            self.close()
+            return snapshot
+        self._walked, self._walked_at = snapshot, now
+        return snapshot
+
+    def _reread(self, walked: SysfsSnapshot) -> SysfsSnapshot:
+        devices = []
+        for device, ports in self._held:
+            files = {}
+            for name, groups in ports:
+                texts = {
+                    group: {f: held.read() for f, held in held_files.items()}
+                    for group, held_files in groups.items()
+                }
+                files[name] = PortFiles(
+                    texts["attributes"],
+                    texts["counters"],
+                    texts["counters_ext"],
+                    texts["hw_counters"],
+                    device.ports[name].gid_netdevs,
+                )
+            devices.append(DeviceFiles(device.name, device.attributes, files, device.pci_netdevs))
+        return SysfsSnapshot(tuple(devices), walked.netdev_mtus)
 
 
 def _attribute(files: Mapping[str, str | None], name: str) -> str:
@@ -890,6 +1051,7 @@ class RdmaSource:
     ``commands_interval_s`` runs the commands at most that often (each run starts processes;
     queue counts and pause counters change slowly): reads in between repeat their readings,
     while the sysfs counters are read every time. Zero runs them on every read.
+    ``rescan_interval_s``: how often the sysfs tree is walked again (:class:`SysfsReader`).
     """
 
     name = "rdma"
@@ -901,8 +1063,11 @@ class RdmaSource:
         netdevs: Sequence[str] = (),
         commands_interval_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        rescan_interval_s: float = RESCAN_INTERVAL_S,
     ) -> None:
         self.sysfs_root = sysfs_root
+        self.reader = SysfsReader(sysfs_root, netdevs, rescan_interval_s, clock)
+        self._reading: asyncio.Future[SysfsSnapshot] | None = None
         self.run_command = run_command
         self.netdevs = tuple(netdevs)
         self.commands_interval_s = commands_interval_s
@@ -927,7 +1092,9 @@ class RdmaSource:
         return await asyncio.shield(task)
 
     async def _collect(self) -> list[Reading]:
-        snapshot = await asyncio.to_thread(read_sysfs, self.sysfs_root, self.netdevs)
+        reading = asyncio.get_running_loop().run_in_executor(None, self.reader.read)
+        self._reading = reading  # the thread's own outcome: close waits for it, cancelled or not
+        snapshot = await asyncio.shield(reading)
         readings = parse_sysfs(snapshot)
         run = self.run_command
         if run is None:
@@ -973,11 +1140,14 @@ class RdmaSource:
         self._problems[command] = problem
 
     async def close(self) -> None:
-        """Cancel a read still in flight."""
+        """Cancel a read still in flight; close the held sysfs files once no thread reads them."""
         task, self._inflight = self._inflight, None
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self._reading is not None and not self._reading.done():
+            await asyncio.wait({self._reading})
+        self.reader.close()
 
 
 async def _run_and_parse(

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from hyperagent.sources.rdma import (
     RDMA_CQ_COMMAND,
     RDMA_QP_COMMAND,
     RdmaSource,
+    SysfsReader,
     capture_runner,
     parse_ethtool_pause,
     parse_rate,
@@ -660,3 +662,106 @@ def test_sysfs_odd_files_read_as_path_read_text_did(tmp_path: Path) -> None:
     mtu.mkdir()
     with pytest.raises(SourceError, match="eth0/mtu: Is a directory"):
         read_sysfs(root)
+
+
+# -- the held-file reader ------------------------------------------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("tree", sorted(SYSFS_ROOTS))
+def test_held_file_reads_equal_a_fresh_walk(tree: str) -> None:
+    now = [0.0]
+    reader = SysfsReader(SYSFS_ROOTS[tree], clock=lambda: now[0])
+    first = reader.read()
+    now[0] += 1.0
+    assert reader.read() == first == read_sysfs(SYSFS_ROOTS[tree])
+    reader.close()
+
+
+def test_counters_written_between_walks_are_read_without_walking(tmp_path: Path) -> None:
+    root = copy_tree("rxe-qemu-e1000e", tmp_path)
+    port = root / "class" / "infiniband" / "rxe0" / "ports" / "1"
+    now = [0.0]
+    reader = SysfsReader(root, rescan_interval_s=10.0, clock=lambda: now[0])
+    reader.read()
+    held = open_fds()
+    (port / "hw_counters" / "duplicate_request").write_text("4242\n")
+    (port / "state").write_text("1: DOWN\n")
+    (root / "class" / "infiniband" / "rxe0" / "fw_ver").write_text("9.9.9\n")
+    now[0] += 5.0
+    readings = parse_sysfs(reader.read())
+    assert open_fds() == held
+    labels = {"device": "rxe0", "port": "1"}
+    assert value(readings, "hyperagent_rdma_port_duplicate_requests_total", **labels) == 4242
+    assert value(readings, "hyperagent_rdma_port_state", **labels) == 1.0
+    assert value(readings, "hyperagent_rdma_device_info", device="rxe0", fw_ver="") == 1.0
+    now[0] += 5.0  # the walk picks up the identity files
+    readings = parse_sysfs(reader.read())
+    assert value(readings, "hyperagent_rdma_device_info", device="rxe0", fw_ver="9.9.9") == 1.0
+    reader.close()
+    assert open_fds() < held
+
+
+def test_a_device_that_appears_is_found_at_the_next_walk(tmp_path: Path) -> None:
+    root = copy_tree("rxe-qemu-e1000e", tmp_path)
+    infiniband = root / "class" / "infiniband"
+    now = [0.0]
+    reader = SysfsReader(root, rescan_interval_s=10.0, clock=lambda: now[0])
+    assert [d.name for d in reader.read().devices] == ["rxe0"]
+    shutil.copytree(infiniband / "rxe0", infiniband / "rxe1", symlinks=True)
+    now[0] += 9.0
+    assert [d.name for d in reader.read().devices] == ["rxe0"]
+    now[0] += 1.0
+    assert [d.name for d in reader.read().devices] == ["rxe0", "rxe1"]
+    reader.close()
+
+
+def test_a_held_file_that_fails_makes_the_reader_walk_again(tmp_path: Path) -> None:
+    """A removed device's sysfs files fail on read (ENODEV); here a counter is a process's
+    /proc file, which fails (ESRCH) once the process is gone. The reader walks the tree again at
+    once: the vanished counter is no longer reported, the others are read as before."""
+    root = copy_tree("rxe-qemu-e1000e", tmp_path)
+    counters = root / "class" / "infiniband" / "rxe0" / "ports" / "1" / "hw_counters"
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        (counters / "vanishing").symlink_to(f"/proc/{child.pid}/oom_score_adj")
+        reader = SysfsReader(root, rescan_interval_s=3600.0, clock=lambda: 0.0)
+        before = parse_sysfs(reader.read())
+        counter = {"device": "rxe0", "port": "1", "counter": "vanishing"}
+        assert value(before, "hyperagent_rdma_port_driver_stat_total", **counter) == 0.0
+    finally:
+        child.kill()
+        child.wait()
+    after = parse_sysfs(reader.read())
+    assert value(after, "hyperagent_rdma_port_driver_stat_total", **counter) is None
+    assert render(after) == render(parse_sysfs(read_sysfs(root)))
+    assert value(after, "hyperagent_rdma_unreadable_files") == 0
+    reader.close()
+
+
+def test_a_low_descriptor_limit_leaves_the_reader_reading_by_path() -> None:
+    """Under a low RLIMIT_NOFILE the reader holds a quarter of it and opens the other files by
+    path on each read: every file is still read, and descriptors are left for the rest."""
+    script = f"""
+import os, resource
+from pathlib import Path
+from hyperagent.sources.rdma import SysfsReader, parse_sysfs, read_sysfs
+root = Path({str(SYSFS_ROOTS["procfs"])!r})
+expected = parse_sysfs(read_sysfs(root))
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+before = len(os.listdir("/proc/self/fd"))
+reader = SysfsReader(root, clock=lambda: 0.0)
+reader.read()
+print(len(os.listdir("/proc/self/fd")) - before)
+assert parse_sysfs(reader.read()) == expected
+print("same")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    held, same = done.stdout.split()
+    assert (int(held), same) == (10, "same")
