@@ -13,7 +13,7 @@ _CORE: dict[str, str] = {
     "hyperagent_gpu_quantum_coefficient": (
         "Compute quanta one fully busy GPU of this model is worth (A100 = 1)."
     ),
-    # Host (psutil)
+    # Host (procfs)
     "hyperagent_host_cpu_utilization_ratio": "Fraction of CPU time not idle, all cores.",
     "hyperagent_host_memory_total_bytes": "Physical memory installed.",
     "hyperagent_host_memory_available_bytes": "Memory available without swapping.",

@@ -1,8 +1,8 @@
-"""Host CPU, memory and swap through psutil; kernel NUMA balancing from procfs."""
+"""Host CPU, memory and swap from /proc/stat and /proc/meminfo (as psutil computes them);
+kernel NUMA balancing from procfs. The files are held open and read with one pread(2) each."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -11,10 +11,15 @@ import psutil
 
 from hyperagent.errors import SourceError
 from hyperagent.readings import Reading
+from hyperagent.sources.heldfile import HeldFile
+
+STAT_HEAD = 1024
+"""Bytes of /proc/stat read: its first line (all CPUs together) is all that is used."""
 
 
 def parse_host(cpu_percent: float, memory: Any, swap: Any) -> list[Reading]:
-    """Readings from psutil's cpu_percent(), virtual_memory() and swap_memory() results."""
+    """Readings from a CPU busy percentage and objects with psutil's ``virtual_memory()``
+    (``total``, ``available``) and ``swap_memory()`` (``total``, ``used``) fields."""
     return [
         Reading("hyperagent_host_cpu_utilization_ratio", cpu_percent / 100),
         Reading("hyperagent_host_memory_total_bytes", float(memory.total)),
@@ -32,71 +37,110 @@ def parse_numa_balancing(text: str) -> list[Reading]:
     return [Reading("hyperagent_host_numa_balancing_mode", float(value))]
 
 
-def swap_from_meminfo(meminfo: bytes) -> SimpleNamespace | None:
-    """Swap ``total`` and ``used`` (bytes) from ``/proc/meminfo`` as psutil.swap_memory()
-    computes them; None when the file lacks SwapTotal or SwapFree (psutil then asks sysinfo)."""
-    total = free = None
+def cpu_times(stat: bytes) -> tuple[float, float]:
+    """(total, busy) jiffies of all CPUs from ``/proc/stat``'s first line, as psutil counts
+    them: guest time is already in user and nice, and idle and iowait are not busy.
+
+    Raises ValueError when the first line is not the ``cpu`` line."""
+    fields = stat.split(b"\n", 1)[0].split()
+    if len(fields) < 5 or fields[0] != b"cpu":
+        raise ValueError(f"/proc/stat does not start with the cpu line: {stat[:40]!r}")
+    times = [int(f) for f in fields[1:]]
+    total = sum(times) - sum(times[8:10])  # guest, guest_nice
+    idle = times[3] + (times[4] if len(times) > 4 else 0)  # idle, iowait
+    return float(total), float(total - idle)
+
+
+def busy_percent(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """CPU busy percentage between two :func:`cpu_times` samples (psutil's cpu_percent)."""
+    total = after[0] - before[0]
+    busy = after[1] - before[1]
+    if total <= 0:
+        return 0.0
+    return min(max(100 * busy / total, 0.0), 100.0)
+
+
+def memory_from_meminfo(meminfo: bytes) -> tuple[SimpleNamespace | None, SimpleNamespace | None]:
+    """Memory ``total`` and ``available`` and swap ``total`` and ``used`` (bytes) from
+    ``/proc/meminfo`` as psutil's virtual_memory() and swap_memory() compute them; either is None
+    when the file lacks its fields (a kernel before 3.14 has no MemAvailable: psutil then
+    estimates it)."""
+    wanted = {b"MemTotal:", b"MemAvailable:", b"SwapTotal:", b"SwapFree:"}
+    found: dict[bytes, int] = {}
     for line in meminfo.splitlines():
-        if line.startswith(b"Swap"):
-            fields = line.split()
-            if fields[0] == b"SwapTotal:":
-                total = int(fields[1]) * 1024
-            elif fields[0] == b"SwapFree:":
-                free = int(fields[1]) * 1024
-    if total is None or free is None:
-        return None
-    return SimpleNamespace(total=total, used=total - free)
-
-
-def _swap() -> Any:
-    """psutil.swap_memory()'s total and used, without its read of /proc/vmstat (swap-in and
-    -out page counts, unused here): that file is most of its cost."""
-    try:
-        with open(f"{psutil.PROCFS_PATH}/meminfo", "rb") as f:
-            swap = swap_from_meminfo(f.read())
-    except (OSError, ValueError, IndexError):
-        swap = None
-    return psutil.swap_memory() if swap is None else swap
-
-
-def _read_small(path: Path) -> str:
-    """The text of a small procfs file: one open, read and close (``Path.read_text`` costs
-    several times that, read every cycle)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, 4096)
-        if len(data) == 4096:
-            chunks = [data]
-            while chunk := os.read(fd, 65536):
-                chunks.append(chunk)
-            data = b"".join(chunks)
-    finally:
-        os.close(fd)
-    return data.decode()
+        key, _, rest = line.partition(b" ")
+        if key in wanted and (value := rest.split()):
+            found[key] = int(value[0]) * 1024
+            if len(found) == len(wanted):
+                break
+    memory = swap = None
+    if b"MemTotal:" in found and b"MemAvailable:" in found:
+        memory = SimpleNamespace(total=found[b"MemTotal:"], available=found[b"MemAvailable:"])
+    if b"SwapTotal:" in found and b"SwapFree:" in found:
+        total = found[b"SwapTotal:"]
+        swap = SimpleNamespace(total=total, used=total - found[b"SwapFree:"])
+    return memory, swap
 
 
 class HostSource:
     """CPU busy fraction since the previous read, memory and swap of this machine, and whether
-    the kernel migrates memory between NUMA nodes (a cause of step-time jitter)."""
+    the kernel migrates memory between NUMA nodes (a cause of step-time jitter).
+
+    ``procfs_root`` is the procfs mount; where its files lack a field, psutil's own answer is
+    used."""
 
     name = "host"
     target = "local"
 
     def __init__(self, procfs_root: Path = Path("/proc")) -> None:
+        self.procfs_root = procfs_root
         self.numa_balancing_file = procfs_root / "sys" / "kernel" / "numa_balancing"
+        self._stat: HeldFile | None = None
+        self._meminfo: HeldFile | None = None
+        self._numa: HeldFile | None = None
+        self._cpu: tuple[float, float] | None = None
 
     async def start(self) -> None:
-        psutil.cpu_percent(interval=None)
+        """Open the procfs files and take the first CPU sample."""
+        try:
+            self._stat = HeldFile(str(self.procfs_root / "stat"))
+            self._meminfo = HeldFile(str(self.procfs_root / "meminfo"))
+            self._cpu = self._cpu_times()
+        except OSError as e:
+            await self.close()
+            raise SourceError(f"{e.filename}: {e.strerror}") from e
+        except ValueError as e:
+            await self.close()
+            raise SourceError(str(e)) from e
+        try:
+            self._numa = HeldFile(str(self.numa_balancing_file))
+        except FileNotFoundError:
+            self._numa = None  # a kernel built without NUMA balancing
+        except OSError as e:
+            await self.close()
+            raise SourceError(f"{self.numa_balancing_file}: {e.strerror}") from e
+
+    def _cpu_times(self) -> tuple[float, float]:
+        assert self._stat is not None
+        return cpu_times(self._stat.read(STAT_HEAD))
 
     async def read(self) -> list[Reading]:
-        readings = parse_host(psutil.cpu_percent(interval=None), psutil.virtual_memory(), _swap())
+        if self._stat is None or self._meminfo is None or self._cpu is None:
+            raise SourceError("host source read before start")
         try:
-            text = _read_small(self.numa_balancing_file)
-        except FileNotFoundError:
-            return readings  # a kernel built without NUMA balancing
+            now = self._cpu_times()
+            memory, swap = memory_from_meminfo(self._meminfo.read())
+            numa = self._numa.read().decode() if self._numa is not None else None
         except OSError as e:
-            raise SourceError(f"{self.numa_balancing_file}: {e.strerror}") from e
-        return readings + parse_numa_balancing(text)
+            raise SourceError(f"{e.filename or self.procfs_root}: {e.strerror}") from e
+        except ValueError as e:
+            raise SourceError(f"{self.procfs_root}: {e}") from e
+        cpu, self._cpu = busy_percent(self._cpu, now), now
+        readings = parse_host(cpu, memory or psutil.virtual_memory(), swap or psutil.swap_memory())
+        return readings if numa is None else readings + parse_numa_balancing(numa)
 
     async def close(self) -> None:
-        return None
+        for held in (self._stat, self._meminfo, self._numa):
+            if held is not None:
+                held.close()
+        self._stat = self._meminfo = self._numa = None

@@ -42,6 +42,7 @@ from hyperagent.sources.command import (
     CommandFailed,
     RunCommand,
 )
+from hyperagent.sources.heldfile import CHUNK, OPEN_FLAGS, HeldFile
 
 log = logging.getLogger(__name__)
 
@@ -321,10 +322,7 @@ _UNSUPPORTED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENODATA, errno.E
 _ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
 """Errors of opening a file that mean it is not there (what ``Path.exists`` ignores)."""
 
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_DIRECTORY", 0)
-_CHUNK = 8192
-"""Bytes asked for per read(2): every sysfs attribute (at most a page) comes in one."""
 
 
 class _Absent:
@@ -349,7 +347,7 @@ def _read_file(
     With ``dir_fd``, the file ``name`` in that open directory is read (``path`` names it in
     errors): the kernel walks the directory's path once, not once per file."""
     try:
-        fd = os.open(path if dir_fd is None else name, _OPEN_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path if dir_fd is None else name, OPEN_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in absent:
             return _ABSENT_FILE
@@ -357,10 +355,10 @@ def _read_file(
             return None
         raise SourceError(f"cannot read {path}: {e.strerror}") from e
     try:
-        data = os.read(fd, _CHUNK)
-        if len(data) == _CHUNK:
+        data = os.read(fd, CHUNK)
+        if len(data) == CHUNK:
             chunks = [data]
-            while chunk := os.read(fd, _CHUNK):
+            while chunk := os.read(fd, CHUNK):
                 chunks.append(chunk)
             data = b"".join(chunks)
     except OSError as e:
@@ -517,50 +515,18 @@ HELD_SHARE_OF_FD_LIMIT = 4
 open; files beyond are opened by path on each read."""
 
 
-class _HeldFile:
-    """One sysfs file read again and again: its descriptor, or its path when none could be
-    spared (``hold`` false, or the process is out of descriptors)."""
-
-    __slots__ = ("fd", "path")
-
-    def __init__(self, path: str, hold: bool) -> None:
-        self.path = path
-        self.fd: int | None = None
-        if not hold:
-            return
-        try:
-            self.fd = os.open(path, _OPEN_FLAGS)
-        except OSError as e:
-            if e.errno not in (errno.EMFILE, errno.ENFILE):
-                raise _Stale(path) from e
-
-    def read(self) -> str | None:
-        """The file's text now; None when the device does not support it. Raises _Stale."""
-        fd = self.fd
-        if fd is None:
-            text = _read_file(self.path)
-            assert not isinstance(text, _Absent)
-            return text
-        try:
-            data = os.pread(fd, _CHUNK, 0)
-            if len(data) == _CHUNK:
-                chunks = [data]
-                while chunk := os.pread(fd, _CHUNK, _CHUNK * len(chunks)):
-                    chunks.append(chunk)
-                data = b"".join(chunks)
-        except OSError as e:
-            if e.errno in _UNSUPPORTED:
-                return None
-            raise _Stale(self.path) from e
-        return _decode(data)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+def _reread(held: HeldFile) -> str | None:
+    """A held file's text now; None when the device does not support it. Raises _Stale."""
+    try:
+        data = held.read()
+    except OSError as e:
+        if e.errno in _UNSUPPORTED:
+            return None
+        raise _Stale(held.path) from e
+    return _decode(data)
 
 
-_PortHeld = tuple[str, dict[str, dict[str, _HeldFile]]]
+_PortHeld = tuple[str, dict[str, dict[str, HeldFile]]]
 """A port's name and its held files by group (attributes, counters, counters_ext, hw_counters)."""
 
 
@@ -617,10 +583,13 @@ class SysfsReader:
         class_dir = self.sysfs_root / "class" / "infiniband"
         budget = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // HELD_SHARE_OF_FD_LIMIT
 
-        def held(path: str) -> _HeldFile:
+        def held(path: str) -> HeldFile:
             nonlocal budget
             budget -= 1
-            return _HeldFile(path, budget >= 0)
+            try:
+                return HeldFile(path, hold=budget >= 0)
+            except OSError as e:
+                raise _Stale(path) from e
 
         try:
             for device in snapshot.devices:
@@ -652,7 +621,7 @@ class SysfsReader:
             files = {}
             for name, groups in ports:
                 texts = {
-                    group: {f: held.read() for f, held in held_files.items()}
+                    group: {f: _reread(held) for f, held in held_files.items()}
                     for group, held_files in groups.items()
                 }
                 files[name] = PortFiles(
