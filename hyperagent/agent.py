@@ -23,6 +23,7 @@ from hyperagent.replay import Recorder
 from hyperagent.sources import Hardware, build_sources
 from hyperagent.sources.base import Source
 from hyperagent.sources.job import JobSource
+from hyperagent.sources.nvml import ENERGY as GPU_ENERGY
 from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import DUE_FRACTION, SourceRunner
 from hyperagent.tuner.trial import MeasurementPlan, Phase, TrialMeasurement
@@ -403,8 +404,10 @@ class Agent:
             self._publish_report(trial, None, partial=True)
 
     async def _energy_j(self) -> float | None:
+        """The GPUs' energy counter now; without an NVML source (GPU readings replayed as
+        recorded), as of the latest collection."""
         if self.nvml_source is None:
-            return None
+            return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
         return await asyncio.to_thread(self.nvml_source.total_energy_j)
 
     async def _trial_loop(self) -> None:
@@ -466,7 +469,7 @@ def telemetry_payload(
     throughput after tuning). The full detail stays on /metrics for Prometheus: a summary keeps
     a cluster's telemetry small enough for one broker."""
     power = snapshot.total("hyperagent_gpu_power_watts")
-    energy = snapshot.total("hyperagent_gpu_energy_joules_total")
+    energy = snapshot.total(GPU_ENERGY)
     up = {
         f"{r.labels.get('source')}/{r.labels.get('target')}": r.value
         for r in snapshot.readings

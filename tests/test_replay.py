@@ -246,3 +246,48 @@ async def test_a_real_h200_under_bf16_load_replays_with_its_indicators(tmp_path:
     assert 0.9 < (snapshot.value("hyperagent_gpu_tensor_active_ratio") or 0) < 1
     assert 0.9 < (snapshot.value("hyperagent_qu_ratio") or 0) <= 1  # one busy H200
     assert snapshot.value("hyperagent_memory_pressure_ratio") == pytest.approx(0.0122, abs=1e-3)
+
+
+@pytest.mark.parametrize("power_cap", [False, True])
+async def test_recorded_gpus_replay_as_recorded_unless_power_caps_apply(
+    tmp_path: Path, power_cap: bool
+) -> None:
+    """Without power capping a recording's GPU readings are served as recorded; with it they go
+    through NvmlSource over a fake NVML, which takes a cap and draws less under it."""
+    from hyperagent.agent import Agent
+    from hyperagent.config import build_config
+    from hyperagent.sources import capture_sources
+
+    clock = Clock()
+    config = build_config(
+        {
+            "mqtt": {"enabled": False},
+            "agent": {"metrics_address": "", "state_dir": str(tmp_path)},
+            "actuation": {"power_cap": power_cap},
+        }
+    )
+    directory = REPO / "fixtures" / "replay" / "h200-bf16-matmul"
+    recording = load_recording(directory / "recording.jsonl")
+    sources, hardware = capture_sources(directory, config, clock)
+    player = Player(recording, clock)
+    agent = Agent(config, hardware, sources=sources)
+    await agent.runner.start()
+    try:
+        clock.now = 10.0
+        recorded = player.frame().sources["nvml"]
+        snapshot = await agent.collect_once()
+        if agent.actuator is not None:
+            agent.actuator.apply(400.0)
+            clock.now = 11.0
+            capped = await agent.collect_once()
+    finally:
+        await agent.runner.close()
+    served = [r for r in snapshot.readings if r.name.startswith("hyperagent_gpu_")]
+    assert (agent.actuator is not None) == power_cap
+    if not power_cap:
+        assert hardware.nvml is None
+        assert served[: len(recorded)] == recorded
+    else:
+        assert {r.name for r in recorded} <= {r.name for r in served}
+        assert (capped.value("hyperagent_gpu_power_limit_watts") or 0) == 400.0
+        assert (capped.value("hyperagent_gpu_power_watts") or 1e9) <= 400.0

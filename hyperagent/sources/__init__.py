@@ -127,6 +127,9 @@ def capture_sources(
     """Sources replaying what a capture directory holds (see README: capture directories);
     ``clock`` drives the fake GPUs' energy counters and the recording's player.
 
+    A recording's GPU readings go through NvmlSource over a fake NVML that takes power caps
+    when ``actuation.power_cap`` is on; otherwise they are replayed as recorded.
+
     Raises ConfigError naming ``--replay`` when the directory holds nothing to replay.
     """
     from hyperagent.testing.fake_nvml import FakeNvml
@@ -161,7 +164,7 @@ def capture_sources(
         for name in player.recording.source_names:
             if name in provided:
                 continue
-            if name == "nvml":
+            if name == "nvml" and config.actuation.power_cap:
                 nvml_replay = RecordedNvmlSource(player)
                 nvml = nvml_replay.fake
                 sources.append(nvml_replay)

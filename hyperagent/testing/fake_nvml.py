@@ -85,6 +85,8 @@ class _Device:
     failure: int | None = None
     mig_handles: dict[int, FakeNvmlHandle] = field(default_factory=dict)
     xid_backlog: list[int] = field(default_factory=list)
+    set_limit_w: float | None = None
+    """The power limit set through NVML, kept over recorded cycles (which draw under it)."""
 
     def draw_w(self) -> float | None:
         draw, limit = self.record.power_draw_w, self.record.power_limit_w
@@ -292,7 +294,9 @@ class FakeNvml:
 
         For reproduction, advance `clock` by the recorded interval first. A GPU absent from
         `readings` (its read failed in the recording) fails with NVML_ERROR_UNKNOWN until a
-        cycle holds it again. Energy jumps to the recorded value; XID counts that grew are
+        cycle holds it again. Energy jumps to the recorded value, unless a power limit was set
+        through NVML: the limit then stays, the recorded draw is capped by it, and energy is
+        integrated from the capped draw. XID counts that grew are
         raised as that many events; a clock-event reason whose agent-integrated time grew is
         the active one for this cycle. Raises ValueError when a GPU's UUID changed.
         """
@@ -320,7 +324,9 @@ class FakeNvml:
                     record = replace(record, clock_event_reasons=grown)
                 device.failure = None
                 device.integrate(self._clock())
-                if index in frame.energy_j:
+                if device.set_limit_w is not None:
+                    record = replace(record, power_limit_w=device.set_limit_w)
+                elif index in frame.energy_j:
                     device.energy_mj = frame.energy_j[index] * 1000.0
                 if record.mig_devices != device.record.mig_devices:
                     device.mig_handles.clear()
@@ -619,6 +625,7 @@ class FakeNvml:
                 raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             device.integrate(self._clock())
             device.record = replace(device.record, power_limit_w=limit / 1000)
+            device.set_limit_w = limit / 1000
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeNvmlHandle) -> int:
         """Millijoules since construction: the synthesised counter described on the class."""
