@@ -403,31 +403,26 @@ async def record(capture: Path, frames: int, out: Path) -> int:
     return recorder.frames
 
 
-async def _replay(directory: Path, frames: int, as_recorded: bool) -> dict[str, Any]:
-    """Replay the recording through ``Agent.collect_once``, one recorded second per cycle on a
-    virtual clock. ``as_recorded`` hands every source's recorded readings over as they are;
-    otherwise the sources are what ``capture_sources`` builds (GPU readings go through
-    NvmlSource over a FakeNvml rebuilt from each frame)."""
+async def _replay(directory: Path, frames: int, power_cap: bool) -> dict[str, Any]:
+    """Replay the recording as ``hyperagent agent --replay`` does (``capture_sources``), one
+    recorded second per ``Agent.collect_once`` on a virtual clock. With ``power_cap`` the GPU
+    readings go through NvmlSource over a fake NVML rebuilt from each frame (so that power caps
+    apply); without, they are served as recorded."""
     from hyperagent.agent import Agent
     from hyperagent.config import build_config
-    from hyperagent.replay import RECORDING_FILE, Player, RecordedSource, load_recording
-    from hyperagent.sources import Hardware, capture_sources
+    from hyperagent.sources import capture_sources
 
     config = build_config(
         {
             "node": "bench-node",
             "mqtt": {"enabled": False},
             "agent": {"metrics_address": "", "state_dir": str(directory)},
+            "actuation": {"power_cap": power_cap},
         }
     )
     clock = VirtualClock()
     began = time.perf_counter()
-    if as_recorded:
-        player = Player(load_recording(directory / RECORDING_FILE), clock)
-        sources: list[Any] = [RecordedSource(n, player) for n in player.recording.source_names]
-        hardware = Hardware(nvml=None, replayed=True)
-    else:
-        sources, hardware = capture_sources(directory, config, clock=clock)
+    sources, hardware = capture_sources(directory, config, clock=clock)
     load_s = time.perf_counter() - began
     agent = Agent(config, hardware, sources=sources)
     await agent.runner.start()
@@ -458,15 +453,15 @@ async def replay_worker(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         frames = await record(args.capture, args.frames, directory / RECORDING_FILE)
-        through_sources = await _replay(directory, frames, as_recorded=False)
-        as_recorded = await _replay(directory, frames, as_recorded=True)
+        as_recorded = await _replay(directory, frames, power_cap=False)
+        power_capped = await _replay(directory, frames, power_cap=True)
     emit(
         "RESULT",
         {
             "frames": frames,
             "recorded_s": float(frames),
-            **through_sources,
-            "as_recorded": as_recorded,
+            **as_recorded,
+            "power_capped": power_capped,
         },
     )
 
