@@ -3,7 +3,7 @@ fan-out through a real mosquitto, the tuner, replay, and a scale run of simulate
 
     python benchmarks/run.py [--quick] [--json FILE] [--agents N] [--only SECTIONS]
 
-A full run takes about 9 minutes, ``--quick`` about 4; ``--smoke`` runs every section for a
+A full run takes about 15 minutes, ``--quick`` about 7; ``--smoke`` runs every section for a
 few seconds (the test suite's check of the harness, its figures mean nothing). Every measured
 party runs in its own process, started from ``benchmarks/workers.py`` with this tree's
 ``hyperagent``, so that CPU time and peak RSS are its own:
@@ -13,10 +13,10 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   ``ethtool`` outputs, a Dell iDRAC9 SDR, an APC PDU walk), this host's procfs, and a job
   socket fed by 8 simulated ranks reporting 5 steps/s each. It publishes its telemetry to the
   broker and is scraped over HTTP every 15 s (``rules/prometheus.yml``) with the Accept header
-  Prometheus sends (OpenMetrics). CPU is user + system time of the whole process
-  (``getrusage``, every thread) over a measured window after a warm-up, divided by the
-  window's wall time: percent of one core on the real schedule, 1 Hz and 10 Hz, not a
-  compressed one. Each rate twice: as the shipped config reads the sources (the BMC every
+  Prometheus sends (OpenMetrics). One measured process runs at a time. CPU is user + system
+  time of the whole process (``getrusage``, every thread) over a measured window after a
+  warm-up, divided by the window's wall time: percent of one core on the real schedule, 1 Hz
+  and 10 Hz, not a compressed one. Each rate twice: as the shipped config reads the sources (the BMC every
   5 s, the PDU every second, ``rdma``/``ethtool`` every 5 s: ``sources.*.interval_s``,
   ``sources.rdma.commands_interval_s``; telemetry published once a second) and with every
   source read, and telemetry published, every cycle. Peak RSS is ``VmHWM``.
@@ -115,8 +115,8 @@ class Plan:
 
 
 FULL = Plan(
-    agent_1hz_s=120,
-    agent_10hz_s=60,
+    agent_1hz_s=90,
+    agent_10hz_s=40,
     warmup_s=5,
     ladder=(2000, 5000, 10000, 15000, 20000, 30000, 40000),
     ladder_step_s=5,
@@ -610,7 +610,7 @@ def headline(details: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter runs (about 4 minutes)")
+    parser.add_argument("--quick", action="store_true", help="shorter runs (about 7 minutes)")
     parser.add_argument(
         "--smoke", action="store_true", help="seconds-long runs that only check the harness"
     )
