@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import re
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -146,9 +147,12 @@ def serving(collectors: list[SnapshotCollector]) -> Iterator[list[str]]:
 @contextlib.asynccontextmanager
 async def replayed_node(workdir: Path) -> AsyncIterator[Agent]:
     """An agent over the full-node capture, its PDU outlets configured, and the host source
-    reading a procfs root where kernel.numa_balancing is 1."""
+    reading a procfs root with this machine's stat and meminfo, where kernel.numa_balancing
+    is 1."""
     procfs = workdir / "proc"
     (procfs / "sys" / "kernel").mkdir(parents=True)
+    for name in ("stat", "meminfo"):
+        shutil.copyfile(f"/proc/{name}", procfs / name)
     (procfs / "sys" / "kernel" / "numa_balancing").write_text("1\n")
     config = build_config(
         {
