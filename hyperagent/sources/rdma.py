@@ -580,6 +580,8 @@ class SysfsReader:
     def _walk(self, now: float) -> SysfsSnapshot:
         self.close()
         snapshot = read_sysfs(self.sysfs_root, self.netdevs)
+        if self.rescan_interval_s <= 0:
+            return snapshot  # walked on every read: nothing to hold
         class_dir = self.sysfs_root / "class" / "infiniband"
         budget = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // HELD_SHARE_OF_FD_LIMIT
 

@@ -765,3 +765,14 @@ print("same")
     assert done.returncode == 0, done.stderr
     held, same = done.stdout.split()
     assert (int(held), same) == (10, "same")
+
+
+def test_a_rescan_interval_of_zero_walks_on_every_read(tmp_path: Path) -> None:
+    root = copy_tree("rxe-qemu-e1000e", tmp_path)
+    infiniband = root / "class" / "infiniband"
+    reader = SysfsReader(root, rescan_interval_s=0.0, clock=lambda: 0.0)
+    before = open_fds()
+    assert [d.name for d in reader.read().devices] == ["rxe0"]
+    assert open_fds() == before
+    shutil.copytree(infiniband / "rxe0", infiniband / "rxe1", symlinks=True)
+    assert [d.name for d in reader.read().devices] == ["rxe0", "rxe1"]
