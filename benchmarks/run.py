@@ -16,10 +16,10 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   Prometheus sends (OpenMetrics). One measured process runs at a time. CPU is user + system
   time of the whole process (``getrusage``, every thread) over a measured window after a
   warm-up, divided by the window's wall time: percent of one core on the real schedule, 1 Hz
-  and 10 Hz, not a compressed one. Each rate twice: as the shipped config reads the sources (the BMC every
-  5 s, the PDU every second, ``rdma``/``ethtool`` every 5 s: ``sources.*.interval_s``,
-  ``sources.rdma.commands_interval_s``; telemetry published once a second) and with every
-  source read, and telemetry published, every cycle. Peak RSS is ``VmHWM``.
+  and 10 Hz, not a compressed one. Each rate twice: as the shipped config reads the sources
+  (the BMC every 5 s, the PDU every second, ``rdma``/``ethtool`` every 5 s:
+  ``sources.*.interval_s``, ``sources.rdma.commands_interval_s``; telemetry published once a
+  second) and with every source read, and telemetry published, every cycle. Peak RSS is ``VmHWM``.
 - floor: the same sources' ``read()`` alone on the same schedule in a process that imports
   nothing else; ``agent_overhead_vs_floor`` is agent CPU / floor CPU (the worst schedule).
 - coordinator: a real ``Coordinator`` (one job listing every simulated node, recommend mode so

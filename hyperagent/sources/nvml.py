@@ -288,9 +288,10 @@ class NvmlSource:
     counters start at 0 when the agent starts.
 
     XID events arrive through an NVML event set that a dedicated thread waits on with a
-    ``event_wait_ms`` timeout; counts are kept per GPU and XID from ``start()`` on and the
-    thread stops in ``close()``. ``clock`` (seconds, monotonic) times the integration; pass
-    the clock of a replayed NVML to integrate in its time.
+    ``event_wait_ms`` timeout (an event ends the wait at once; the timeout is how long the
+    thread outlives ``close()``, holding its own NVML reference, and how often it wakes while
+    idle); counts are kept per GPU and XID from ``start()`` on. ``clock`` (seconds, monotonic)
+    times the integration; pass the clock of a replayed NVML to integrate in its time.
 
     Memory health (ECC counts, retired pages, remapped rows) and the power limit range change
     rarely: they are read every ``health_interval_s`` of ``clock`` (every read with 0), and
@@ -305,7 +306,7 @@ class NvmlSource:
         nvml: ModuleType | Any,
         *,
         clock: Callable[[], float] = time.monotonic,
-        event_wait_ms: int = 250,
+        event_wait_ms: int = 5000,
         health_interval_s: float = 10.0,
     ) -> None:
         nv = nvml
@@ -348,7 +349,6 @@ class NvmlSource:
             getattr(nv, name): member for name, member in value_types if hasattr(nv, name)
         }
         self._reasons_call: Callable[[Any], int] = nv.nvmlDeviceGetCurrentClocksEventReasons
-        self._events: Any = None
         self._events_stop = threading.Event()
         self._events_thread: threading.Thread | None = None
         self._xid_lock = threading.Lock()
@@ -474,10 +474,15 @@ class NvmlSource:
         if not registered:
             nv.nvmlEventSetFree(events)
             return
-        self._events = events
-        self._events_stop.clear()
+        try:
+            nv.nvmlInit()  # the watcher's own reference: it outlives close() by one wait
+        except nv.NVMLError as e:
+            nv.nvmlEventSetFree(events)
+            log.info("XID events unavailable: %s", e)
+            return
+        self._events_stop = stop = threading.Event()
         self._events_thread = threading.Thread(
-            target=self._watch_events, args=(events,), name="nvml-xid-events", daemon=True
+            target=self._watch_events, args=(events, stop), name="nvml-xid-events", daemon=True
         )
         self._events_thread.start()
 
@@ -489,16 +494,8 @@ class NvmlSource:
 
     def _shutdown_sync(self) -> None:
         nv = self.nvml
-        thread, self._events_thread = self._events_thread, None
-        if thread is not None:
-            self._events_stop.set()
-            thread.join(timeout=self.event_wait_ms / 1000 + 5.0)
-            if thread.is_alive():
-                log.warning("the NVML event thread did not stop; leaving its event set allocated")
-                self._events = None
-        if self._events is not None:
-            self._quietly(nv.nvmlEventSetFree, self._events)
-            self._events = None
+        self._events_thread = None
+        self._events_stop.set()  # the watcher frees its event set when its wait returns
         for state in self._states:
             if state.gpm is not None:
                 for sample in state.gpm.samples:
@@ -855,27 +852,36 @@ class NvmlSource:
 
     # -- XID events -----------------------------------------------------------------------------
 
-    def _watch_events(self, events: Any) -> None:
+    def _watch_events(self, events: Any, stop: threading.Event) -> None:
+        """Count XID events until ``stop``; then free the event set and drop the watcher's NVML
+        reference (close() does not wait for the wait in progress)."""
         nv = self.nvml
         last_problem = ""
-        while not self._events_stop.is_set():
-            try:
-                event = nv.nvmlEventSetWait_v2(events, self.event_wait_ms)
-            except nv.NVMLError as e:
-                if nvml_error_code(e) == nv.NVML_ERROR_TIMEOUT:
+        try:
+            while not stop.is_set():
+                try:
+                    event = nv.nvmlEventSetWait_v2(events, self.event_wait_ms)
+                except nv.NVMLError as e:
+                    if nvml_error_code(e) == nv.NVML_ERROR_TIMEOUT:
+                        continue
+                    if str(e) != last_problem:
+                        log.warning("waiting for NVML events failed: %s", e)
+                        last_problem = str(e)
+                    stop.wait(1.0)
                     continue
-                if str(e) != last_problem:
-                    log.warning("waiting for NVML events failed: %s", e)
-                    last_problem = str(e)
-                self._events_stop.wait(1.0)
-                continue
-            except Exception:
-                log.exception("the NVML event watcher failed; retrying")
-                self._events_stop.wait(1.0)
-                continue
-            last_problem = ""
-            if event.eventType & nv.nvmlEventTypeXidCriticalError:
-                self._count_xid(event)
+                except Exception:
+                    log.exception("the NVML event watcher failed; retrying")
+                    stop.wait(1.0)
+                    continue
+                last_problem = ""
+                if event.eventType & nv.nvmlEventTypeXidCriticalError and not stop.is_set():
+                    self._count_xid(event)
+        finally:
+            self._quietly(nv.nvmlEventSetFree, events)
+            try:
+                nv.nvmlShutdown()
+            except nv.NVMLError as e:
+                log.debug("NVML shutdown of the event watcher failed: %s", e)
 
     def _count_xid(self, event: Any) -> None:
         """Count an XID event, finding its GPU by handle (no NVML call: it may be lost)."""

@@ -423,12 +423,22 @@ async def test_xid_counter_increments_and_never_decreases() -> None:
         await source.close()
 
 
-async def test_close_stops_the_event_thread() -> None:
+async def test_close_leaves_the_event_thread_to_end_its_wait_and_release_nvml() -> None:
+    """close() does not wait out the XID watcher's wait (a stop would take up to
+    event_wait_ms); the watcher then frees its event set and drops its NVML reference."""
     clock = Clock()
-    source = await started(capture("tesla-t4.xml", clock), clock)
-    assert any(t.name == "nvml-xid-events" for t in threading.enumerate())
+    nvml = capture("tesla-t4.xml", clock)
+    source = NvmlSource(nvml, clock=clock, event_wait_ms=2000)
+    await source.start()
+    watcher = source._events_thread
+    assert watcher is not None and watcher.name == "nvml-xid-events"
     await source.close()
-    assert not any(t.name == "nvml-xid-events" for t in threading.enumerate())
+    assert watcher.is_alive()
+    assert nvml.nvmlDeviceGetCount() == 1  # the watcher's reference keeps NVML initialised
+    watcher.join(timeout=10)
+    assert not watcher.is_alive()
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        nvml.nvmlDeviceGetCount()
 
 
 # -- failures -----------------------------------------------------------------------------------
@@ -617,10 +627,13 @@ async def test_start_failure_releases_nvml_and_a_later_start_succeeds() -> None:
         nvml.nvmlDeviceGetCount()
     nvml.recover(6)
     await source.start()
+    watcher = source._events_thread
     try:
         assert len(source.gpus) == 8
     finally:
         await source.close()
+    assert watcher is not None
+    watcher.join(timeout=10)  # the XID watcher holds its reference until its wait ends
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         nvml.nvmlDeviceGetCount()
 
