@@ -3,7 +3,7 @@ fan-out through a real mosquitto, the tuner, replay, and a scale run of simulate
 
     python benchmarks/run.py [--quick] [--json FILE] [--agents N] [--only SECTIONS]
 
-A full run takes about 15 minutes, ``--quick`` about 7; ``--smoke`` runs every section for a
+A full run takes about 12 minutes, ``--quick`` about 7; ``--smoke`` runs every section for a
 few seconds (the test suite's check of the harness, its figures mean nothing). Every measured
 party runs in its own process, started from ``benchmarks/workers.py`` with this tree's
 ``hyperagent``, so that CPU time and peak RSS are its own:
