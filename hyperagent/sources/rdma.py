@@ -515,7 +515,7 @@ HELD_SHARE_OF_FD_LIMIT = 4
 open; files beyond are opened by path on each read."""
 
 
-def _reread(held: HeldFile) -> str | None:
+def _read_held(held: HeldFile) -> str | None:
     """A held file's text now; None when the device does not support it. Raises _Stale."""
     try:
         data = held.read()
@@ -623,7 +623,7 @@ class SysfsReader:
             files = {}
             for name, groups in ports:
                 texts = {
-                    group: {f: _reread(held) for f, held in held_files.items()}
+                    group: {f: _read_held(held) for f, held in held_files.items()}
                     for group, held_files in groups.items()
                 }
                 files[name] = PortFiles(
