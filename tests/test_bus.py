@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import textwrap
+from collections.abc import AsyncIterator
 
 import aiomqtt
 import orjson
@@ -15,6 +17,21 @@ from hyperagent import bus
 from hyperagent.errors import PayloadError
 
 KEY = b"k" * 32
+
+
+@contextlib.asynccontextmanager
+async def running(link: bus.MqttLink, connected: bool = True) -> AsyncIterator[None]:
+    """``link.run()`` in a task for the block, entered once the link is connected (unless
+    ``connected`` is false); the task is cancelled on the way out."""
+    task = asyncio.create_task(link.run())
+    try:
+        if connected:
+            async with asyncio.timeout(10):
+                await link.connected.wait()
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def test_topics() -> None:
@@ -85,10 +102,7 @@ async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  #
         on_connect=lambda: [bus.status_message(topics, "node-a", "online")],
     )
     link.subscribe(topics.settings("+"), 1, handler)
-    task = asyncio.create_task(link.run())
-    try:
-        async with asyncio.timeout(10):
-            await link.connected.wait()
+    async with running(link):
         status = await _collect(mosquitto.port, topics.status("node-a"), 1)
         assert bus.decode(status[0], "status")["state"] == "online"  # retained
         async with aiomqtt.Client("127.0.0.1", mosquitto.port) as other:
@@ -101,9 +115,6 @@ async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  #
         for i in range(5):
             link.publish(topics.report("j"), f"r{i}".encode(), qos=1)
         assert await link.flush(10)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_outbox_is_bounded_while_broker_is_down(persistent_mosquitto) -> None:  # type: ignore[no-untyped-def]
@@ -118,8 +129,7 @@ async def test_outbox_is_bounded_while_broker_is_down(persistent_mosquitto) -> N
     link = bus.MqttLink(
         "127.0.0.1", broker.port, "node-b", outbox_size=10, backoff_min_s=0.1, backoff_max_s=0.3
     )
-    task = asyncio.create_task(link.run())
-    try:
+    async with running(link, connected=False):
         for i in range(100):
             link.publish("hyperagent/v1/t/node/b/telemetry", str(i).encode())  # never blocks
         link.publish(report_topic, b"keep", qos=1)
@@ -137,9 +147,6 @@ async def test_outbox_is_bounded_while_broker_is_down(persistent_mosquitto) -> N
                     got.append(bytes(message.payload))  # type: ignore[arg-type]
                     break
         assert got == [b"keep"]
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_last_will_says_offline_when_a_node_dies(mosquitto) -> None:  # type: ignore[no-untyped-def]
@@ -220,10 +227,7 @@ async def test_link_takes_a_burst_in_order_and_pauses_reading(mosquitto, monkeyp
 
     link = bus.MqttLink("127.0.0.1", mosquitto.port, "burst")
     link.subscribe("hyperagent/v1/t/node/+/telemetry", 0, handler)
-    task = asyncio.create_task(link.run())
-    try:
-        async with asyncio.timeout(10):
-            await link.connected.wait()
+    async with running(link):
         assert not link._legacy_receive  # the link reads the socket itself
         count = 3000
         async with aiomqtt.Client("127.0.0.1", mosquitto.port) as other:
@@ -239,9 +243,6 @@ async def test_link_takes_a_burst_in_order_and_pauses_reading(mosquitto, monkeyp
         # one socket read's worth of (at least 40-byte) packets past the mark, at most
         assert paused and inbox_peak <= 50 + (1 << 16) // 40
         assert link.handler_errors == 0
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_link_gets_what_waited_for_it_and_reconnects(persistent_mosquitto) -> None:  # type: ignore[no-untyped-def]
@@ -281,8 +282,7 @@ async def test_link_gets_what_waited_for_it_and_reconnects(persistent_mosquitto)
         for i in range(200):
             await other.publish(topic, b"q%d" % i, qos=1)
     link = make_link()
-    task = asyncio.create_task(link.run())
-    try:
+    async with running(link, connected=False):
         await wait_for(200)
         assert received == [b"q%d" % i for i in range(200)]
         broker.stop()
@@ -294,9 +294,6 @@ async def test_link_gets_what_waited_for_it_and_reconnects(persistent_mosquitto)
             await other.publish(topic, b"after", qos=1)
         await wait_for(201)
         assert received[-1] == b"after"
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_link_falls_back_to_aiomqtts_iterator(mosquitto, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -309,10 +306,7 @@ async def test_link_falls_back_to_aiomqtts_iterator(mosquitto, monkeypatch) -> N
 
     link = bus.MqttLink("127.0.0.1", mosquitto.port, "legacy")
     link.subscribe("hyperagent/v1/t/job/+/ack", 1, handler)
-    task = asyncio.create_task(link.run())
-    try:
-        async with asyncio.timeout(10):
-            await link.connected.wait()
+    async with running(link):
         assert link._legacy_receive
         async with aiomqtt.Client("127.0.0.1", mosquitto.port) as other:
             for i in range(50):
@@ -321,6 +315,3 @@ async def test_link_falls_back_to_aiomqtts_iterator(mosquitto, monkeypatch) -> N
             while len(received) < 50:
                 await asyncio.sleep(0.01)
         assert received == [b"%d" % i for i in range(50)]
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
