@@ -43,10 +43,10 @@ class HeldFile:
         if fd is None:
             fd = os.open(self.path, OPEN_FLAGS)
             try:
-                return _read_at_zero(fd, limit)
+                return read_at_zero(fd, limit)
             finally:
                 os.close(fd)
-        return _read_at_zero(fd, limit)
+        return read_at_zero(fd, limit)
 
     def close(self) -> None:
         """Close the descriptor (reads after this open the file by path)."""
@@ -55,7 +55,8 @@ class HeldFile:
             self.fd = None
 
 
-def _read_at_zero(fd: int, limit: int | None) -> bytes:
+def read_at_zero(fd: int, limit: int | None = None) -> bytes:
+    """The content of the open file ``fd`` from offset 0 (its first ``limit`` bytes at least)."""
     data = os.pread(fd, CHUNK, 0)
     if len(data) < CHUNK or (limit is not None and len(data) >= limit):
         return data

@@ -42,7 +42,7 @@ from hyperagent.sources.command import (
     CommandFailed,
     RunCommand,
 )
-from hyperagent.sources.heldfile import CHUNK, OPEN_FLAGS, HeldFile
+from hyperagent.sources.heldfile import OPEN_FLAGS, HeldFile, read_at_zero
 
 log = logging.getLogger(__name__)
 
@@ -355,12 +355,7 @@ def _read_file(
             return None
         raise SourceError(f"cannot read {path}: {e.strerror}") from e
     try:
-        data = os.read(fd, CHUNK)
-        if len(data) == CHUNK:
-            chunks = [data]
-            while chunk := os.read(fd, CHUNK):
-                chunks.append(chunk)
-            data = b"".join(chunks)
+        data = read_at_zero(fd)
     except OSError as e:
         if directory_absent and e.errno == errno.EISDIR:
             return _ABSENT_FILE
