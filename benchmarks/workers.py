@@ -349,7 +349,7 @@ async def simagents_worker(args: argparse.Namespace) -> None:
             "applied": {},
             "ts": time.time(),
         }
-        client.publish(topics.ack(message["job"]), bus.encode(ack), qos=1)
+        client.publish(topics.ack(message["job"], ack["node"]), bus.encode(ack), qos=1)
 
     clients = [SimClient(name, on_message) for name in names]
     await connect_all(clients, "127.0.0.1", args.port)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from hyperagent import bus
 from hyperagent.actuators import PowerCapActuator
@@ -29,6 +33,9 @@ from hyperagent.sources.runner import DUE_FRACTION, SourceRunner
 from hyperagent.tuner.trial import MeasurementPlan, Phase, TrialMeasurement
 
 log = logging.getLogger(__name__)
+
+GPU_PROCESSES_INTERVAL_S = 5.0
+"""How often NVML's running processes are matched against the job channel's peers."""
 
 
 @dataclass
@@ -66,8 +73,10 @@ class Agent:
         recorder: Recorder | None = None,
         sources: list[Source] | None = None,
         notifier: Notifier | None = None,
+        applied_file: Path | None = None,
     ) -> None:
-        """``sources`` default to the ones ``config`` enables, over ``hardware``."""
+        """``sources`` default to the ones ``config`` enables, over ``hardware``;
+        ``applied_file`` keeps the settings versions applied per job across restarts."""
         self.config = config
         self.notifier = notifier or Notifier()
         self.last_collection = time.monotonic()
@@ -90,13 +99,21 @@ class Agent:
         self.collector = metrics.collector if metrics else SnapshotCollector()
         self.snapshot: Snapshot | None = None
         self.stats = AgentStats()
+        self.applied_file = applied_file
         self.applied_versions: dict[str, int] = {}
         self.applied_settings: dict[str, dict[str, Any]] = {}
+        self.applied_messages: dict[str, dict[str, Any]] = {}
+        self.live_versions: dict[str, int] = {}
+        """Versions applied to the hardware and the job by this process (after a restart, or
+        after the power limits were restored, the applied version is applied again)."""
+        self._load_applied()
         self._trials: dict[str, _Trial] = {}
         self._trial_events: asyncio.Queue[tuple[_Trial, Phase]] = asyncio.Queue()
         self._logged_rejections: set[str] = set()
         self.collections = 0
         self._telemetry_at = -math.inf
+        self._gpu_pids: dict[str, list[int]] = {}
+        self._gpu_pids_at = -math.inf
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
@@ -122,6 +139,7 @@ class Agent:
                 status_node=config.node,
                 spool_dir=config.agent.state_dir / "spool",
                 gated=True,
+                username=config.node,
             )
         metrics = (
             MetricsServer(config.agent.metrics_address) if config.agent.metrics_address else None
@@ -134,10 +152,54 @@ class Agent:
             metrics=metrics,
             recorder=recorder,
             sources=sources,
+            applied_file=config.agent.state_dir / "applied-settings.json" if link else None,
         )
 
+    def _load_applied(self) -> None:
+        if self.applied_file is None:
+            return
+        try:
+            saved = orjson.loads(self.applied_file.read_bytes())
+        except FileNotFoundError:
+            return
+        except (OSError, orjson.JSONDecodeError) as e:
+            log.error("ignoring %s: %s", self.applied_file, e)
+            return
+        for job, message in saved.items() if isinstance(saved, dict) else ():
+            if isinstance(message, dict) and isinstance(message.get("version"), int):
+                self.applied_versions[job] = message["version"]
+                self.applied_settings[job] = dict(message.get("settings") or {})
+                self.applied_messages[job] = message
+        if self.applied_versions:
+            log.info("settings applied before the restart: %s", self.applied_versions)
+
+    def _save_applied(self) -> None:
+        """Write the applied versions durably (temporary file, fsync, rename)."""
+        if self.applied_file is None:
+            return
+        path = self.applied_file
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tmp.open("wb") as out:
+                out.write(orjson.dumps(self.applied_messages))
+                out.flush()
+                os.fsync(out.fileno())
+            tmp.replace(path)
+        except OSError as e:
+            log.error("cannot save the applied settings to %s: %s", path, e)
+
     async def run(self) -> None:
-        """Serve until cancelled; on the way out restore power limits and close sources."""
+        """Serve until cancelled; on the way out restore power limits and close sources.
+
+        Raises SocketInUse when another agent listens on the job socket."""
+        if self.job_source is not None:
+            await self.job_source.start()
+            for job, message in self.applied_messages.items():
+                knobs = {k: v for k, v in message.get("settings", {}).items() if k != "power_cap_w"}
+                self.job_source.send_settings(
+                    job, JobSettings(message["version"], knobs, message.get("backend", {}))
+                )
         await self.runner.start()
         if self.actuator is not None:
             try:
@@ -216,6 +278,7 @@ class Agent:
         readings = [r for batch in by_source.values() for r in batch]
         readings += self.runner.health_readings()
         readings += self._self_readings()
+        readings += await self._gpu_job_readings(readings)
         snapshot = Snapshot(now, self.node, tuple(readings))
         indicators = derive(snapshot, self.snapshot, self.config.indicators.quantum_coefficients)
         snapshot = snapshot.extended(indicators)
@@ -238,6 +301,55 @@ class Agent:
                 self.topics.telemetry(self.node), telemetry_payload(snapshot, indicators, jobs)
             )
         return snapshot
+
+    async def _gpu_job_readings(self, readings: list[Reading]) -> list[Reading]:
+        """``hyperagent_gpu_job_info{gpu,uuid,job_id}``: which job runs on which GPU, from
+        NVML's running processes matched against the job channel's peer pids (checked every
+        few seconds), else from the GPU a rank declared in its hello."""
+        if self.job_source is None or not self.job_source.peers:
+            return []
+        now = time.monotonic()
+        if now - self._gpu_pids_at >= GPU_PROCESSES_INTERVAL_S:
+            self._gpu_pids_at = now
+            self._gpu_pids = await asyncio.to_thread(self._running_pids)
+        pids = self.job_source.job_pids()
+        owners: dict[str, str] = {}
+        for gpu, running in self._gpu_pids.items():
+            for pid in running:
+                if pid in pids:
+                    owners[gpu] = pids[pid]
+        for index, job in self.job_source.declared_gpus().items():
+            owners.setdefault(str(index), job)
+        uuids = {
+            r.labels.get("gpu"): r.labels.get("uuid", "")
+            for r in readings
+            if r.name == "hyperagent_gpu_info"
+        }
+        return [
+            Reading(
+                "hyperagent_gpu_job_info",
+                1.0,
+                {"gpu": gpu, "uuid": uuids.get(gpu, ""), "job_id": job},
+                Kind.INFO,
+            )
+            for gpu, job in sorted(owners.items())
+            if gpu in uuids
+        ]
+
+    def _running_pids(self) -> dict[str, list[int]]:
+        """GPU index -> pids of its compute processes (empty without NVML's process list)."""
+        nvml = self.hardware.nvml
+        if nvml is None or not hasattr(nvml, "nvmlDeviceGetComputeRunningProcesses"):
+            return {}
+        out: dict[str, list[int]] = {}
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                out[str(index)] = [p.pid for p in processes]
+        except Exception as e:  # NVMLError and friends: attribution falls back to hellos
+            log.debug("NVML running processes: %s", e)
+        return out
 
     def _self_readings(self) -> list[Reading]:
         out = [
@@ -295,14 +407,39 @@ class Agent:
         if not bus.verify(message, self.settings_key):
             self._reject("bad_signature", f"settings v{message['version']} for {job}")
             return
-        version = message["version"]
-        if version <= self.applied_versions.get(job, 0):
-            if version < self.applied_versions.get(job, 0):
-                self._reject(
-                    "stale", f"v{version} is older than applied v{self.applied_versions[job]}"
-                )
+        version, applied = message["version"], self.applied_versions.get(job, 0)
+        if version < applied:
+            self._reject("stale", f"v{version} is older than applied v{applied}")
+            self._ack(
+                job,
+                version,
+                ok=False,
+                error=f"stale: v{applied} applied",
+                applied={"version": applied},
+            )
+            return
+        if version == applied:
+            if self.live_versions.get(job) != version:
+                await self._apply(job, message, again=True)
+            return
+        problem = self._check_age(message)
+        if problem is not None:
+            self._reject("expired", problem)
+            self._ack(job, version, ok=False, error=problem)
             return
         await self._apply(job, message)
+
+    def _check_age(self, message: dict[str, Any]) -> str | None:
+        issued = message.get("issued_at")
+        if isinstance(issued, bool) or not isinstance(issued, int | float):
+            return "settings carry no issued_at"
+        security = self.config.security
+        age = time.time() - issued
+        if age < -security.clock_skew_s:
+            return f"settings issued {-age:.0f}s in the future (clock skew?)"
+        if age > security.settings_max_age_s + security.clock_skew_s:
+            return f"settings issued {age:.0f}s ago, over security.settings_max_age_s"
+        return None
 
     async def _on_coordinator_status(self, topic: str, payload: bytes) -> None:
         """When the coordinator is lost, its power caps are not left behind."""
@@ -318,6 +455,16 @@ class Agent:
             log.warning(
                 "coordinator offline: restored the original power limit of %d GPU(s)", restored
             )
+            capped = [j for j, s in self.applied_settings.items() if s.get("power_cap_w")]
+            for job in capped:
+                self.live_versions.pop(job, None)
+        elif state == "online":
+            for job, message in list(self.applied_messages.items()):
+                if self.live_versions.get(job) != message["version"]:
+                    log.info(
+                        "coordinator online: applying v%d for %s again", message["version"], job
+                    )
+                    await self._apply(job, message, again=True)
 
     def _check_bounds(self, settings: dict[str, Any]) -> str | None:
         cap = settings.get("power_cap_w")
@@ -332,7 +479,9 @@ class Agent:
             return "power capping is disabled on this node (actuation.power_cap = false)"
         return None
 
-    async def _apply(self, job: str, message: dict[str, Any]) -> None:
+    async def _apply(self, job: str, message: dict[str, Any], again: bool = False) -> None:
+        """Apply ``message``'s settings (``again``: the version already applied, after a
+        restart or after the power limits were restored) and ack them."""
         version, settings = message["version"], message["settings"]
         problem = self._check_bounds(settings)
         applied: dict[str, Any] = {}
@@ -348,11 +497,27 @@ class Agent:
             return
         job_knobs = {k: v for k, v in settings.items() if k != "power_cap_w"}
         if self.job_source is not None:
-            applied["job_reporters"] = self.job_source.send_settings(
+            attached = self.job_source.attached(job)
+            delivered = self.job_source.send_settings(
                 job, JobSettings(version, job_knobs, message.get("backend", {}))
             )
+            applied["job_reporters"] = delivered
+            if delivered < attached:
+                problem = f"settings v{version} reached {delivered} of {attached} ranks"
+                self._reject("undelivered", problem)
+                self._ack(job, version, ok=False, error=problem, applied=applied)
+                return
+        self.live_versions[job] = version
+        if again:
+            if not message.get("plan"):
+                self._ack(job, version, ok=True, applied=applied)
+            return
         self.applied_versions[job] = version
         self.applied_settings[job] = dict(settings)
+        self.applied_messages[job] = {
+            k: message.get(k) for k in ("version", "settings", "backend", "issued_at", "trial")
+        }
+        await asyncio.to_thread(self._save_applied)
         self.stats.applied += 1
         plan_data = message.get("plan")
         if plan_data:
@@ -389,7 +554,7 @@ class Agent:
                 "ts": time.time(),
             }
         )
-        self.link.publish(self.topics.ack(job), payload, qos=1)
+        self.link.publish(self.topics.ack(job, self.node), payload, qos=1)
 
     def _on_step(self, step: StepReport) -> None:
         trial = self._trials.get(step.job)
@@ -456,7 +621,7 @@ class Agent:
                 "ts": time.time(),
             }
         )
-        self.link.publish(self.topics.report(trial.job), payload, qos=1)
+        self.link.publish(self.topics.report(trial.job, self.node), payload, qos=1)
         if not partial:
             self.stats.reports_sent += 1
 

@@ -49,14 +49,16 @@ class Topics:
     def status(self, node: str) -> str:
         return f"{self.root}/node/{node}/status"
 
-    def report(self, job: str) -> str:
-        return f"{self.root}/job/{job}/report"
+    def report(self, job: str, node: str) -> str:
+        """A node's measurements of a job's trials (the broker lets only ``node`` write it)."""
+        return f"{self.root}/job/{job}/report/{node}"
 
     def settings(self, job: str) -> str:
         return f"{self.root}/job/{job}/settings"
 
-    def ack(self, job: str) -> str:
-        return f"{self.root}/job/{job}/ack"
+    def ack(self, job: str, node: str) -> str:
+        """A node's acks of a job's settings (the broker lets only ``node`` write it)."""
+        return f"{self.root}/job/{job}/ack/{node}"
 
     def coordinator_status(self) -> str:
         """Retained "online"; the coordinator's last will says "offline"."""
@@ -65,9 +67,16 @@ class Topics:
     def name_in(self, topic: str) -> str:
         """The node or job name a topic of this tree is about."""
         parts = topic.split("/")
-        if len(parts) != 6 or "/".join(parts[:3]) != self.root:
+        if len(parts) not in (6, 7) or "/".join(parts[:3]) != self.root:
             raise PayloadError(f"topic {topic!r} is not under {self.root}")
         return parts[4]
+
+    def sender_in(self, topic: str) -> str:
+        """The node that wrote a per-node job topic (report or ack)."""
+        parts = topic.split("/")
+        if len(parts) != 7 or "/".join(parts[:3]) != self.root:
+            raise PayloadError(f"topic {topic!r} is not a per-node topic under {self.root}")
+        return parts[6]
 
 
 _Types = type | tuple[type, ...]
@@ -616,9 +625,12 @@ def link_from_config(
     status_topic: str | None = None,
     spool_dir: Path | None = None,
     gated: bool = False,
+    username: str | None = None,
 ) -> MqttLink:
     """An MqttLink as ``config.mqtt`` says; with ``status_node``, an online status and last
-    will on its status topic (or on ``status_topic``)."""
+    will on its status topic (or on ``status_topic``). ``username`` is the broker user when
+    ``mqtt.username`` is not set (the node name on an agent, "coordinator" on the
+    coordinator), used only with a ``mqtt.password_file``."""
     m = config.mqtt
     topics = Topics(config.cluster)
     password = None
@@ -653,7 +665,7 @@ def link_from_config(
         spool_dir=spool_dir,
         gated=gated,
         persistent_session=persistent_session,
-        username=m.username,
+        username=m.username or (username if password is not None else None),
         password=password,
         tls=tls,
         keepalive_s=m.keepalive_s,

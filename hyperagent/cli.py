@@ -112,12 +112,14 @@ def _run(main: Coroutine[Any, Any, Any]) -> int:
 
 def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None = None) -> Agent:
     from hyperagent.agent import Agent
-    from hyperagent.sources import capture_sources
+    from hyperagent.sources import capture_sources, job_source
 
     key = read_settings_key(config)
     if args.replay is None:
         return Agent.from_config(config, settings_key=key, recorder=recorder)
     sources, hardware = capture_sources(args.replay, config)
+    if config.sources.job.enabled and not any(s.name == "job" for s in sources):
+        sources.append(job_source(config))  # the job channel is live, not replayed
     return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
 
 

@@ -128,6 +128,15 @@ class HostSection(_Model):
 class JobSection(_Model):
     enabled: bool = True
     socket: Path = Path("/run/hyperagent/job.sock")
+    allowed_users: tuple[str | int, ...] = ()
+    """Users (names or uids) whose processes may report jobs, besides the agent's own user."""
+    allowed_groups: tuple[str | int, ...] = ()
+    """Groups (names or gids) whose members may report jobs (primary or supplementary)."""
+    max_jobs: Annotated[int, Field(ge=1, le=4096)] = 16
+    max_ranks: Annotated[int, Field(ge=1, le=4096)] = 64
+    """Connected ranks per job at most."""
+    release_after_s: Annotated[float, Field(ge=0)] = 600.0
+    """A job id stays bound to its user this long after its last rank disconnected."""
 
 
 class IpmiSection(_Model):
@@ -256,6 +265,12 @@ class ActuationSection(_Model):
 class SecuritySection(_Model):
     settings_key_file: Path | None = None
     """Shared HMAC key for settings messages; without it an agent refuses every setting."""
+    settings_max_age_s: Annotated[float, Field(gt=0)] = 86400.0
+    """A new settings version issued longer ago than this is refused (a replayed or left-over
+    message); the version an agent already applies is re-applied whatever its age."""
+    clock_skew_s: Annotated[float, Field(ge=0)] = 60.0
+    """Tolerated clock difference between coordinator and agents: settings issued up to this
+    far in the future, or this much past the maximum age, are still taken."""
 
 
 Backend = Literal["nccl", "gloo", "mpi", "horovod", "deepspeed"]

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 POWER_AVERAGING_WINDOW_S = 1.0
 """NVML averages board power over about a second; a power change settles for 3x that."""
 
+CLOCK_TICK_S = 0.5
+"""Trial deadlines count only time connected to the broker, checked this often."""
+
 ROLLBACK_ON = frozenset({"no_ack", "refused", "timeout", "nonfinite_loss", "xid", "lost_nodes"})
 """Trial outcomes after which the job goes back to its last known good settings at once."""
 
@@ -52,6 +55,7 @@ def coordinator_link(config: Config) -> bus.MqttLink:
         status_node="coordinator",
         persistent_session=True,
         status_topic=topics.coordinator_status(),
+        username="coordinator",
     )
 
 
@@ -258,8 +262,8 @@ class Coordinator:
             tuner = Tuner(space, seed=job.seed, objective=job.objective)
             state = JobState(job, space, tuner, journal)
             self.jobs[job.id] = state
-        link.subscribe(self.topics.ack("+"), 1, self._on_ack)
-        link.subscribe(self.topics.report("+"), 1, self._on_report)
+        link.subscribe(self.topics.ack("+", "+"), 1, self._on_ack)
+        link.subscribe(self.topics.report("+", "+"), 1, self._on_report)
         link.subscribe(self.topics.settings("+"), 1, self._on_settings)
         link.subscribe(self.topics.status("+"), 1, self._on_status)
         link.subscribe(self.topics.telemetry("+"), 0, self._on_telemetry)
@@ -318,14 +322,19 @@ class Coordinator:
             state.version = max(state.version, message["version"])
 
     async def _on_ack(self, topic: str, payload: bytes) -> None:
-        await self._store(payload, "ack")
+        await self._store(topic, payload, "ack")
 
     async def _on_report(self, topic: str, payload: bytes) -> None:
-        await self._store(payload, "report")
+        await self._store(topic, payload, "report")
 
-    async def _store(self, payload: bytes, kind: str) -> None:
+    async def _store(self, topic: str, payload: bytes, kind: str) -> None:
         try:
             message = bus.decode(payload, kind)
+            sender = self.topics.sender_in(topic)
+            if message["node"] != sender or message["job"] != self.topics.name_in(topic):
+                raise PayloadError(
+                    f"{kind} of node {message['node']!r} for job {message['job']!r} on {topic!r}"
+                )
         except PayloadError as e:
             self.invalid_payloads += 1
             log.warning("dropped an invalid %s: %s", kind, e)
@@ -432,12 +441,48 @@ class Coordinator:
         def complete() -> bool:
             return set(state.active_nodes) <= set(table.get(version, {})) or abort()
 
-        try:
-            async with asyncio.timeout(timeout_s), state.changed:
-                await state.changed.wait_for(complete)
-        except TimeoutError:
-            pass
+        remaining = timeout_s
+        while remaining > 0:
+            began, connected = time.monotonic(), self.link.connected.is_set()
+            try:
+                async with asyncio.timeout(min(remaining, CLOCK_TICK_S)), state.changed:
+                    await state.changed.wait_for(complete)
+                break
+            except TimeoutError:
+                pass
+            if connected and self.link.connected.is_set():
+                remaining -= time.monotonic() - began  # the clock stops while the broker is away
         return dict(table.get(version, {}))
+
+    async def _publish_acked(
+        self,
+        state: JobState,
+        settings: dict[str, Any],
+        plan: MeasurementPlan | None,
+        trial: int | None,
+    ) -> tuple[int, dict[str, dict[str, Any]]]:
+        """Publish settings and collect the acks. Agents that applied a newer version than
+        this coordinator knows (its journal lost, or retained settings not seen yet) refuse it
+        as stale and say which: the version jumps past theirs and the settings go out again."""
+        version = self._publish_settings(state, settings, plan, trial)
+        acks = await self._collect(state, state.acks, version, state.config.ack_timeout_s)
+        newer = [
+            a["applied"]["version"]
+            for a in acks.values()
+            if not a["ok"]
+            and str(a.get("error") or "").startswith("stale")
+            and isinstance((a.get("applied") or {}).get("version"), int)
+        ]
+        if newer:
+            state.version = max(state.version, *newer)
+            log.warning(
+                "%s: agents apply v%d already; publishing again above it",
+                state.config.id,
+                max(newer),
+            )
+            version = self._publish_settings(state, settings, plan, trial)
+            acks = await self._collect(state, state.acks, version, state.config.ack_timeout_s)
+        return version, acks
 
     def _publish_settings(
         self,
@@ -503,8 +548,10 @@ class Coordinator:
         began = time.monotonic()
         cfg = state.config
         if version is None:
-            version = self._publish_settings(state, settings, self._plan(state, settings), index)
-        acks = await self._collect(state, state.acks, version, cfg.ack_timeout_s)
+            plan = self._plan(state, settings)
+            version, acks = await self._publish_acked(state, settings, plan, index)
+        else:
+            acks = await self._collect(state, state.acks, version, cfg.ack_timeout_s)
         record = TrialRecord(index, version, settings, None, "ok")
         refused = {n: a.get("error") for n, a in acks.items() if not a["ok"]}
         if refused:
@@ -573,8 +620,7 @@ class Coordinator:
         """Put the job back on its last known good settings, without measuring."""
         good = state.last_good or state.space.defaults()
         log.warning("%s: %s; rolling back to %s", state.config.id, why, good)
-        version = self._publish_settings(state, good, None, None)
-        await self._collect(state, state.acks, version, state.config.ack_timeout_s)
+        await self._publish_acked(state, good, None, None)
 
     def _resume(self, state: JobState, journal: JournalState) -> None:
         """Bring the tuner and the running best up to what the journal says happened."""
@@ -619,7 +665,6 @@ class Coordinator:
         if cfg.mode == "recommend":
             return self._recommend(state, journal)
         await self.link.connected.wait()
-        await asyncio.sleep(0.5)  # retained settings arrive: versions keep rising
         if journal.final is not None and journal.fingerprint == fingerprint(cfg):
             self._resume(state, journal)
             state.best = (journal.final["settings"], journal.final["score"])
@@ -684,7 +729,7 @@ class Coordinator:
 
     async def _finish(self, state: JobState, final: dict[str, Any], announce: bool) -> None:
         cfg = state.config
-        state.final_version = self._publish_settings(state, final, None, None)
+        state.final_version, _ = await self._publish_acked(state, final, None, None)
         score_ = state.best[1] if state.best else None
         state.journal.append(
             {
@@ -695,7 +740,6 @@ class Coordinator:
                 "baseline": state.baseline,
             }
         )
-        await self._collect(state, state.acks, state.final_version, cfg.ack_timeout_s)
         state.done = True
         state.last_good = final
         self.update_metrics()

@@ -1,17 +1,23 @@
 """The training job's side of the node channel: step reports out, settings in.
 
 A training script creates one ``JobReporter`` per rank and calls ``report_step`` after each
-step; at an iteration boundary it calls ``poll_settings`` and applies what it gets. Datagrams
-go over a unix socket to the local agent, so a missing or slow agent never blocks training.
+step; at an iteration boundary it calls ``poll_settings`` and applies what it gets. Each rank
+connects to the agent's socket under /run/hyperagent (a unix ``SOCK_SEQPACKET`` socket: one
+message per packet) and the agent answers on that connection, so the channel works across
+users and mount namespaces (the agent runs with PrivateTmp). The agent knows each peer's
+uid and pid (SO_PEERCRED), authorises it and binds the job id to the first peer that claims it.
+Every send is non-blocking: a missing, refusing or slow agent never blocks training; a lost
+connection is retried at most once a second.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
-import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +26,17 @@ import orjson
 
 from hyperagent.errors import PayloadError
 
+log = logging.getLogger(__name__)
+
 PROTOCOL = 1
 MAX_DATAGRAM = 64 * 1024
 DEFAULT_SOCKET = Path("/run/hyperagent/job.sock")
+KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
+"""Knobs a job may announce that it applies live (power caps are the agent's, not the job's)."""
+RECONNECT_S = 1.0
+"""A rank whose connection is down tries again at most this often ..."""
+REFUSED_RETRY_S = 30.0
+"""... and this often after the agent refused it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +52,24 @@ class StepReport:
     loss: float | None
     version: int
     """Settings version the step ran with (0 before any setting was applied)."""
+    memory: MemoryReport | None = None
+    """What the rank's GPU memory allocator says, when the job reports it."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """A rank's GPU memory as its allocator sees it (e.g. ``torch.cuda.memory_stats``): memory
+    held for tensors, not what the caching allocator reserved, and its cumulative retries and
+    out-of-memory errors."""
+
+    allocated_bytes: int
+    total_bytes: int
+    alloc_retries: int = 0
+    ooms: int = 0
+
+    @property
+    def allocated_ratio(self) -> float:
+        return self.allocated_bytes / self.total_bytes if self.total_bytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,24 +99,47 @@ def _decode_loss(value: Any) -> float | None:
 
 
 def encode_step(step: StepReport) -> bytes:
-    return orjson.dumps(
-        {
-            "v": PROTOCOL,
-            "type": "step",
-            "job": step.job,
-            "rank": step.rank,
-            "samples": step.samples,
-            "step_s": step.step_s,
-            "compute_s": step.compute_s,
-            "comm_s": step.comm_s,
-            "loss": _encode_loss(step.loss),
-            "version": step.version,
+    message: dict[str, Any] = {
+        "v": PROTOCOL,
+        "type": "step",
+        "job": step.job,
+        "rank": step.rank,
+        "samples": step.samples,
+        "step_s": step.step_s,
+        "compute_s": step.compute_s,
+        "comm_s": step.comm_s,
+        "loss": _encode_loss(step.loss),
+        "version": step.version,
+    }
+    if step.memory is not None:
+        m = step.memory
+        message["memory"] = {
+            "allocated_bytes": m.allocated_bytes,
+            "total_bytes": m.total_bytes,
+            "alloc_retries": m.alloc_retries,
+            "ooms": m.ooms,
         }
+    return orjson.dumps(message)
+
+
+def encode_hello(
+    job: str, rank: int, knobs: Iterable[str] | None = None, gpu: int | None = None
+) -> bytes:
+    """A rank's first message: the job it belongs to, the knobs it applies live (None: it
+    does not say) and the GPU index it runs on, when it knows."""
+    message: dict[str, Any] = {"v": PROTOCOL, "type": "hello", "job": job, "rank": rank}
+    if knobs is not None:
+        message["knobs"] = list(knobs)
+    if gpu is not None:
+        message["gpu"] = gpu
+    return orjson.dumps(message)
+
+
+def encode_refused(reason: str, detail: str) -> bytes:
+    """The agent's answer to a peer it will not serve, just before it closes the connection."""
+    return orjson.dumps(
+        {"v": PROTOCOL, "type": "refused", "job": "-", "reason": reason, "detail": detail}
     )
-
-
-def encode_hello(job: str, rank: int) -> bytes:
-    return orjson.dumps({"v": PROTOCOL, "type": "hello", "job": job, "rank": rank})
 
 
 def encode_settings(job: str, settings: JobSettings) -> bytes:
@@ -133,10 +188,40 @@ def decode(datagram: bytes) -> dict[str, Any]:
         raise PayloadError("not a JSON object")
     if message.get("v") != PROTOCOL:
         raise PayloadError(f"unsupported protocol version {message.get('v')!r}")
-    if message.get("type") not in ("step", "hello", "settings"):
+    if message.get("type") not in ("step", "hello", "settings", "refused"):
         raise PayloadError(f"unknown message type {message.get('type')!r}")
     _job_name(message)
     return message
+
+
+def parse_memory(message: Mapping[str, Any]) -> MemoryReport | None:
+    """The optional ``memory`` object of a step message; raises PayloadError."""
+    memory = message.get("memory")
+    if memory is None:
+        return None
+    if not isinstance(memory, dict):
+        raise PayloadError("memory must be an object")
+    report = MemoryReport(
+        _integer(memory, "allocated_bytes"),
+        _integer(memory, "total_bytes"),
+        _integer(memory, "alloc_retries"),
+        _integer(memory, "ooms"),
+    )
+    if report.total_bytes == 0 or report.allocated_bytes > report.total_bytes:
+        raise PayloadError("memory.allocated_bytes must be within 0..total_bytes > 0")
+    return report
+
+
+def parse_hello(message: Mapping[str, Any]) -> tuple[int, tuple[str, ...] | None, int | None]:
+    """Rank, announced knobs (None when not said) and GPU index of a ``hello``."""
+    rank = _integer(message, "rank")
+    knobs = message.get("knobs")
+    if knobs is not None:
+        if not isinstance(knobs, list) or not all(k in KNOBS for k in knobs):
+            raise PayloadError(f"knobs must be a list of {', '.join(KNOBS)}, got {knobs!r}")
+        knobs = tuple(dict.fromkeys(knobs))
+    gpu = None if message.get("gpu") is None else _integer(message, "gpu")
+    return rank, knobs, gpu
 
 
 def parse_step(message: Mapping[str, Any]) -> StepReport:
@@ -150,6 +235,7 @@ def parse_step(message: Mapping[str, Any]) -> StepReport:
         comm_s=_number(message, "comm_s"),
         loss=_decode_loss(message.get("loss")),
         version=_integer(message, "version"),
+        memory=parse_memory(message),
     )
 
 
@@ -164,39 +250,84 @@ def parse_settings(message: Mapping[str, Any]) -> JobSettings:
 class JobReporter:
     """Client for training scripts: report steps, receive settings. Never blocks training.
 
+    ``knobs`` announces which knobs this rank applies live (the coordinator tunes only those);
+    ``gpu`` is the GPU index the rank runs on, where NVML cannot tell the agent.
+
     >>> reporter = JobReporter("llama-ft", rank=0)          # doctest: +SKIP
     >>> reporter.report_step(samples=32, step_s=0.41, compute_s=0.33, comm_s=0.08, loss=2.1)
     >>> new = reporter.poll_settings()                      # at an iteration boundary
     """
 
-    def __init__(self, job: str, rank: int = 0, socket_path: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        job: str,
+        rank: int = 0,
+        socket_path: Path | str | None = None,
+        knobs: Iterable[str] | None = None,
+        gpu: int | None = None,
+    ) -> None:
         if not job or len(job) > 64:
             raise ValueError("job must be a non-empty name of at most 64 characters")
         self.job = job
         self.rank = rank
+        self.knobs = None if knobs is None else tuple(knobs)
+        self.gpu = gpu
         self.agent_path = str(
             socket_path or os.environ.get("HYPERAGENT_JOB_SOCKET", DEFAULT_SOCKET)
         )
-        self._dir = tempfile.TemporaryDirectory(prefix="hyperagent-job-")
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(os.path.join(self._dir.name, "reporter.sock"))
-        self._sock.setblocking(False)
         self.applied: JobSettings | None = None
         self._pending: JobSettings | None = None
         self.dropped = 0
-        """Datagrams the agent could not take (absent, or its queue full)."""
-        self._send(encode_hello(job, rank))
+        """Messages the agent could not take (absent, refusing, or its queue full)."""
+        self.refused: str | None = None
+        """Why the agent last refused this rank, or None."""
+        self._sock: socket.socket | None = None
+        self._retry_at = 0.0
+        self._connect()
 
     @property
     def version(self) -> int:
         """The settings version the job runs with now (0 before the first)."""
         return self.applied.version if self.applied else 0
 
-    def _send(self, datagram: bytes) -> None:
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def _connect(self) -> None:
+        now = time.monotonic()
+        if self._sock is not None or now < self._retry_at:
+            return
+        self._retry_at = now + RECONNECT_S
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
         try:
-            self._sock.sendto(datagram, self.agent_path)
-        except (BlockingIOError, FileNotFoundError, ConnectionRefusedError, OSError):
+            sock.connect(self.agent_path)
+        except OSError:
+            sock.close()
+            return
+        self._sock = sock
+        self._send(encode_hello(self.job, self.rank, self.knobs, self.gpu))
+
+    def _disconnect(self, retry_after_s: float = RECONNECT_S) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._retry_at = time.monotonic() + retry_after_s
+
+    def _send(self, message: bytes) -> None:
+        self._connect()
+        if self._sock is None:
             self.dropped += 1
+            return
+        try:
+            self._sock.send(message)
+        except (BlockingIOError, InterruptedError):
+            self.dropped += 1
+        except OSError:
+            self.dropped += 1
+            self._receive()  # a refusal may wait there
+            self._disconnect(REFUSED_RETRY_S if self.refused else RECONNECT_S)
 
     def report_step(
         self,
@@ -205,10 +336,11 @@ class JobReporter:
         compute_s: float,
         comm_s: float,
         loss: float | None = None,
+        memory: MemoryReport | None = None,
     ) -> None:
         """Tell the agent one step finished; compute and communication are the exposed times."""
         step = StepReport(
-            self.job, self.rank, samples, step_s, compute_s, comm_s, loss, self.version
+            self.job, self.rank, samples, step_s, compute_s, comm_s, loss, self.version, memory
         )
         self._send(encode_step(step))
 
@@ -217,6 +349,7 @@ class JobReporter:
 
         Call at an iteration boundary and apply what it returns before the next step.
         """
+        self._connect()
         self._receive()
         pending, self._pending = self._pending, None
         if pending is None or pending.version <= self.version:
@@ -225,24 +358,36 @@ class JobReporter:
         return pending
 
     def _receive(self) -> None:
-        while True:
+        while self._sock is not None:
             try:
-                datagram = self._sock.recv(MAX_DATAGRAM)
+                packet = self._sock.recv(MAX_DATAGRAM)
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError:
+                self._disconnect()
+                return
+            if not packet:  # the agent closed the connection
+                self._disconnect(REFUSED_RETRY_S if self.refused else RECONNECT_S)
+                return
             try:
-                message = decode(datagram)
+                message = decode(packet)
+                if message["type"] == "refused":
+                    self.refused = f"{message.get('reason')}: {message.get('detail')}"
+                    log.warning(
+                        "hyperagent refused job %s rank %d: %s", self.job, self.rank, self.refused
+                    )
+                    continue
                 if message["type"] != "settings" or message["job"] != self.job:
                     continue
                 settings = parse_settings(message)
             except PayloadError:
                 continue
+            self.refused = None
             if self._pending is None or settings.version > self._pending.version:
                 self._pending = settings
 
     def close(self) -> None:
-        self._sock.close()
-        self._dir.cleanup()
+        self._disconnect()
 
     def __enter__(self) -> JobReporter:
         return self

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -57,7 +58,7 @@ class Harness:
             "settings": settings,
             "backend": {},
             "plan": None,
-            "issued_at": 1.0,
+            "issued_at": time.time(),
         }
         async with aiomqtt.Client("127.0.0.1", self.port) as client:
             online = bus.status_message(
@@ -104,7 +105,7 @@ async def test_settings_applied_acked_and_handed_to_the_job(harness: Harness) ->
     reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
     await until(lambda: "j" in harness.agent.job_source.jobs)  # type: ignore[union-attr]
     async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
-        await listener.subscribe(harness.topics.ack("j"), qos=1)
+        await listener.subscribe(harness.topics.ack("j", "n1"), qos=1)
         await harness.send(
             1, {"bucket_mb": 8, "chunk_kb": 256, "allreduce": "ring", "power_cap_w": 175}
         )

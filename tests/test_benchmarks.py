@@ -72,7 +72,7 @@ TOPICS = [
     "hyperagent/v1/c/node/gpu-1/telemetry",
     "hyperagent/v1/c/node/gpu-1/status",
     "hyperagent/v1/c/job/llama/settings",
-    "hyperagent/v1/c/job/llama/ack",
+    "hyperagent/v1/c/job/llama/ack/gpu-1",
     "hyperagent/v1/c/coordinator/status",
     "hyperagent/v1/other/node/gpu-1/telemetry",
     "hyperagent/v1/c",

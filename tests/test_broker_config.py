@@ -154,14 +154,33 @@ async def test_a_node_writes_only_its_own_topics(secure_broker: SecureBroker) ->
             await node.publish(t.telemetry("node-2"), b"impersonation", qos=1)
             await node.publish(t.settings("llama"), b"forged settings", qos=1)
             await node.publish(t.telemetry("node-1"), b"own telemetry", qos=1)
-            await node.publish(t.ack("llama"), b"own ack", qos=1)
+            await node.publish(t.ack("llama", "node-2"), b"another node's ack", qos=1)
+            await node.publish(t.report("llama", "node-2"), b"another node's report", qos=1)
+            await node.publish(t.coordinator_status(), b"coordinator impersonation", qos=1)
+            await node.publish(t.ack("llama", "node-1"), b"own ack", qos=1)
         got = []
         async with asyncio.timeout(10):
             async for message in coordinator.messages:
                 got.append((message.topic.value, message.payload))
                 if message.payload == b"own ack":
                     break
-    assert got == [(t.telemetry("node-1"), b"own telemetry"), (t.ack("llama"), b"own ack")]
+    assert got == [
+        (t.telemetry("node-1"), b"own telemetry"),
+        (t.ack("llama", "node-1"), b"own ack"),
+    ]
+
+
+async def test_the_coordinator_status_reaches_every_node(secure_broker: SecureBroker) -> None:
+    """The agents open their spool only when they see the coordinator online (the shipped ACL
+    once denied both the coordinator's publish and the nodes' read)."""
+    t = bus.Topics("prod")
+    async with secure_broker.client("coordinator") as coordinator:
+        await coordinator.publish(t.coordinator_status(), b"online", qos=1, retain=True)
+    async with secure_broker.client("node-1") as node:
+        await node.subscribe(t.coordinator_status(), qos=1)
+        async with asyncio.timeout(10):
+            message = await anext(aiter(node.messages))
+    assert message.payload == b"online"
 
 
 async def test_only_the_coordinator_writes_settings(secure_broker: SecureBroker) -> None:

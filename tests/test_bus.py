@@ -38,9 +38,13 @@ def test_topics() -> None:
     t = bus.Topics("prod")
     assert t.telemetry("n1") == "hyperagent/v1/prod/node/n1/telemetry"
     assert t.settings("j") == "hyperagent/v1/prod/job/j/settings"
-    assert t.name_in(t.ack("llama")) == "llama"
+    assert t.ack("llama", "n1") == "hyperagent/v1/prod/job/llama/ack/n1"
+    assert t.name_in(t.ack("llama", "n1")) == "llama"
+    assert t.sender_in(t.report("llama", "n1")) == "n1"
     with pytest.raises(PayloadError):
-        t.name_in("hyperagent/v1/other/job/j/ack")
+        t.name_in("hyperagent/v1/other/job/j/ack/n1")
+    with pytest.raises(PayloadError):
+        t.sender_in(t.settings("llama"))
 
 
 def test_sign_and_verify() -> None:
@@ -113,7 +117,7 @@ async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  #
                 await asyncio.sleep(0.01)
         assert [p for _, p in received] == [b"one", b"two"] and link.handler_errors == 2
         for i in range(5):
-            link.publish(topics.report("j"), f"r{i}".encode(), qos=1)
+            link.publish(topics.report("j", "n1"), f"r{i}".encode(), qos=1)
         assert await link.flush(10)
 
 

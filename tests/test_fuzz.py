@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,7 @@ def test_agent_never_crashes_on_settings(payload: bytes, tmp_path: Path) -> None
             "settings": {"bucket_mb": 8},
             "backend": {},
             "plan": None,
-            "issued_at": 1.0,
+            "issued_at": time.time(),
         },
         KEY,
     )
@@ -179,11 +180,11 @@ def test_coordinator_never_crashes_on_input(payload: bytes, topic: str, tmp_path
         "telemetry": coordinator._on_telemetry,
     }[topic]
     name = "j" if topic in ("ack", "report") else "n1"
-    path = getattr(TOPICS, topic)(name)
+    path = getattr(TOPICS, topic)(*((name, "n1") if topic in ("ack", "report") else (name,)))
     asyncio.run(handler(path, payload))
     coordinator.readings()  # /metrics still renders
     good = bus.encode({"job": "j", "node": "n1", "version": 3, "ok": True})
-    asyncio.run(coordinator._on_ack(TOPICS.ack("j"), good))
+    asyncio.run(coordinator._on_ack(TOPICS.ack("j", "n1"), good))
     assert "n1" in coordinator.jobs["j"].acks[3]
 
 

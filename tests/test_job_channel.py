@@ -1,17 +1,33 @@
-"""The job channel over a real unix datagram socket: reports in, settings out, bad input counted."""
+"""The job channel over a real unix seqpacket socket: reports in, settings out, bad input
+counted, peers authorised by their credentials, jobs bound to the user that claimed them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import os
+import shutil
 import socket
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hyperagent.errors import PayloadError
-from hyperagent.job import JobReporter, JobSettings, StepReport, decode, encode_step, parse_step
-from hyperagent.sources.job import JobSource
+from hyperagent.job import (
+    JobReporter,
+    JobSettings,
+    MemoryReport,
+    StepReport,
+    decode,
+    encode_hello,
+    encode_step,
+    parse_step,
+)
+from hyperagent.sources.job import JobSource, PeerPolicy, SocketInUse
 
 
 async def _until(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
@@ -89,7 +105,7 @@ async def test_reports_and_settings_over_the_socket(tmp_path: Path) -> None:
 
 
 async def test_a_burst_of_reports_from_many_ranks_is_counted_whole(tmp_path: Path) -> None:
-    """Eight ranks report at once (the kernel queues 10 datagrams): each wake-up takes them all."""
+    """Eight ranks report at once: each wake-up takes everything queued on each connection."""
     source = JobSource(tmp_path / "job.sock")
     await source.start()
     try:
@@ -116,10 +132,11 @@ async def test_garbage_is_counted_and_dropped(tmp_path: Path) -> None:
     source = JobSource(tmp_path / "job.sock")
     await source.start()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(str(tmp_path / "job.sock"))
             for garbage in (b"\xff\xfe", b"{}", b'{"v":1,"type":"settings","job":"x"}'):
-                s.sendto(garbage, str(tmp_path / "job.sock"))
-        await _until(lambda: source.invalid == 3)
+                s.send(garbage)
+            await _until(lambda: source.invalid == 3)
         reporter = JobReporter("ok", socket_path=tmp_path / "job.sock")
         reporter.report_step(samples=1, step_s=0.1, compute_s=0.1, comm_s=0.0)
         await _until(lambda: "ok" in source.jobs and source.jobs["ok"].steps == 1)
@@ -132,5 +149,213 @@ def test_reporter_without_agent_never_blocks(tmp_path: Path) -> None:
     with JobReporter("alone", socket_path=tmp_path / "nobody.sock") as reporter:
         for _ in range(100):
             reporter.report_step(samples=1, step_s=0.1, compute_s=0.1, comm_s=0.0)
-        assert reporter.dropped == 101  # hello + 100 steps
+        assert reporter.dropped == 100  # the hello goes out on each connection, none here
         assert reporter.poll_settings() is None
+
+
+# -- peers of other users (these run a rank as another uid through setpriv: root only) -----
+
+NOBODY = 65534
+REPO = Path(__file__).resolve().parents[1]
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs a rank as another user")
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A socket directory other users can reach (pytest's tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="hyperagent-job-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+RANK_AS_OTHER_USER = """
+import sys, time
+from hyperagent.job import JobReporter
+reporter = JobReporter(sys.argv[2], rank=0, socket_path=sys.argv[1])
+deadline = time.monotonic() + 10
+version = 0
+while time.monotonic() < deadline and reporter.refused is None and version == 0:
+    reporter.report_step(samples=4, step_s=0.1, compute_s=0.08, comm_s=0.02)
+    settings = reporter.poll_settings()
+    version = settings.version if settings else 0
+    time.sleep(0.02)
+print(reporter.refused or f"settings v{version}")
+"""
+
+
+async def _rank_as(uid: int, socket_path: Path, job: str) -> str:
+    """Run a rank of ``job`` as ``uid``; what it was told (refusal or settings version)."""
+    process = await asyncio.create_subprocess_exec(
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--",
+        sys.executable,
+        "-c",
+        RANK_AS_OTHER_USER,
+        str(socket_path),
+        job,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    async with asyncio.timeout(30):
+        out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    return out.decode().strip()
+
+
+@needs_root
+async def test_a_user_outside_the_policy_is_refused_and_counted(shared_dir: Path) -> None:
+    source = JobSource(shared_dir / "job.sock")
+    await source.start()
+    try:
+        told = await _rank_as(NOBODY, shared_dir / "job.sock", "train")
+        assert told.startswith("unauthorised"), told
+        assert "train" not in source.jobs and source.refused["unauthorised"] >= 1
+        counted = {
+            r.labels.get("reason"): r.value
+            for r in await source.read()
+            if r.name == "hyperagent_job_refused_total"
+        }
+        assert counted["unauthorised"] >= 1
+    finally:
+        await source.close()
+
+
+@needs_root
+async def test_a_job_id_belongs_to_the_user_that_claimed_it(shared_dir: Path) -> None:
+    source = JobSource(shared_dir / "job.sock", PeerPolicy(users=frozenset({NOBODY})))
+    await source.start()
+    try:
+        owner = JobReporter("train", rank=0, socket_path=shared_dir / "job.sock")
+        owner.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+        await _until(lambda: "train" in source.jobs and source.jobs["train"].steps == 1)
+        source.send_settings("train", JobSettings(3, {"bucket_mb": 8}))
+
+        told = await _rank_as(NOBODY, shared_dir / "job.sock", "train")
+        assert told.startswith("job_claimed"), told
+        assert source.jobs["train"].steps == 1  # nothing it sent was counted
+        # the same user may run a job of its own
+        assert await _rank_as(NOBODY, shared_dir / "job.sock", "its-own") == "settings v0"
+        assert "its-own" in source.jobs and source.jobs["its-own"].owner == NOBODY
+        owner.close()
+    finally:
+        await source.close()
+
+
+async def test_one_connection_cannot_report_for_another_job(tmp_path: Path) -> None:
+    source = JobSource(tmp_path / "job.sock")
+    await source.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(str(tmp_path / "job.sock"))
+            s.send(encode_hello("mine", 0))
+            await _until(lambda: source.attached("mine") == 1)
+            s.send(encode_step(StepReport("theirs", 0, 32, 0.5, 0.4, 0.1, 1.0, 0)))
+            s.send(encode_step(StepReport("mine", 0, 32, 0.5, 0.4, 0.1, 1.0, 0)))
+            await _until(lambda: source.jobs["mine"].steps == 1)
+        assert "theirs" not in source.jobs and source.refused["not_claimed"] == 1
+    finally:
+        await source.close()
+
+
+async def test_jobs_and_ranks_are_bounded(tmp_path: Path) -> None:
+    policy = PeerPolicy(max_jobs=2, max_ranks=2)
+    source = JobSource(tmp_path / "job.sock", policy)
+    await source.start()
+    path = tmp_path / "job.sock"
+    try:
+        ranks = [JobReporter("a", rank=r, socket_path=path) for r in range(3)]
+        others = [JobReporter(job, socket_path=path) for job in ("b", "c")]
+        await _until(
+            lambda: source.refused["too_many_ranks"] == 1 and source.refused["too_many_jobs"] == 1
+        )
+        assert source.attached("a") == 2 and source.attached("b") == 1 and "c" not in source.jobs
+        await _until(lambda: ranks[2].poll_settings() is None and ranks[2].refused is not None)
+        assert ranks[2].refused.startswith("too_many_ranks")
+        for reporter in (*ranks, *others):
+            reporter.close()
+    finally:
+        await source.close()
+
+
+async def test_a_live_socket_is_never_taken_over(tmp_path: Path) -> None:
+    path = tmp_path / "job.sock"
+    first = JobSource(path)
+    await first.start()
+    try:
+        with pytest.raises(SocketInUse, match="another hyperagent agent"):
+            await JobSource(path).start()
+        second = JobSource(path)
+        with contextlib.suppress(SocketInUse):
+            await second.start()
+        await second.close()  # a refused source leaves the live socket alone
+        reporter = JobReporter("still", socket_path=path)
+        reporter.report_step(samples=1, step_s=0.1, compute_s=0.1, comm_s=0.0)
+        await _until(lambda: "still" in first.jobs and first.jobs["still"].steps == 1)
+        reporter.close()
+    finally:
+        await first.close()
+    # a socket left by a process that is gone is replaced
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
+        stale.bind(str(path))
+    again = JobSource(path)
+    await again.start()
+    await again.close()
+
+
+async def test_settings_that_do_not_reach_a_rank_are_counted_as_undelivered(
+    tmp_path: Path,
+) -> None:
+    source = JobSource(tmp_path / "job.sock")
+    await source.start()
+    try:
+        reading = JobReporter("j", rank=0, socket_path=tmp_path / "job.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stuck:
+            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stuck.connect(str(tmp_path / "job.sock"))
+            stuck.send(encode_hello("j", 1))  # a rank that never reads what it is sent
+            await _until(lambda: source.attached("j") == 2)
+            big = {"bucket_mb": 8, "note": "x" * 8000}
+            delivered = []
+            for version in range(1, 200):
+                delivered.append(source.send_settings("j", JobSettings(version, big)))
+                reading.poll_settings()  # this rank keeps up
+            assert delivered[0] == 2 and min(delivered) == 1  # the stuck rank's buffer filled
+            assert source.attached("j") == 2
+        reading.close()
+    finally:
+        await source.close()
+
+
+async def test_memory_reports_become_readings(tmp_path: Path) -> None:
+    source = JobSource(tmp_path / "job.sock")
+    await source.start()
+    try:
+        reporters = [JobReporter("m", rank=r, socket_path=tmp_path / "job.sock") for r in (0, 1)]
+        for rank, reporter in enumerate(reporters):
+            memory = MemoryReport(int((0.5 + 0.25 * rank) * 2**30), 2**30, 3 + rank, rank)
+            reporter.report_step(samples=1, step_s=0.1, compute_s=0.1, comm_s=0.0, memory=memory)
+        await _until(lambda: "m" in source.jobs and source.jobs["m"].steps == 2)
+        readings = {r.name: r.value for r in await source.read() if r.labels.get("job_id") == "m"}
+        assert readings["hyperagent_job_gpu_memory_allocated_ratio"] == 0.75
+        assert readings["hyperagent_job_alloc_retries_total"] == 7
+        assert readings["hyperagent_job_oom_total"] == 1
+        with pytest.raises(PayloadError, match="memory"):
+            parse_step(
+                decode(
+                    b'{"v":1,"type":"step","job":"m","rank":0,"samples":1,'
+                    b'"step_s":1,"compute_s":1,"comm_s":0,"version":0,'
+                    b'"memory":{"allocated_bytes":9,"total_bytes":4,'
+                    b'"alloc_retries":0,"ooms":0}}'
+                )
+            )
+        for reporter in reporters:
+            reporter.close()
+    finally:
+        await source.close()

@@ -177,12 +177,14 @@ async def replayed_node(workdir: Path) -> AsyncIterator[Agent]:
             await task
 
 
-def panel_queries(instances: list[str]) -> list[tuple[str, str]]:
+def panel_queries(
+    instances: list[str], cluster: str = CLUSTER, job_id: str = JOB
+) -> list[tuple[str, str]]:
     """(dashboard and panel title, PromQL) of every target, template variables filled in."""
     values = {
-        "cluster": CLUSTER,
+        "cluster": cluster,
         "instance": "|".join(instances),
-        "job_id": JOB,
+        "job_id": job_id,
         "__rate_interval": RATE_INTERVAL,
     }
     out = []
@@ -195,7 +197,7 @@ def panel_queries(instances: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def variable_queries() -> list[tuple[str, str, str]]:
+def variable_queries(cluster: str = CLUSTER) -> list[tuple[str, str, str]]:
     """(variable, metric selector, label) of every label_values() template variable."""
     out = []
     for path in DASHBOARDS:
@@ -203,7 +205,7 @@ def variable_queries() -> list[tuple[str, str, str]]:
             if variable["type"] == "query":
                 match = re.fullmatch(r"label_values\((.+), *(\w+)\)", variable["query"])
                 assert match, variable["query"]
-                selector = match.group(1).replace("$cluster", CLUSTER)
+                selector = match.group(1).replace("$cluster", cluster)
                 out.append((variable["name"], selector, match.group(2)))
     return out
 

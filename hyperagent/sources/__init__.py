@@ -21,7 +21,7 @@ from hyperagent.replay import (
 from hyperagent.sources import ipmi, pdu, rdma
 from hyperagent.sources.base import Source
 from hyperagent.sources.host import HostSource
-from hyperagent.sources.job import JobSource
+from hyperagent.sources.job import JobSource, PeerPolicy
 from hyperagent.sources.nvml import NvmlSource
 
 
@@ -108,12 +108,25 @@ def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
     return list(pdu.pdu_sources(targets, timeout_s=c.timeout_s, retries=c.retries))
 
 
+def job_source(config: Config) -> JobSource:
+    """The job channel as ``sources.job`` configures it."""
+    job = config.sources.job
+    policy = PeerPolicy.resolve(
+        job.allowed_users,
+        job.allowed_groups,
+        max_jobs=job.max_jobs,
+        max_ranks=job.max_ranks,
+        release_after_s=job.release_after_s,
+    )
+    return JobSource(job.socket, policy)
+
+
 SOURCES: dict[str, SourceFactory] = {
     "nvml": lambda config, hw: [
         NvmlSource(hw.nvml, health_interval_s=config.sources.nvml.health_interval_s)
     ],
     "host": lambda config, hw: [HostSource()],
-    "job": lambda config, hw: [JobSource(config.sources.job.socket)],
+    "job": lambda config, hw: [job_source(config)],
     "ipmi": ipmi_sources,
     "rdma": rdma_sources,
     "pdu": pdu_sources,

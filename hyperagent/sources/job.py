@@ -1,26 +1,120 @@
-"""The agent's side of the job channel: step reports in (as readings), settings out."""
+"""The agent's side of the job channel: step reports in (as readings), settings out.
+
+Ranks connect to a unix ``SOCK_SEQPACKET`` socket (one message per packet) and the agent
+answers on the same connection. Who may connect is decided per peer from SO_PEERCRED: the
+agent's own user, the users of ``allowed_users`` and members of ``allowed_groups`` (primary or
+supplementary group, from the user database). The first peer that says hello for a job id
+binds it to its uid; nobody else can report for that job while any of its ranks is connected
+(and for ``release_after_s`` after the last one left). Jobs and ranks are bounded. Refusals are
+answered with a reason, counted and logged once per reason.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import math
 import os
+import pwd
 import socket
-from collections.abc import Callable
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hyperagent import job as protocol
-from hyperagent.errors import PayloadError, SourceUnavailable
+from hyperagent.errors import ConfigError, ConfigProblem, PayloadError, SourceUnavailable
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.readings import Kind, Reading
 
 log = logging.getLogger(__name__)
 
 StepListener = Callable[[StepReport], None]
+
+BATCH = 1000
+"""Packets or connections taken per wake-up at most (the rest wait for the next turn)."""
+
+_PEERCRED = struct.Struct("3i")
+
+REFUSALS = (
+    "unauthorised",
+    "job_claimed",
+    "not_claimed",
+    "too_many_jobs",
+    "too_many_ranks",
+    "too_many_connections",
+)
+"""Why a peer or a message was refused (``hyperagent_job_refused_total{reason}``)."""
+
+
+class SocketInUse(ConfigError):
+    """Another live process (an agent or a recorder) listens on the job socket."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__([ConfigProblem("sources.job.socket", reason)])
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    """Who may use the job channel besides the agent's own user."""
+
+    users: frozenset[int] = frozenset()
+    groups: frozenset[int] = frozenset()
+    max_jobs: int = 16
+    max_ranks: int = 64
+    release_after_s: float = 600.0
+
+    @classmethod
+    def resolve(
+        cls,
+        users: Iterable[str | int] = (),
+        groups: Iterable[str | int] = (),
+        **limits: float,
+    ) -> PeerPolicy:
+        """Names are looked up now; one that does not exist is logged and ignored (a group
+        created later is picked up at the next start)."""
+        uids, gids = set(), set()
+        for user in users:
+            try:
+                uids.add(user if isinstance(user, int) else pwd.getpwnam(user).pw_uid)
+            except KeyError:
+                log.warning("sources.job.allowed_users: no user %r on this host", user)
+        for group in groups:
+            try:
+                gids.add(group if isinstance(group, int) else grp.getgrnam(group).gr_gid)
+            except KeyError:
+                log.warning("sources.job.allowed_groups: no group %r on this host", group)
+        return cls(frozenset(uids), frozenset(gids), **limits)  # type: ignore[arg-type]
+
+    def allows(self, uid: int, gid: int) -> bool:
+        if uid == os.geteuid() or uid in self.users or gid in self.groups:
+            return True
+        if not self.groups:
+            return False
+        try:
+            user = pwd.getpwuid(uid)
+        except KeyError:
+            return False
+        return not self.groups.isdisjoint(os.getgrouplist(user.pw_name, user.pw_gid))
+
+
+@dataclass
+class Peer:
+    """One connected rank."""
+
+    conn: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    job: str | None = None
+    rank: int = 0
+    knobs: tuple[str, ...] | None = None
+    gpu: int | None = None
+    memory: protocol.MemoryReport | None = None
 
 
 @dataclass
@@ -35,8 +129,18 @@ class JobTotals:
     nonfinite_losses: int = 0
     loss: float | None = None
     version: int = 0
-    reporters: dict[int, Any] = field(default_factory=dict)
-    """rank -> the reporter's socket address, where settings go."""
+    owner: int | None = None
+    """The uid the job id is bound to."""
+    ranks: dict[int, Peer] = field(default_factory=dict)
+    """rank -> its live connection, where settings go."""
+    left_at: float = 0.0
+    """Monotonic time the last rank disconnected."""
+    alloc_retries: dict[int, int] = field(default_factory=dict)
+    ooms: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def reporters(self) -> dict[int, Peer]:
+        return self.ranks
 
     def add(self, step: StepReport) -> None:
         self.steps += 1
@@ -49,117 +153,285 @@ class JobTotals:
                 self.loss = step.loss
             else:
                 self.nonfinite_losses += 1
+        if step.memory is not None:
+            self.alloc_retries[step.rank] = step.memory.alloc_retries
+            self.ooms[step.rank] = step.memory.ooms
 
-
-BATCH = 1000
-"""Datagrams taken per wake-up at most (the rest wait for the next turn of the event loop).
-Each wake-up takes everything queued: the kernel queues only ``net.unix.max_dgram_qlen``
-datagrams (10 by default) before the ranks' non-blocking sends fail."""
+    def knobs(self) -> tuple[str, ...] | None:
+        """The knobs every connected rank applies (None when no rank said)."""
+        said = [p.knobs for p in self.ranks.values() if p.knobs is not None]
+        if not said:
+            return None
+        return tuple(k for k in said[0] if all(k in other for other in said[1:]))
 
 
 class JobSource:
-    """Listens on a unix datagram socket for the training job's reports.
+    """Listens on a unix seqpacket socket for the training job's ranks.
 
     Readings are running totals per job; listeners see every valid step as it arrives (the
-    agent's trial measurement uses this). Invalid datagrams are counted and dropped.
+    agent's trial measurement uses this). Invalid messages and refused peers are counted.
     """
 
     name = "job"
 
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, policy: PeerPolicy | None = None) -> None:
         self.socket_path = socket_path
         self.target = str(socket_path)
+        self.policy = policy or PeerPolicy()
         self.jobs: dict[str, JobTotals] = {}
         self.invalid = 0
+        self.refused: Counter[str] = Counter()
         self.listeners: list[StepListener] = []
+        self.peers: dict[int, Peer] = {}
+        """fd -> connected peer."""
         self._sock: socket.socket | None = None
         self._last_settings: dict[str, JobSettings] = {}
-        self._invalid_reasons: set[str] = set()
+        self._logged: set[str] = set()
+
+    # -- listening -----------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Listen; raises SocketInUse when a live process already listens on the path."""
+        if self._sock is not None:
+            return
         path = self.socket_path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                if path.is_socket():
-                    path.unlink()
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            if path.is_socket():
+                self._refuse_takeover(path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             sock.bind(str(path))
-            os.chmod(path, 0o666)
+            os.chmod(path, 0o666)  # peers are authorised by SO_PEERCRED, not by file mode
+            sock.listen(256)
         except OSError as e:
             raise SourceUnavailable(f"cannot listen on {path}: {e}") from e
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         sock.setblocking(False)
         self._sock = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
 
-    def _readable(self) -> None:
-        sock = self._sock
-        if sock is None:
+    @staticmethod
+    def _refuse_takeover(path: Path) -> None:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink()  # left by a process that is gone
+            return
+        except OSError as e:
+            if e.errno in (111,):
+                path.unlink()
+                return
+            raise SocketInUse(f"{path}: {e.strerror}; is another agent running?") from e
+        finally:
+            probe.close()
+        raise SocketInUse(
+            f"another hyperagent agent (or recorder) listens on {path}; stop it first "
+            "(systemctl stop hyperagent-agent) or give this one its own sources.job.socket"
+        )
+
+    def _accept(self) -> None:
+        listener = self._sock
+        if listener is None:
             return
         for _ in range(BATCH):
             try:
-                data, addr = sock.recvfrom(protocol.MAX_DATAGRAM)
+                conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
-                break
+                return
             except OSError as e:
                 log.warning("job socket %s: %s", self.socket_path, e)
-                break
-            self.receive(data, addr)
+                return
+            conn.setblocking(False)
+            pid, uid, gid = _PEERCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+            peer = Peer(conn, pid, uid, gid)
+            if not self.policy.allows(uid, gid):
+                self._refuse(peer, "unauthorised", f"uid {uid} gid {gid} may not report jobs")
+                continue
+            if len(self.peers) >= 2 * self.policy.max_jobs * self.policy.max_ranks:
+                # ranks that said hello are bounded per job; this bounds the ones that did not
+                self._refuse(peer, "too_many_connections", f"{len(self.peers)} connected")
+                continue
+            self.peers[conn.fileno()] = peer
+            asyncio.get_running_loop().add_reader(conn.fileno(), self._readable, peer)
 
-    def receive(self, data: bytes, addr: Any) -> None:
-        """Handle one datagram (public for tests and replays)."""
+    def _refuse(self, peer: Peer, reason: str, detail: str) -> None:
+        self.refused[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning(
+                "job channel: refused pid %d uid %d (%s): %s", peer.pid, peer.uid, reason, detail
+            )
+        with contextlib.suppress(OSError):
+            peer.conn.send(protocol.encode_refused(reason, detail))
+        self._drop(peer)
+
+    def _drop(self, peer: Peer) -> None:
+        fd = peer.conn.fileno()
+        if fd >= 0 and self.peers.get(fd) is peer:
+            del self.peers[fd]
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(fd)
+        peer.conn.close()
+        if peer.job is not None:
+            totals = self.jobs.get(peer.job)
+            if totals is not None and totals.ranks.get(peer.rank) is peer:
+                del totals.ranks[peer.rank]
+                if not totals.ranks:
+                    totals.left_at = time.monotonic()
+
+    def _readable(self, peer: Peer) -> None:
+        for _ in range(BATCH):
+            try:
+                packet = peer.conn.recv(protocol.MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(peer)
+                return
+            if not packet:
+                self._drop(peer)
+                return
+            self.receive(packet, peer)
+            if peer.conn.fileno() < 0:
+                return
+
+    # -- messages ------------------------------------------------------------------------
+
+    def receive(self, data: bytes, peer: Peer) -> None:
+        """Handle one message of ``peer`` (public for tests)."""
         try:
             message = protocol.decode(data)
-            if message["type"] == "settings":
-                raise PayloadError("settings flow from the agent to the job, not back")
-            totals = self.jobs.setdefault(message["job"], JobTotals())
-            if message["type"] == "step":
-                step = protocol.parse_step(message)
-            else:
-                step = None
+            kind = message["type"]
+            if kind in ("settings", "refused"):
+                raise PayloadError(f"{kind} flows from the agent to the job, not back")
+            if kind == "hello":
+                self._hello(peer, message["job"], *protocol.parse_hello(message))
+                return
+            step = protocol.parse_step(message)
         except PayloadError as e:
             self.invalid += 1
             reason = str(e).split(":")[0]
-            if reason not in self._invalid_reasons:
-                self._invalid_reasons.add(reason)
+            if reason not in self._logged:
+                self._logged.add(reason)
                 log.warning("dropped an invalid job report: %s", e)
             return
-        rank = step.rank if step else int(message.get("rank", 0) or 0)
-        if addr:
-            is_new = totals.reporters.get(rank) != addr
-            totals.reporters[rank] = addr
-            known = self._last_settings.get(message["job"])
-            if is_new and known is not None:
-                self._send(addr, message["job"], known)
-        if step is None:
+        if peer.job is None:
+            self._hello(peer, step.job, step.rank, None, None)
+            if peer.job is None:
+                return
+        if step.job != peer.job or step.rank != peer.rank:
+            self.refused["not_claimed"] += 1
+            if "not_claimed" not in self._logged:
+                self._logged.add("not_claimed")
+                log.warning(
+                    "job channel: pid %d (job %s rank %d) reported for job %s rank %d; dropped",
+                    peer.pid,
+                    peer.job,
+                    peer.rank,
+                    step.job,
+                    step.rank,
+                )
             return
+        if step.memory is not None:
+            peer.memory = step.memory
+        totals = self.jobs[step.job]
         totals.add(step)
         for listener in self.listeners:
             listener(step)
 
-    def send_settings(self, job: str, settings: JobSettings) -> int:
-        """Hand settings to every reporter of ``job``; returns how many received them.
+    def _hello(
+        self, peer: Peer, job: str, rank: int, knobs: tuple[str, ...] | None, gpu: int | None
+    ) -> None:
+        if peer.job is not None and (peer.job, peer.rank) != (job, rank):
+            self._refuse(peer, "not_claimed", f"connection is job {peer.job} rank {peer.rank}")
+            return
+        totals = self.jobs.get(job)
+        if totals is None:
+            self._forget_idle_jobs()
+            if len(self.jobs) >= self.policy.max_jobs:
+                self._refuse(peer, "too_many_jobs", f"{len(self.jobs)} jobs known")
+                return
+            totals = self.jobs[job] = JobTotals()
+        if totals.owner is None or (not totals.ranks and self._released(totals)):
+            totals.owner = peer.uid
+        elif totals.owner != peer.uid:
+            self._refuse(peer, "job_claimed", f"job {job} belongs to uid {totals.owner}")
+            return
+        if rank not in totals.ranks and len(totals.ranks) >= self.policy.max_ranks:
+            self._refuse(peer, "too_many_ranks", f"job {job} has {len(totals.ranks)} ranks")
+            return
+        previous = totals.ranks.get(rank)
+        if previous is not None and previous is not peer:
+            self._drop(previous)  # the rank restarted; its new connection replaces the old
+        peer.job, peer.rank, peer.knobs, peer.gpu = job, rank, knobs, gpu
+        totals.ranks[rank] = peer
+        known = self._last_settings.get(job)
+        if known is not None:
+            self._send(peer, job, known)
 
-        The latest settings are remembered and handed to reporters that attach later.
+    def _released(self, totals: JobTotals) -> bool:
+        return time.monotonic() - totals.left_at >= self.policy.release_after_s
+
+    def _forget_idle_jobs(self) -> None:
+        for job in [j for j, t in self.jobs.items() if not t.ranks and self._released(t)]:
+            del self.jobs[job]
+            self._last_settings.pop(job, None)
+
+    # -- settings out --------------------------------------------------------------------
+
+    def attached(self, job: str) -> int:
+        """How many ranks of ``job`` are connected."""
+        totals = self.jobs.get(job)
+        return len(totals.ranks) if totals else 0
+
+    def send_settings(self, job: str, settings: JobSettings) -> int:
+        """Hand settings to every connected rank of ``job``; returns how many received them.
+
+        The latest settings are remembered and handed to ranks that attach later.
         """
         self._last_settings[job] = settings
         totals = self.jobs.setdefault(job, JobTotals())
         totals.version = settings.version
-        return sum(self._send(addr, job, settings) for addr in list(totals.reporters.values()))
+        return sum(self._send(peer, job, settings) for peer in list(totals.ranks.values()))
 
-    def _send(self, addr: Any, job: str, settings: JobSettings) -> bool:
-        if self._sock is None:
-            return False
+    def _send(self, peer: Peer, job: str, settings: JobSettings) -> bool:
         try:
-            self._sock.sendto(protocol.encode_settings(job, settings), addr)
+            peer.conn.send(protocol.encode_settings(job, settings))
         except OSError as e:
-            log.info("settings for %s not delivered to %s: %s", job, addr, e)
+            log.warning(
+                "settings v%d for %s not delivered to rank %d (pid %d): %s",
+                settings.version,
+                job,
+                peer.rank,
+                peer.pid,
+                e,
+            )
             return False
         return True
 
+    def job_pids(self) -> dict[int, str]:
+        """pid -> job id of every connected rank."""
+        return {p.pid: p.job for p in self.peers.values() if p.job is not None}
+
+    def declared_gpus(self) -> dict[int, str]:
+        """GPU index -> job id, as ranks declared them in their hello."""
+        return {p.gpu: p.job for p in self.peers.values() if p.job and p.gpu is not None}
+
+    # -- readings ------------------------------------------------------------------------
+
     async def read(self) -> list[Reading]:
         out = [Reading("hyperagent_job_invalid_reports_total", self.invalid, {}, Kind.COUNTER)]
+        for reason in REFUSALS:
+            out.append(
+                Reading(
+                    "hyperagent_job_refused_total",
+                    self.refused.get(reason, 0),
+                    {"reason": reason},
+                    Kind.COUNTER,
+                )
+            )
         for job, t in self.jobs.items():
             labels = {"job_id": job}
             out += [
@@ -174,15 +446,36 @@ class JobSource:
                     "hyperagent_job_nonfinite_loss_total", t.nonfinite_losses, labels, Kind.COUNTER
                 ),
                 Reading("hyperagent_job_settings_version", t.version, labels),
+                Reading("hyperagent_job_ranks", len(t.ranks), labels),
             ]
             if t.loss is not None:
                 out.append(Reading("hyperagent_job_loss", t.loss, labels))
+            memory = [p.memory for p in t.ranks.values() if p.memory is not None]
+            if memory:
+                out.append(
+                    Reading(
+                        "hyperagent_job_gpu_memory_allocated_ratio",
+                        max(m.allocated_ratio for m in memory),
+                        labels,
+                    )
+                )
+            out += [  # from 0, so that increase() sees a job's first retry or OOM
+                Reading(
+                    "hyperagent_job_alloc_retries_total",
+                    sum(t.alloc_retries.values()),
+                    labels,
+                    Kind.COUNTER,
+                ),
+                Reading("hyperagent_job_oom_total", sum(t.ooms.values()), labels, Kind.COUNTER),
+            ]
         return out
 
     async def close(self) -> None:
+        for peer in list(self.peers.values()):
+            self._drop(peer)
         if self._sock is not None:
             asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
-        with contextlib.suppress(OSError):
-            self.socket_path.unlink()
+            with contextlib.suppress(OSError):
+                self.socket_path.unlink()

@@ -1,0 +1,163 @@
+"""The closed loop as deployed: a cluster of network namespaces installed from the shipped files
+(tests/cluster/harness.py), each daemon as its own unprivileged user, the job as another."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from cluster.harness import (
+    NODES,
+    OTHER_USER,
+    Cluster,
+    Unavailable,
+    check_host,
+    metric_values,
+    new_root,
+)
+from test_prometheus_e2e import panel_queries, variable_queries
+
+JOB = "llama-ft"
+TORCH_NODE = NODES[0]
+UNCAPPED_W = 700.0
+"""The replayed H200's power limit."""
+MAX_CAP_W = 400.0
+"""The top of the shipped job's power_limits_w."""
+PLUMBING = {"no_ack", "timeout", "lost_nodes", "refused"}
+"""Trial outcomes that mean the loop's plumbing failed, not the settings."""
+NOT_HERE = {
+    "XID errors": "no XID happens on replayed GPUs, so the counter has no series",
+}
+"""Panels that do not apply to the harness's nodes, and why."""
+
+
+def until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def deployed() -> Iterator[Cluster]:
+    try:
+        check_host()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    root = new_root()  # not under pytest's 0700 directories: the job users write logs there
+    with Cluster(root) as c:
+        c.start(torch_node=TORCH_NODE)
+        yield c
+    print(f"cluster logs: {c.logs}")
+
+
+def trials(c: Cluster) -> list[dict[str, Any]]:
+    return [e for e in c.journal() if e.get("type") == "trial"]
+
+
+def agent_metric(c: Cluster, key: str, name: str) -> list[tuple[dict[str, str], float]]:
+    return metric_values(c.metrics(key), name)
+
+
+def power_limits(c: Cluster, key: str) -> set[float]:
+    return {v for _, v in agent_metric(c, key, "hyperagent_gpu_power_limit_watts")}
+
+
+@pytest.mark.timeout(900)
+def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
+    c = deployed
+    n1, n2, n3 = c.node_keys
+    mallory_log = c.start_job(n2, user=OTHER_USER, name="job-mallory")
+
+    until(lambda: len([t for t in trials(c) if t["status"] == "ok"]) >= 3, 240, "3 trials")
+
+    # a user outside sources.job.allowed_groups is refused and counted
+    refused = until(
+        lambda: [
+            v
+            for labels, v in agent_metric(c, n2, "hyperagent_job_refused_total")
+            if labels["reason"] == "unauthorised" and v >= 1
+        ],
+        30,
+        "the other user's refusal on /metrics",
+    )
+    assert refused
+    assert any("refused" in e for e in c.node_log(n2, mallory_log.name))
+
+    # coordinator blip: its last will restores the caps, its return applies them again
+    c.kill("coordinator")
+    for key in c.node_keys:
+        until(
+            lambda key=key: "coordinator offline: restored" in c.agent_log(key),
+            60,
+            f"{key} restoring the power limits",
+        )
+    for key in c.node_keys:
+        until(lambda key=key: power_limits(c, key) == {UNCAPPED_W}, 30, f"{key} uncapped")
+    c.start_coordinator()
+    for key in c.node_keys:
+        until(
+            lambda key=key: "coordinator online: applying" in c.agent_log(key),
+            60,
+            f"{key} applying the current settings again",
+        )
+        until(lambda key=key: max(power_limits(c, key)) <= MAX_CAP_W, 30, f"{key} capped again")
+
+    # a 30 s broker outage during a trial, with the shipped timeouts
+    before = len(trials(c))
+    until(
+        lambda: (
+            c.journal()[-1].get("type") == "published" and c.journal()[-1].get("trial") is not None
+        ),
+        60,
+        "a trial in flight",
+    )
+    c.kill("mosquitto")
+    time.sleep(30)
+    c.start_broker()
+    until(lambda: len(trials(c)) >= before + 3, 300, "3 trials after the outage")
+    until(lambda: len([t for t in trials(c) if t["status"] == "ok"]) >= 8, 300, "8 trials")
+
+    done = trials(c)
+    statuses = [t["status"] for t in done]
+    assert not PLUMBING & set(statuses), statuses
+    assert all(len(t["reports"]) == len(NODES) for t in done if t["status"] == "ok"), done
+
+    # the job runs as another user and received every settings version published after it began
+    published = [e["version"] for e in c.journal() if e.get("type") == "published"]
+    for key in (n2, n3):
+        log = c.node_log(key, "job-ha-train-0.jsonl")
+        received = [e["received"] for e in log if "received" in e]
+        assert received and received == [v for v in published if v >= received[0]], (
+            key,
+            received,
+            published,
+        )
+    torch_versions = {e["version"] for e in c.node_log(n1, "torch-0.jsonl")}
+    assert {v for v in published[-3:]} - torch_versions <= {published[-1]}, (
+        torch_versions,
+        published,
+    )
+
+    # Prometheus, scraping across namespaces: every node, the coordinator, no alert firing
+    instances = [f"{c.hosts[k].name}:10478" for k in c.node_keys]
+    up = {s["metric"]["instance"]: s["value"][1] for s in c.query('up{job="hyperagent"}')}
+    assert up == {i: "1" for i in instances}
+    gpus = c.query("count by (instance) (hyperagent_gpu_power_watts)")
+    assert {s["metric"]["instance"] for s in gpus} == set(instances)
+    assert c.query('ALERTS{alertstate="firing"}') == []
+
+    missing = {}
+    for where, expr in panel_queries(instances, cluster="prod", job_id=JOB):
+        if any(title in where for title in NOT_HERE):
+            continue
+        if not c.query(expr):
+            missing[where] = expr
+    assert not missing, f"panels without data on the harness: {missing}"
+    for name, selector, _ in variable_queries(cluster="prod"):
+        assert c.query(selector), (name, selector)
