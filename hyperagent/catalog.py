@@ -19,6 +19,11 @@ _CORE: dict[str, str] = {
     "hyperagent_host_memory_available_bytes": "Memory available without swapping.",
     "hyperagent_host_swap_used_bytes": "Swap space in use.",
     "hyperagent_host_swap_total_bytes": "Swap space configured.",
+    "hyperagent_host_swap_pages_total": "Pages swapped in or out since boot (/proc/vmstat).",
+    "hyperagent_host_memory_pressure_stall_seconds_total": (
+        "Time some task (some) or every non-idle task (full) stalled waiting for memory"
+        " (/proc/pressure/memory)."
+    ),
     "hyperagent_host_numa_balancing_mode": (
         "kernel.numa_balancing: 0 off, 1 automatic NUMA migration, 2 memory tiering."
     ),
@@ -38,7 +43,8 @@ _CORE: dict[str, str] = {
     "hyperagent_qu_ratio": "Quantum utilisation: sum(q_i u_i) / sum(q_i) over the GPUs.",
     "hyperagent_ccr_ratio": "Communication/compute time ratio over the last window.",
     "hyperagent_memory_pressure_ratio": (
-        "Memory pressure index: max of GPU memory used fraction and host memory used fraction."
+        "Memory pressure index: max of GPU and host memory pressure; method reported (the job's"
+        " allocator) or estimated (NVML used fraction)."
     ),
     "hyperagent_compute_entropy_ratio": (
         "Normalised compute entropy H/ln N of the quantum-weighted load (1 = perfectly even)."
