@@ -13,6 +13,7 @@ _CORE: dict[str, str] = {
     "hyperagent_gpu_quantum_coefficient": (
         "Compute quanta one fully busy GPU of this model is worth (A100 = 1)."
     ),
+    "hyperagent_gpu_job_info": "1 while a process of the job runs on the GPU (NVML, job peers).",
     # Host (procfs)
     "hyperagent_host_cpu_utilization_ratio": "Fraction of CPU time not idle, all cores.",
     "hyperagent_host_memory_total_bytes": "Physical memory installed.",
@@ -39,6 +40,14 @@ _CORE: dict[str, str] = {
     "hyperagent_job_nonfinite_loss_total": "Steps that reported a NaN or infinite loss.",
     "hyperagent_job_settings_version": "Settings version the agent last applied for the job.",
     "hyperagent_job_invalid_reports_total": "Job-socket datagrams dropped as invalid.",
+    # Job allocator reports (memory pressure, method="reported")
+    "hyperagent_job_gpu_memory_allocated_ratio": (
+        "Allocated over total bytes of the fullest GPU among the job's ranks on this node."
+    ),
+    "hyperagent_job_alloc_retries_total": (
+        "GPU allocations the job's caching allocator retried after freeing its cache."
+    ),
+    "hyperagent_job_oom_total": "GPU allocations of the job that failed out of memory.",
     # Indicators
     "hyperagent_qu_ratio": "Quantum utilisation: sum(q_i u_i) / sum(q_i) over the GPUs.",
     "hyperagent_ccr_ratio": "Communication/compute time ratio over the last window.",
