@@ -292,6 +292,13 @@ def cluster_dashboard() -> dash.Dashboard:
                 "percentunit",
                 Query(f"cluster:hyperagent_memory_pressure_ratio:max{{{c}}}", "{{method}}"),
                 _thresholds((None, GREEN), (0.8, RED)),
+            ).override_by_name(
+                "estimated",
+                [
+                    model.DynamicConfigValue(
+                        id_val="thresholds", value=_thresholds((None, BLUE)).build()
+                    )
+                ],
             )
         )
         .with_panel(
