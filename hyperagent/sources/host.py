@@ -67,21 +67,23 @@ SWAP_COUNTERS = {b"pswpin": "in", b"pswpout": "out"}
 
 def parse_swap_activity(vmstat: bytes) -> list[Reading]:
     """Pages swapped in and out since boot from ``/proc/vmstat`` (``pswpin``, ``pswpout``);
-    none when the kernel has no swap support (the fields are then absent)."""
+    none when the kernel has no swap support (the fields are then absent).
+
+    Raises ValueError when a field's value is not a number."""
     readings = []
-    for line in vmstat.splitlines():
-        key, _, value = line.partition(b" ")
-        direction = SWAP_COUNTERS.get(key)
-        if direction is not None:
-            if not value.strip().isdigit():
-                raise ValueError(f"/proc/vmstat: unexpected line {line[:80]!r}")
-            readings.append(
-                Reading(
-                    "hyperagent_host_swap_pages_total",
-                    float(value),
-                    {"direction": direction},
-                )
-            )
+    text = b"\n" + vmstat
+    for field, direction in SWAP_COUNTERS.items():
+        start = text.find(b"\n" + field + b" ")
+        if start < 0:
+            continue
+        start += len(field) + 2
+        end = text.find(b"\n", start)
+        value = text[start : end if end >= 0 else len(text)].strip()
+        if not value.isdigit():
+            raise ValueError(f"/proc/vmstat: unexpected {field.decode()} value {value[:40]!r}")
+        readings.append(
+            Reading("hyperagent_host_swap_pages_total", float(value), {"direction": direction})
+        )
     return readings
 
 
