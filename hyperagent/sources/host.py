@@ -46,6 +46,8 @@ def parse_memory_pressure(text: bytes) -> list[Reading]:
     Raises ValueError on a line that is not ``some|full avg10=... total=N``."""
     readings = []
     for line in text.splitlines():
+        if not line.strip():
+            continue
         kind, *fields = line.split()
         values = dict(field.partition(b"=")[::2] for field in fields)
         total = values.get(b"total", b"")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hyperagent.errors import SourceError
 from hyperagent.sources.host import (
@@ -215,3 +217,14 @@ async def test_a_garbled_pressure_file_fails_the_read_naming_it(tmp_path: Path) 
     (root / "pressure" / "memory").write_text("some total=x\n")
     with pytest.raises(SourceError, match="pressure/memory"):
         await labelled(root)
+
+
+@given(st.binary(max_size=200) | st.sampled_from([psi(5, 3).encode(), vmstat(1, 2).encode()]))
+def test_any_bytes_parse_or_fail_with_a_message_naming_the_file(data: bytes) -> None:
+    for parse, name in ((parse_memory_pressure, "pressure"), (parse_swap_activity, "vmstat")):
+        try:
+            readings = parse(data)
+        except ValueError as e:
+            assert name in str(e)
+        else:
+            assert all(r.value >= 0 for r in readings)
