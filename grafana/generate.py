@@ -40,6 +40,12 @@ RATE = "$__rate_interval"
 
 GREEN, YELLOW, ORANGE, RED, BLUE = "green", "yellow", "orange", "red", "blue"
 
+MEMORY_PRESSURE = (
+    "max(GPU, host memory pressure). GPU: the job's allocator (method reported; alert above 0.8 "
+    "for 10 minutes), or NVML's used fraction (method estimated), which a caching allocator "
+    "keeps near 100% on a healthy node. Host: used memory or PSI's stall share."
+)
+
 
 @dataclass(frozen=True)
 class Query:
@@ -178,9 +184,16 @@ def listing(
     return panel
 
 
-def timeline(title: str, description: str, query: Query, width: int = 12) -> Builder[model.Panel]:
-    """A state timeline: which series is present when (for ``_info`` metrics)."""
-    return (
+def timeline(
+    title: str,
+    description: str,
+    query: Query,
+    mappings: list[model.ValueMapping] | None = None,
+    width: int = 12,
+) -> Builder[model.Panel]:
+    """A state timeline: which series is present when (for ``_info`` metrics), or, with
+    ``mappings``, the state each value stands for."""
+    panel = (
         statetimeline.Panel()
         .title(title)
         .description(description)
@@ -191,6 +204,9 @@ def timeline(title: str, description: str, query: Query, width: int = 12) -> Bui
         .show_value(common.VisibilityMode.NEVER)
         .merge_values(True)
     )
+    if mappings:
+        panel = panel.mappings(mappings)
+    return panel
 
 
 def datasource_variable() -> dash.DatasourceVariable:
@@ -270,10 +286,19 @@ def cluster_dashboard() -> dash.Dashboard:
         .with_panel(
             single(
                 "Memory pressure (fullest node)",
-                "Highest memory pressure index of the nodes (alert above 0.8).",
+                "Highest memory pressure index of the nodes: reported by the jobs' allocators "
+                "(alert above 0.8), or estimated from NVML's used memory, which a caching "
+                "allocator keeps near 100% on healthy nodes (never alerted on).",
                 "percentunit",
-                Query(f"cluster:hyperagent_memory_pressure_ratio:max{{{c}}}"),
+                Query(f"cluster:hyperagent_memory_pressure_ratio:max{{{c}}}", "{{method}}"),
                 _thresholds((None, GREEN), (0.8, RED)),
+            ).override_by_name(
+                "estimated",
+                [
+                    model.DynamicConfigValue(
+                        id_val="thresholds", value=_thresholds((None, BLUE)).build()
+                    )
+                ],
             )
         )
         .with_panel(
@@ -321,9 +346,9 @@ def cluster_dashboard() -> dash.Dashboard:
         .with_panel(
             graph(
                 "Memory pressure by node",
-                "max(fullest GPU's memory fraction, host memory used fraction).",
+                MEMORY_PRESSURE,
                 "percentunit",
-                Query(f"hyperagent_memory_pressure_ratio{{{c}}}", "{{instance}}"),
+                Query(f"hyperagent_memory_pressure_ratio{{{c}}}", "{{instance}} ({{method}})"),
                 ratio=True,
             )
         )
@@ -460,9 +485,9 @@ def node_dashboard() -> dash.Dashboard:
         .with_panel(
             graph(
                 "Memory pressure",
-                "max(fullest GPU's memory fraction, host memory used fraction).",
+                MEMORY_PRESSURE,
                 "percentunit",
-                Query(f"hyperagent_memory_pressure_ratio{{{n}}}", "{{instance}}"),
+                Query(f"hyperagent_memory_pressure_ratio{{{n}}}", "{{instance}} ({{method}})"),
                 ratio=True,
             )
         )
@@ -568,9 +593,18 @@ def node_dashboard() -> dash.Dashboard:
         .with_panel(
             graph(
                 "Retired pages",
-                "Device memory pages retired, by cause.",
+                "Device memory pages retired, by cause (GPUs before Ampere retire pages).",
                 "short",
                 Query(f"hyperagent_gpu_retired_pages{{{n}}}", f"{per_gpu} {{{{cause}}}}"),
+            )
+        )
+        .with_panel(
+            graph(
+                "Remapped rows",
+                "Device memory rows remapped, by the kind of error (A100, H100, H200 and later "
+                "remap rows instead of retiring pages; a pending remap needs a GPU reset).",
+                "short",
+                Query(f"hyperagent_gpu_remapped_rows{{{n}}}", f"{per_gpu} {{{{cause}}}}"),
             )
         )
         .with_panel(
@@ -582,6 +616,25 @@ def node_dashboard() -> dash.Dashboard:
                     f"hyperagent_gpu_pcie_throughput_bytes_per_second{{{n}}}",
                     f"{per_gpu} {{{{direction}}}}",
                 ),
+            )
+        )
+        .with_panel(
+            timeline(
+                "Jobs on GPUs",
+                "Which training job runs on which GPU: the job's ranks on NVML's list of the "
+                "GPU's processes.",
+                Query(f"hyperagent_gpu_job_info{{{n}}}", f"{per_gpu} {{{{job_id}}}}"),
+            )
+        )
+        .with_panel(
+            graph(
+                "GPU power by job",
+                "Board power of the GPUs each job runs on (a GPU two jobs share counts for both).",
+                "watt",
+                Query(
+                    f"node_job_id:hyperagent_gpu_power_watts:sum{{{n}}}", "{{instance}} {{job_id}}"
+                ),
+                width=24,
             )
         )
         .with_row(dash.Row("RDMA"))
@@ -663,17 +716,26 @@ def node_dashboard() -> dash.Dashboard:
         )
         .with_panel(
             graph(
-                "Link errors",
-                "Symbol errors per second and link-down events per interval.",
-                "short",
+                "Symbol errors",
+                "Minor link errors per second on each port (a dirty or failing cable or optic).",
+                "cps",
                 Query(
                     f"rate(hyperagent_rdma_port_symbol_errors_total{{{n}}}[{RATE}])",
-                    f"{port} symbol errors",
+                    port,
                 ),
+                width=6,
+            )
+        )
+        .with_panel(
+            graph(
+                "Link-down events",
+                "Times each port's link went down, per interval.",
+                "short",
                 Query(
                     f"increase(hyperagent_rdma_port_link_downed_total{{{n}}}[{RATE}])",
-                    f"{port} link downed",
+                    port,
                 ),
+                width=6,
             )
         )
         .with_panel(
@@ -686,6 +748,16 @@ def node_dashboard() -> dash.Dashboard:
                     "{{instance}} {{device}} QPs {{state}}",
                 ),
                 Query(f"hyperagent_rdma_cqs{{{n}}}", "{{instance}} {{device}} CQs"),
+            )
+        )
+        .with_panel(
+            timeline(
+                "RDMA commands",
+                "Whether each command the rdma source runs (rdma resource show, ethtool -S) "
+                "worked in its latest read; failing ones lose their readings (alert after 10 "
+                "minutes, the agent's log says why).",
+                Query(f"hyperagent_rdma_command_up{{{n}}}", "{{instance}} {{command}}"),
+                _value_text({"1": ("ok", GREEN), "0": ("failing", RED)}),
             )
         )
         .with_row(dash.Row("BMC"))
@@ -792,6 +864,31 @@ def node_dashboard() -> dash.Dashboard:
                 ),
             )
         )
+        .with_panel(
+            graph(
+                "Memory stall time (PSI)",
+                "Share of time some task (some) or every non-idle task (full) of the host "
+                "waited for memory (/proc/pressure/memory); the alert reads some above 10%.",
+                "percentunit",
+                Query(
+                    f"rate(hyperagent_host_memory_pressure_stall_seconds_total{{{n}}}[{RATE}])",
+                    "{{instance}} {{kind}}",
+                ),
+                ratio=True,
+            )
+        )
+        .with_panel(
+            graph(
+                "Swap activity",
+                "Pages swapped in and out per second (/proc/vmstat): swap-in on a training node "
+                "stalls its data loaders.",
+                "suffix: pages/s",
+                Query(
+                    f"rate(hyperagent_host_swap_pages_total{{{n}}}[{RATE}])",
+                    "{{instance}} {{direction}}",
+                ),
+            )
+        )
         .with_row(dash.Row("Agent"))
         .with_panel(
             graph(
@@ -816,17 +913,31 @@ def node_dashboard() -> dash.Dashboard:
         )
         .with_panel(
             graph(
-                "Source errors and MQTT",
-                "Failed reads per interval, the broker connection and the outgoing queue.",
+                "Source errors",
+                "Failed reads of each source per interval.",
                 "short",
                 Query(
                     "sum by (instance, source) "
                     f"(increase(hyperagent_source_errors_total{{{n}}}[{RATE}]))",
-                    "{{instance}} {{source}} errors",
+                    "{{instance}} {{source}}",
                 ),
-                Query(f"hyperagent_mqtt_connected{{{n}}}", "{{instance}} MQTT connected"),
-                Query(f"hyperagent_mqtt_queued_messages{{{n}}}", "{{instance}} MQTT queued"),
                 width=8,
+            )
+        )
+        .with_panel(
+            timeline(
+                "MQTT connection",
+                "Whether the agent is connected to the MQTT broker.",
+                Query(f"hyperagent_mqtt_connected{{{n}}}", "{{instance}}"),
+                _value_text({"1": ("connected", GREEN), "0": ("disconnected", RED)}),
+            )
+        )
+        .with_panel(
+            graph(
+                "MQTT queued messages",
+                "Outgoing MQTT messages waiting: telemetry and spooled acks and reports.",
+                "short",
+                Query(f"hyperagent_mqtt_queued_messages{{{n}}}", "{{instance}}"),
             )
         )
     )
@@ -912,7 +1023,7 @@ def job_dashboard() -> dash.Dashboard:
         )
         .with_panel(
             graph(
-                "Gain over baseline",
+                "Gain over baseline over time",
                 "Best score over the baseline, minus one.",
                 "percentunit",
                 Query(f"job_id:hyperagent_tuner_gain:ratio{{{j}}}", "{{job_id}}"),
@@ -981,7 +1092,7 @@ def job_dashboard() -> dash.Dashboard:
         .with_row(dash.Row("The job"))
         .with_panel(
             graph(
-                "Throughput",
+                "Throughput by node",
                 "Samples per second of the job and of each node.",
                 "suffix: samples/s",
                 Query(f"job_id:hyperagent_job_samples:rate5m{{{j}}}", "job"),
@@ -991,9 +1102,26 @@ def job_dashboard() -> dash.Dashboard:
         .with_panel(
             graph(
                 "Energy per sample",
-                "GPU energy of the job's nodes per sample.",
+                "GPU energy per sample: of the job's own GPUs where the agents attribute them, "
+                "else of every GPU of its nodes.",
                 "joule",
                 Query(f"job_id:hyperagent_energy_per_sample_joules:ratio_rate5m{{{j}}}", "job"),
+            )
+        )
+        .with_panel(
+            graph(
+                "GPU power of the job",
+                "Board power of the GPUs the job runs on, all nodes and per node.",
+                "watt",
+                Query(f"job_id:hyperagent_gpu_power_watts:sum{{{j}}}", "job"),
+                Query(f"node_job_id:hyperagent_gpu_power_watts:sum{{{j}}}", "{{instance}}"),
+            )
+        )
+        .with_panel(
+            listing(
+                "GPUs of the job",
+                "The GPUs the job's ranks run on, by node.",
+                Query(f"hyperagent_gpu_job_info{{{j}}}"),
             )
         )
         .with_panel(

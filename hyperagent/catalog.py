@@ -13,12 +13,18 @@ _CORE: dict[str, str] = {
     "hyperagent_gpu_quantum_coefficient": (
         "Compute quanta one fully busy GPU of this model is worth (A100 = 1)."
     ),
+    "hyperagent_gpu_job_info": "1 while a process of the job runs on the GPU (NVML, job peers).",
     # Host (procfs)
     "hyperagent_host_cpu_utilization_ratio": "Fraction of CPU time not idle, all cores.",
     "hyperagent_host_memory_total_bytes": "Physical memory installed.",
     "hyperagent_host_memory_available_bytes": "Memory available without swapping.",
     "hyperagent_host_swap_used_bytes": "Swap space in use.",
     "hyperagent_host_swap_total_bytes": "Swap space configured.",
+    "hyperagent_host_swap_pages_total": "Pages swapped in or out since boot (/proc/vmstat).",
+    "hyperagent_host_memory_pressure_stall_seconds_total": (
+        "Time some task (some) or every non-idle task (full) stalled waiting for memory"
+        " (/proc/pressure/memory)."
+    ),
     "hyperagent_host_numa_balancing_mode": (
         "kernel.numa_balancing: 0 off, 1 automatic NUMA migration, 2 memory tiering."
     ),
@@ -34,11 +40,20 @@ _CORE: dict[str, str] = {
     "hyperagent_job_nonfinite_loss_total": "Steps that reported a NaN or infinite loss.",
     "hyperagent_job_settings_version": "Settings version the agent last applied for the job.",
     "hyperagent_job_invalid_reports_total": "Job-socket datagrams dropped as invalid.",
+    # Job allocator reports (memory pressure, method="reported")
+    "hyperagent_job_gpu_memory_allocated_ratio": (
+        "Allocated over total bytes of the fullest GPU among the job's ranks on this node."
+    ),
+    "hyperagent_job_alloc_retries_total": (
+        "GPU allocations the job's caching allocator retried after freeing its cache."
+    ),
+    "hyperagent_job_oom_total": "GPU allocations of the job that failed out of memory.",
     # Indicators
     "hyperagent_qu_ratio": "Quantum utilisation: sum(q_i u_i) / sum(q_i) over the GPUs.",
     "hyperagent_ccr_ratio": "Communication/compute time ratio over the last window.",
     "hyperagent_memory_pressure_ratio": (
-        "Memory pressure index: max of GPU memory used fraction and host memory used fraction."
+        "Memory pressure index: max of GPU and host memory pressure; method reported (the job's"
+        " allocator) or estimated (NVML used fraction)."
     ),
     "hyperagent_compute_entropy_ratio": (
         "Normalised compute entropy H/ln N of the quantum-weighted load (1 = perfectly even)."

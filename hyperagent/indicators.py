@@ -10,6 +10,9 @@ from collections.abc import Mapping, Sequence
 
 from hyperagent.readings import Reading, Snapshot
 
+STALL_SECONDS = "hyperagent_host_memory_pressure_stall_seconds_total"
+"""PSI: seconds some task (``kind="some"``) stalled waiting for memory."""
+
 Unit = tuple[float, float]
 """(q_i, u_i): a device's quantum coefficient and effective utilisation."""
 
@@ -66,16 +69,37 @@ def estimated_ccr(
     return (transferred_bytes / link_bytes_per_s) / gpu_busy_s
 
 
-def memory_pressure(
-    gpu_memory: Sequence[tuple[float, float]],
-    host_available: float | None,
-    host_total: float | None,
-) -> float | None:
-    """MPI = max(max_i used_i / total_i, 1 - host available / total); None without data."""
+def memory_pressure(gpu: float | None, host: float | None) -> float | None:
+    """MPI = max(GPU memory pressure, host memory pressure); None without either."""
+    known = [value for value in (gpu, host) if value is not None]
+    return max(known) if known else None
+
+
+def reported_gpu_memory_pressure(allocated: Sequence[float], failures: float) -> float | None:
+    """GPU memory pressure from the job's allocator: the highest fraction of a GPU's memory
+    its tensors hold, or 1 when an allocation had to be retried or failed (OOM) in the window
+    (the allocator reached the device's limit). None when no job reports its allocator."""
+    if not allocated:
+        return None
+    return 1.0 if failures > 0 else max(allocated)
+
+
+def estimated_gpu_memory_pressure(gpu_memory: Sequence[tuple[float, float]]) -> float | None:
+    """The fullest GPU's used / total memory as NVML reports it: an upper bound only, since a
+    caching allocator (PyTorch's) keeps what it took on a healthy node."""
     fractions = [used / total for used, total in gpu_memory if total > 0]
-    if host_available is not None and host_total:
-        fractions.append(1 - host_available / host_total)
     return max(fractions) if fractions else None
+
+
+def host_memory_pressure(
+    available: float | None, total: float | None, stall_share: float | None = None
+) -> float | None:
+    """1 - available / total, or the share of the window some task stalled waiting for memory
+    (PSI) when that is higher; None without the memory figures."""
+    if available is None or not total:
+        return None
+    used = 1 - available / total
+    return used if stall_share is None else max(used, min(max(stall_share, 0.0), 1.0))
 
 
 def energy_per_sample(energy_j: float, samples: float) -> float | None:
@@ -121,6 +145,49 @@ def _delta(current: Snapshot, previous: Snapshot | None, name: str) -> float | N
     return now - before
 
 
+def _increase(current: Snapshot, previous: Snapshot | None, name: str, **labels: str) -> float:
+    """How much the counter ``name`` (its series with ``labels``) grew since ``previous``,
+    over the series both snapshots hold."""
+    if previous is None:
+        return 0.0
+    before = {tuple(sorted(r.labels.items())): r.value for r in previous.named(name)}
+    grown = 0.0
+    for r in current.named(name):
+        if any(r.labels.get(k) != v for k, v in labels.items()):
+            continue
+        then = before.get(tuple(sorted(r.labels.items())))
+        if then is not None and r.value > then:
+            grown += r.value - then
+    return grown
+
+
+def _memory_pressure(current: Snapshot, previous: Snapshot | None) -> tuple[float | None, str]:
+    """MPI and its method: ``reported`` when a job reports its allocator, else ``estimated``
+    from NVML's used memory. The host part includes PSI's memory stall share where known."""
+    stall_share = None
+    if previous is not None and current.ts > previous.ts:
+        stalled = _increase(current, previous, STALL_SECONDS, kind="some")
+        if current.value(STALL_SECONDS, kind="some") is not None:
+            stall_share = stalled / (current.ts - previous.ts)
+    host = host_memory_pressure(
+        current.value("hyperagent_host_memory_available_bytes"),
+        current.value("hyperagent_host_memory_total_bytes"),
+        stall_share,
+    )
+    allocated = [r.value for r in current.named("hyperagent_job_gpu_memory_allocated_ratio")]
+    if allocated:
+        failures = _increase(current, previous, "hyperagent_job_alloc_retries_total")
+        failures += _increase(current, previous, "hyperagent_job_oom_total")
+        return memory_pressure(reported_gpu_memory_pressure(allocated, failures), host), "reported"
+    totals = _per_gpu(current, "hyperagent_gpu_memory_total_bytes")
+    gpu_memory = [
+        (used.value, totals[uuid].value)
+        for uuid, used in _per_gpu(current, "hyperagent_gpu_memory_used_bytes").items()
+        if uuid in totals
+    ]
+    return memory_pressure(estimated_gpu_memory_pressure(gpu_memory), host), "estimated"
+
+
 def derive(
     current: Snapshot, previous: Snapshot | None, coefficients: Mapping[str, float]
 ) -> list[Reading]:
@@ -138,20 +205,8 @@ def derive(
     put("hyperagent_qu_ratio", quantum_utilization(units))
     put("hyperagent_compute_entropy_ratio", compute_entropy(units))
     put("hyperagent_quantum_dispersion_ratio", quantum_dispersion(units))
-    totals = _per_gpu(current, "hyperagent_gpu_memory_total_bytes")
-    gpu_memory = [
-        (used.value, totals[uuid].value)
-        for uuid, used in _per_gpu(current, "hyperagent_gpu_memory_used_bytes").items()
-        if uuid in totals
-    ]
-    put(
-        "hyperagent_memory_pressure_ratio",
-        memory_pressure(
-            gpu_memory,
-            current.value("hyperagent_host_memory_available_bytes"),
-            current.value("hyperagent_host_memory_total_bytes"),
-        ),
-    )
+    pressure, method = _memory_pressure(current, previous)
+    put("hyperagent_memory_pressure_ratio", pressure, method=method)
     comm = _delta(current, previous, "hyperagent_job_communication_seconds_total")
     compute = _delta(current, previous, "hyperagent_job_compute_seconds_total")
     if comm is not None and compute:

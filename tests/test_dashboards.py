@@ -107,6 +107,40 @@ def test_dashboard_queries_parse_and_use_known_metrics(path: Path) -> None:
                     assert token in METRICS, f"{panel['title']}: {token} is not exposed"
 
 
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_panel_titles_are_unique(path: Path) -> None:
+    titles = [panel["title"] for panel in panels(json.loads(path.read_text()))]
+    assert sorted(t for t in set(titles) if titles.count(t) > 1) == []
+
+
+def query_kind(expr: str) -> str:
+    """What a query's values are: a count per interval, a rate per second, or a level."""
+    if "increase(" in expr:
+        return "count per interval"
+    if re.search(r"\b(rate|irate)\(", expr):
+        return "per second"
+    return "level"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_a_panel_does_not_mix_rates_counts_and_levels(path: Path) -> None:
+    mixed = {
+        panel["title"]: kinds
+        for panel in panels(json.loads(path.read_text()))
+        if len(kinds := {query_kind(t["expr"]) for t in panel["targets"]}) > 1
+    }
+    assert mixed == {}
+
+
+def test_gpu_memory_repairs_show_retired_pages_and_remapped_rows_side_by_side() -> None:
+    node = json.loads((REPO / "grafana" / "dashboards" / "hyperagent-node.json").read_text())
+    by_title = {panel["title"]: panel for panel in panels(node)}
+    retired, remapped = by_title["Retired pages"], by_title["Remapped rows"]
+    assert "hyperagent_gpu_remapped_rows{" in remapped["targets"][0]["expr"]
+    assert retired["gridPos"]["y"] == remapped["gridPos"]["y"]
+    assert retired["gridPos"]["x"] + retired["gridPos"]["w"] == remapped["gridPos"]["x"]
+
+
 def test_provisioning_points_grafana_at_prometheus_and_the_dashboards() -> None:
     provisioning = REPO / "grafana" / "provisioning"
     (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[

@@ -13,14 +13,18 @@ from hyperagent.indicators import (
     derive,
     energy_per_sample,
     estimated_ccr,
+    estimated_gpu_memory_pressure,
+    host_memory_pressure,
     memory_pressure,
     quantum_coefficient,
     quantum_dispersion,
     quantum_utilization,
+    reported_gpu_memory_pressure,
 )
 from hyperagent.readings import Kind, Reading, Snapshot
 
 A100_HALF_V100_FULL = [(1.0, 0.5), (0.6, 1.0)]
+STALL = "hyperagent_host_memory_pressure_stall_seconds_total"
 
 
 def test_quantum_utilization_weights_by_coefficient() -> None:
@@ -51,11 +55,106 @@ def test_ccr_memory_pressure_energy() -> None:
     assert communication_compute_ratio(1.0, 0.0) is None
     # 12.5 GB at 12.5 GB/s = 1 s of link time against 4 s of GPU busy time
     assert estimated_ccr(12.5e9, 12.5e9, 4.0) == pytest.approx(0.25)
-    assert memory_pressure([(30.0, 32.0), (8.0, 32.0)], 4.0, 16.0) == pytest.approx(0.9375)
-    assert memory_pressure([(8.0, 32.0)], 2.0, 16.0) == pytest.approx(0.875)
-    assert memory_pressure([], None, None) is None
+    assert memory_pressure(0.5, 0.875) == pytest.approx(0.875)
+    assert memory_pressure(None, 0.25) == pytest.approx(0.25)
+    assert memory_pressure(None, None) is None
     assert energy_per_sample(500.0, 1000) == pytest.approx(0.5)
     assert energy_per_sample(500.0, 0) is None
+
+
+# The fullest GPU of fixtures/replay/full-node (nvidia-smi/gtx-8card.xml: 8 x V100S under
+# training), as NVML reports it: 33,719,058,432 of 34,089,205,760 bytes used (98.9%).
+V100S_USED, V100S_TOTAL = 33_719_058_432.0, 34_089_205_760.0
+
+
+def test_gpu_memory_pressure_reported_by_the_allocator_or_estimated_from_nvml() -> None:
+    assert estimated_gpu_memory_pressure([(V100S_USED, V100S_TOTAL), (8.0, 32.0)]) == (
+        pytest.approx(0.98914, abs=1e-5)
+    )
+    assert estimated_gpu_memory_pressure([(1.0, 0.0)]) is None
+    assert reported_gpu_memory_pressure([0.61, 0.58], failures=0) == pytest.approx(0.61)
+    assert reported_gpu_memory_pressure([0.61], failures=1) == 1.0  # a retried cudaMalloc
+    assert reported_gpu_memory_pressure([], failures=3) is None
+
+
+def test_host_memory_pressure_is_used_memory_or_the_psi_stall_share() -> None:
+    assert host_memory_pressure(4.0, 16.0) == pytest.approx(0.75)
+    assert host_memory_pressure(12.0, 16.0, stall_share=0.4) == pytest.approx(0.4)
+    assert host_memory_pressure(4.0, 16.0, stall_share=0.1) == pytest.approx(0.75)
+    assert host_memory_pressure(12.0, 16.0, stall_share=3.0) == 1.0  # clock jitter, clamped
+    assert host_memory_pressure(None, 16.0) is None and host_memory_pressure(1.0, 0.0) is None
+
+
+def _healthy_node(ts: float, extra: list[Reading]) -> Snapshot:
+    """Two V100S full as NVML sees them (the capture's fullest GPU), host memory 25% used."""
+    readings = [
+        Reading("hyperagent_host_memory_available_bytes", 12e9),
+        Reading("hyperagent_host_memory_total_bytes", 16e9),
+    ]
+    for gpu in ("0", "1"):
+        labels = {"gpu": gpu, "uuid": f"GPU-{gpu}"}
+        readings.append(Reading("hyperagent_gpu_memory_used_bytes", V100S_USED, labels))
+        readings.append(Reading("hyperagent_gpu_memory_total_bytes", V100S_TOTAL, labels))
+    return Snapshot(ts, "n", (*readings, *extra))
+
+
+def _allocator(job_id: str, allocated: float, retries: float, ooms: float) -> list[Reading]:
+    """The job source's readings of one job's allocator reports."""
+    job = {"job_id": job_id}
+    return [
+        Reading("hyperagent_job_gpu_memory_allocated_ratio", allocated, job),
+        Reading("hyperagent_job_alloc_retries_total", retries, job, Kind.COUNTER),
+        Reading("hyperagent_job_oom_total", ooms, job, Kind.COUNTER),
+    ]
+
+
+def _pressure(after: Snapshot, before: Snapshot | None) -> dict[str, float]:
+    return {
+        r.labels["method"]: r.value
+        for r in derive(after, before, TABLE)
+        if r.name == "hyperagent_memory_pressure_ratio"
+    }
+
+
+def test_memory_pressure_is_the_allocator_s_when_the_job_reports_it() -> None:
+    before = _healthy_node(10.0, _allocator("a", 0.55, 2, 0) + _allocator("b", 0.61, 0, 0))
+    after = _healthy_node(11.0, _allocator("a", 0.57, 2, 0) + _allocator("b", 0.62, 0, 0))
+    assert _pressure(after, before) == {"reported": pytest.approx(0.62)}
+    # NVML's 98.9% used only counts where no job reports its allocator
+    assert _pressure(_healthy_node(11.0, []), None) == {"estimated": pytest.approx(0.98914, 1e-4)}
+
+
+@pytest.mark.parametrize("counter", ["retries", "ooms"])
+def test_allocation_retries_or_ooms_in_the_window_are_full_pressure(counter: str) -> None:
+    before = _healthy_node(10.0, _allocator("a", 0.55, 2, 1) + _allocator("b", 0.6, 0, 0))
+    grown = {"retries": 0, "ooms": 0, counter: 1}
+    after = _healthy_node(11.0, _allocator("a", 0.55, 2, 1) + _allocator("b", 0.6, **grown))
+    assert _pressure(after, before) == {"reported": 1.0}
+    # a job seen for the first time brings its past retries: not this window's
+    assert _pressure(after, _healthy_node(10.0, _allocator("a", 0.55, 2, 1))) == {
+        "reported": pytest.approx(0.6)
+    }
+
+
+def test_host_memory_stalls_raise_the_pressure() -> None:
+    def stalled(ts: float, some_s: float, full_s: float) -> Snapshot:
+        return _healthy_node(
+            ts,
+            [
+                *_allocator("a", 0.3, 0, 0),
+                Reading(STALL, some_s, {"kind": "some"}, Kind.COUNTER),
+                Reading(STALL, full_s, {"kind": "full"}, Kind.COUNTER),
+            ],
+        )
+
+    # some task stalled 1.8 s of the 2 s window (full: 1.5 s, not counted twice)
+    assert _pressure(stalled(12.0, 5.0, 4.0), stalled(10.0, 3.2, 2.5)) == {
+        "reported": pytest.approx(0.9)
+    }
+    # no stall: host memory 25% used, the allocator's 30% is the higher
+    assert _pressure(stalled(12.0, 3.2, 2.5), stalled(10.0, 3.2, 2.5)) == {
+        "reported": pytest.approx(0.3)
+    }
 
 
 @pytest.mark.parametrize(
@@ -103,7 +202,9 @@ def test_derive_from_snapshots() -> None:
     out = {(r.name, tuple(sorted(r.labels.items()))): r.value for r in derive(after, before, TABLE)}
     # V100 q = 0.6 on both: (0.6*0.5 + 0.6*1.0) / 1.2
     assert out[("hyperagent_qu_ratio", ())] == pytest.approx(0.75)
-    assert out[("hyperagent_memory_pressure_ratio", ())] == pytest.approx(30 / 32)
+    assert out[("hyperagent_memory_pressure_ratio", (("method", "estimated"),))] == (
+        pytest.approx(30 / 32)
+    )
     assert out[("hyperagent_ccr_ratio", (("method", "reported"),))] == pytest.approx(0.25)
     assert out[("hyperagent_energy_per_sample_joules", ())] == pytest.approx(0.5)
     assert out[("hyperagent_gpu_quantum_coefficient", (("gpu", "0"), ("uuid", "GPU-0")))] == 0.6

@@ -108,17 +108,38 @@ def test_recording_rules_are_named_level_metric_operation() -> None:
         assert re.fullmatch(r"[a-z0-9_]+", operation), name
 
 
+RUNBOOK_URL = re.compile(
+    r"\{\{ with \$externalLabels\.runbook_base \}\}\{\{ \. \}\}\{\{ else \}\}rules\{\{ end \}\}"
+    r"/RUNBOOK\.md#(?P<anchor>[a-z0-9-]+)"
+)
+"""runbook_url: the runbook_base external label (rules/prometheus.yml), else the repo path."""
+
+
 def test_alerts_say_what_fired_and_link_their_runbook() -> None:
     anchors = runbook_anchors(RUNBOOK.read_text())
     linked = set()
     for name, rule in alerts().items():
         annotations = rule["annotations"]
-        assert {"summary", "description", "runbook"} <= set(annotations), name
+        assert set(annotations) == {"summary", "description", "runbook_url"}, name
         assert rule["labels"]["severity"] in {"warning", "critical"}, name
-        path, _, anchor = annotations["runbook"].partition("#")
-        assert path == "rules/RUNBOOK.md" and anchor in anchors, f"{name}: {anchor}"
-        linked.add(anchor)
+        link = RUNBOOK_URL.fullmatch(annotations["runbook_url"])
+        assert link is not None, f"{name}: {annotations['runbook_url']}"
+        assert link["anchor"] in anchors, f"{name}: {link['anchor']}"
+        linked.add(link["anchor"])
     assert anchors - linked == set(), "runbook sections no alert links"
+
+
+def test_alert_titles_in_the_runbook_name_their_alert() -> None:
+    text = RUNBOOK.read_text()
+    for name, rule in alerts().items():
+        anchor = RUNBOOK_URL.fullmatch(rule["annotations"]["runbook_url"])
+        assert anchor is not None
+        section = next(
+            part
+            for part in text.split("\n## ")[1:]
+            if github_anchor(part.splitlines()[0]) == anchor["anchor"]
+        )
+        assert f"`{name}`" in section, f"{name} is not named in its runbook section"
 
 
 def test_rules_name_only_metrics_that_exist() -> None:
@@ -135,6 +156,13 @@ def test_rules_name_only_metrics_that_exist() -> None:
 def test_runbook_anchor_is_the_github_one() -> None:
     assert github_anchor("RDMA out-of-buffer drops") == "rdma-out-of-buffer-drops"
     assert github_anchor("High CCR") == "high-ccr"
+
+
+def test_memory_pressure_alert_never_reads_nvml_s_estimate() -> None:
+    expr = alerts()["HyperagentHighMemoryPressure"]["expr"]
+    selectors = re.findall(r"hyperagent_memory_pressure_ratio(\{[^}]*\})?", expr)
+    assert selectors == ['{method="reported"}']
+    assert "hyperagent_gpu_memory_used_bytes" not in expr
 
 
 def test_shipped_prometheus_config_is_valid(tmp_path: Path) -> None:

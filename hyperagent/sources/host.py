@@ -1,8 +1,10 @@
 """Host CPU, memory and swap from /proc/stat and /proc/meminfo (as psutil computes them);
-kernel NUMA balancing from procfs. The files are held open and read with one pread(2) each."""
+swap activity from /proc/vmstat, memory stall time from /proc/pressure/memory (PSI) and kernel
+NUMA balancing from procfs. The files are held open and read with one pread(2) each."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +37,56 @@ def parse_numa_balancing(text: str) -> list[Reading]:
     if not (value.isascii() and value.isdigit()):
         raise SourceError(f"kernel.numa_balancing: unexpected value {value[:40]!r}")
     return [Reading("hyperagent_host_numa_balancing_mode", float(value))]
+
+
+def parse_memory_pressure(text: bytes) -> list[Reading]:
+    """``/proc/pressure/memory`` (PSI, kernel >= 4.20): the ``total=`` microseconds during which
+    some task, or every non-idle task (``full``), stalled waiting for memory, in seconds.
+
+    Raises ValueError on a line that is not ``some|full avg10=... total=N``."""
+    readings = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        kind, *fields = line.split()
+        values = dict(field.partition(b"=")[::2] for field in fields)
+        total = values.get(b"total", b"")
+        if kind not in (b"some", b"full") or not total.isdigit():
+            raise ValueError(f"/proc/pressure/memory: unexpected line {line[:80]!r}")
+        readings.append(
+            Reading(
+                "hyperagent_host_memory_pressure_stall_seconds_total",
+                int(total) / 1e6,
+                {"kind": kind.decode()},
+            )
+        )
+    return readings
+
+
+SWAP_COUNTERS = {b"pswpin": "in", b"pswpout": "out"}
+"""/proc/vmstat fields counting pages swapped in and out since boot."""
+
+
+def parse_swap_activity(vmstat: bytes) -> list[Reading]:
+    """Pages swapped in and out since boot from ``/proc/vmstat`` (``pswpin``, ``pswpout``);
+    none when the kernel has no swap support (the fields are then absent).
+
+    Raises ValueError when a field's value is not a number."""
+    readings = []
+    text = b"\n" + vmstat
+    for field, direction in SWAP_COUNTERS.items():
+        start = text.find(b"\n" + field + b" ")
+        if start < 0:
+            continue
+        start += len(field) + 2
+        end = text.find(b"\n", start)
+        value = text[start : end if end >= 0 else len(text)].strip()
+        if not value.isdigit():
+            raise ValueError(f"/proc/vmstat: unexpected {field.decode()} value {value[:40]!r}")
+        readings.append(
+            Reading("hyperagent_host_swap_pages_total", float(value), {"direction": direction})
+        )
+    return readings
 
 
 def cpu_times(stat: bytes) -> tuple[float, float]:
@@ -83,11 +135,12 @@ def memory_from_meminfo(meminfo: bytes) -> tuple[SimpleNamespace | None, SimpleN
 
 
 class HostSource:
-    """CPU busy fraction since the previous read, memory and swap of this machine, and whether
-    the kernel migrates memory between NUMA nodes (a cause of step-time jitter).
+    """CPU busy fraction since the previous read, memory and swap of this machine, pages swapped
+    in and out, time stalled waiting for memory (PSI), and whether the kernel migrates memory
+    between NUMA nodes (a cause of step-time jitter).
 
     ``procfs_root`` is the procfs mount; where its files lack a field, psutil's own answer is
-    used."""
+    used. A kernel without PSI or NUMA balancing (or a procfs without vmstat) omits those."""
 
     name = "host"
     target = "local"
@@ -95,9 +148,11 @@ class HostSource:
     def __init__(self, procfs_root: Path = Path("/proc")) -> None:
         self.procfs_root = procfs_root
         self.numa_balancing_file = procfs_root / "sys" / "kernel" / "numa_balancing"
+        self.pressure_file = procfs_root / "pressure" / "memory"
+        self.vmstat_file = procfs_root / "vmstat"
         self._stat: HeldFile | None = None
         self._meminfo: HeldFile | None = None
-        self._numa: HeldFile | None = None
+        self._optional: dict[str, HeldFile] = {}
         self._cpu: tuple[float, float] | None = None
 
     async def start(self) -> None:
@@ -112,17 +167,35 @@ class HostSource:
         except ValueError as e:
             await self.close()
             raise SourceError(str(e)) from e
-        try:
-            self._numa = HeldFile(str(self.numa_balancing_file))
-        except FileNotFoundError:
-            self._numa = None  # a kernel built without NUMA balancing
-        except OSError as e:
-            await self.close()
-            raise SourceError(f"{self.numa_balancing_file}: {e.strerror}") from e
+        for key, path in (
+            ("numa", self.numa_balancing_file),
+            ("pressure", self.pressure_file),
+            ("vmstat", self.vmstat_file),
+        ):
+            try:
+                self._optional[key] = HeldFile(str(path))
+            except FileNotFoundError:
+                pass  # a kernel built without the feature
+            except OSError as e:
+                await self.close()
+                raise SourceError(f"{path}: {e.strerror}") from e
 
     def _cpu_times(self) -> tuple[float, float]:
         assert self._stat is not None
         return cpu_times(self._stat.read(STAT_HEAD))
+
+    def _read_optional(self, key: str) -> bytes | None:
+        held = self._optional.get(key)
+        if held is None:
+            return None
+        try:
+            return held.read()
+        except OSError as e:
+            if e.errno != errno.EOPNOTSUPP:  # PSI compiled in but off (psi=0)
+                raise
+            del self._optional[key]
+            held.close()
+            return None
 
     async def read(self) -> list[Reading]:
         if self._stat is None or self._meminfo is None or self._cpu is None:
@@ -130,17 +203,29 @@ class HostSource:
         try:
             now = self._cpu_times()
             memory, swap = memory_from_meminfo(self._meminfo.read())
-            numa = self._numa.read().decode() if self._numa is not None else None
+            numa = self._read_optional("numa")
+            pressure = self._read_optional("pressure")
+            vmstat = self._read_optional("vmstat")
+            cpu = busy_percent(self._cpu, now)
+            readings = parse_host(
+                cpu, memory or psutil.virtual_memory(), swap or psutil.swap_memory()
+            )
+            if numa is not None:
+                readings += parse_numa_balancing(numa.decode())
+            if pressure is not None:
+                readings += parse_memory_pressure(pressure)
+            if vmstat is not None:
+                readings += parse_swap_activity(vmstat)
         except OSError as e:
             raise SourceError(f"{e.filename or self.procfs_root}: {e.strerror}") from e
         except ValueError as e:
             raise SourceError(f"{self.procfs_root}: {e}") from e
-        cpu, self._cpu = busy_percent(self._cpu, now), now
-        readings = parse_host(cpu, memory or psutil.virtual_memory(), swap or psutil.swap_memory())
-        return readings if numa is None else readings + parse_numa_balancing(numa)
+        self._cpu = now
+        return readings
 
     async def close(self) -> None:
-        for held in (self._stat, self._meminfo, self._numa):
+        for held in (self._stat, self._meminfo, *self._optional.values()):
             if held is not None:
                 held.close()
-        self._stat = self._meminfo = self._numa = None
+        self._stat = self._meminfo = None
+        self._optional = {}
