@@ -118,8 +118,8 @@ def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None =
     if args.replay is None:
         return Agent.from_config(config, settings_key=key, recorder=recorder)
     sources, hardware = capture_sources(args.replay, config)
-    if config.sources.job.enabled and not any(s.name == "job" for s in sources):
-        sources.append(job_source(config))  # the job channel is live, not replayed
+    if config.sources.job.enabled:  # the job channel is live, never replayed
+        sources = [s for s in sources if s.name != "job"] + [job_source(config)]
     return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,8 @@ import pytest
 from hyperagent import bus
 from hyperagent.agent import Agent
 from hyperagent.config import build_config
-from hyperagent.job import JobReporter
+from hyperagent.job import JobReporter, JobSettings, encode_hello
+from hyperagent.readings import Reading
 from hyperagent.sources import Hardware
 from hyperagent.testing.fake_nvml import FakeNvml
 
@@ -49,6 +51,7 @@ class Harness:
         settings: dict[str, Any],
         key: bytes = KEY,
         nodes: list[str] | None = None,
+        issued_at: float | None = None,
     ) -> None:
         message = {
             "job": "j",
@@ -58,7 +61,7 @@ class Harness:
             "settings": settings,
             "backend": {},
             "plan": None,
-            "issued_at": time.time(),
+            "issued_at": time.time() if issued_at is None else issued_at,
         }
         async with aiomqtt.Client("127.0.0.1", self.port) as client:
             online = bus.status_message(
@@ -275,6 +278,118 @@ async def test_coordinator_loss_puts_the_power_limits_back(harness: Harness) -> 
     async with aiomqtt.Client("127.0.0.1", harness.port) as client:
         await client.publish(offline.topic, offline.payload, qos=1, retain=True)
     await until(lambda: limits_w(harness.nvml) == {250.0})
+    # back online without a new version: the version it still applies is capped again
+    online = bus.status_message(
+        harness.topics, "coordinator", "online", harness.topics.coordinator_status()
+    )
+    async with aiomqtt.Client("127.0.0.1", harness.port) as client:
+        await client.publish(online.topic, online.payload, qos=1, retain=True)
+    await until(lambda: limits_w(harness.nvml) == {150.0})
+    assert harness.agent.applied_versions == {"j": 1}
+
+
+async def test_the_applied_version_survives_a_restart(
+    mosquitto,
+    tmp_path: Path,
+    nvidia_smi_dir: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A restarted agent refuses an older version as stale (saying which it applies) and
+    applies its own version again, caps included."""
+    config = build_config(
+        {
+            "node": "n1",
+            "cluster": "c",
+            "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
+            "agent": {"interval_s": 0.2, "metrics_address": "", "state_dir": str(tmp_path)},
+            "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
+        }
+    )
+    acks: list[dict[str, Any]] = []
+
+    async def run_agent(nvml: FakeNvml) -> tuple[Harness, asyncio.Task[None]]:
+        agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+        task = asyncio.create_task(agent.run())
+        async with asyncio.timeout(10):
+            await agent.ready.wait()
+            await agent.link.connected.wait()  # type: ignore[union-attr]
+        return Harness(agent, nvml, mosquitto.port, tmp_path / "job.sock"), task
+
+    first, task = await run_agent(FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml"))
+    await first.send(5, {"power_cap_w": 175})
+    await until(lambda: limits_w(first.nvml) == {175.0})
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert limits_w(first.nvml) == {250.0}  # put back on the way out
+
+    again, task = await run_agent(FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml"))
+    try:
+        assert again.agent.applied_versions == {"j": 5}
+        await until(lambda: limits_w(again.nvml) == {175.0})  # its retained v5, applied again
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port) as listener:
+            await listener.subscribe(again.topics.ack("j", "n1"), qos=1)
+            await again.send(3, {"power_cap_w": 200})  # a coordinator that lost its journal
+            async with asyncio.timeout(10):
+                async for message in listener.messages:
+                    acks.append(bus.decode(message.payload, "ack"))
+                    if acks[-1]["version"] == 3:
+                        break
+        assert acks[-1]["ok"] is False and acks[-1]["applied"] == {"version": 5}
+        assert acks[-1]["error"].startswith("stale")
+        assert limits_w(again.nvml) == {175.0}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_old_or_future_settings_are_refused(harness: Harness) -> None:
+    for issued_at in (time.time() - 2 * 86400, time.time() + 3600):
+        await harness.send(1, {"power_cap_w": 150}, issued_at=issued_at)
+    await until(lambda: harness.agent.stats.rejected["expired"] == 2)
+    assert harness.agent.applied_versions == {} and limits_w(harness.nvml) == {250.0}
+    await harness.send(1, {"power_cap_w": 150}, issued_at=time.time() + 30)  # within the skew
+    await until(lambda: limits_w(harness.nvml) == {150.0})
+
+
+async def test_settings_that_miss_a_rank_turn_the_ack_into_a_refusal(harness: Harness) -> None:
+    source = harness.agent.job_source
+    assert source is not None
+    reading = JobReporter("j", rank=0, socket_path=harness.socket_path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stuck:
+        stuck.connect(str(harness.socket_path))
+        stuck.send(encode_hello("j", 1))  # a rank that stopped reading
+        await until(lambda: source.attached("j") == 2)
+        filler = JobSettings(0, {"note": "x" * 8000})
+        while source.send_settings("j", filler) == 2:  # until its queue is full
+            reading.poll_settings()
+        async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
+            await listener.subscribe(harness.topics.ack("j", "n1"), qos=1)
+            await harness.send(1, {"bucket_mb": 8})
+            async with asyncio.timeout(10):
+                ack = bus.decode((await anext(aiter(listener.messages))).payload, "ack")
+    assert ack["ok"] is False and ack["error"] == "settings v1 reached 1 of 2 ranks"
+    assert harness.agent.applied_versions == {}
+    reading.close()
+
+
+async def test_which_job_runs_on_which_gpu(harness: Harness) -> None:
+    reporter = JobReporter("j", rank=0, socket_path=harness.socket_path, gpu=3)
+    reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+
+    def attributed() -> list[Reading]:
+        snapshot = harness.agent.snapshot
+        readings = snapshot.readings if snapshot else ()
+        return [r for r in readings if r.name == "hyperagent_gpu_job_info"]
+
+    await until(lambda: attributed())
+    (info,) = attributed()
+    uuid = next(
+        r.labels["uuid"]
+        for r in harness.agent.snapshot.readings  # type: ignore[union-attr]
+        if r.name == "hyperagent_gpu_info" and r.labels["gpu"] == "3"
+    )
+    assert info.labels == {"gpu": "3", "uuid": uuid, "job_id": "j"}
+    reporter.close()
+    await until(lambda: not attributed())
 
 
 async def test_a_stopped_agent_says_offline(

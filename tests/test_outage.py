@@ -1,5 +1,6 @@
-"""Broker outage: mosquitto killed for 30 s during a trial loses no report and counts none twice;
-spooled messages survive an agent restart."""
+"""Broker outage: mosquitto killed for 30 s during a trial, with the shipped timeouts (the
+trial's clocks stop while the broker is away), loses no trial and no report and counts none
+twice; spooled messages survive an agent restart."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ async def test_reports_survive_a_30s_broker_outage(mosquitto: Mosquitto) -> None
     deliveries: Counter[tuple[int, str]] = Counter()
     original = Coordinator._store
 
-    async def counting_store(self: Coordinator, payload: bytes, kind: str) -> None:
-        await original(self, payload, kind)
+    async def counting_store(self: Coordinator, topic: str, payload: bytes, kind: str) -> None:
+        await original(self, topic, payload, kind)
         if kind == "report" and b'"partial":false' in payload:
             import orjson
 
@@ -59,7 +60,7 @@ async def test_reports_survive_a_30s_broker_outage(mosquitto: Mosquitto) -> None
             seed=4,
             speedup=10,
             on_trial=kill_then_restart,
-            job_overrides={"ack_timeout_s": 90, "trial_timeout_s": 120, "abort_below": 0},
+            job_overrides={"abort_below": 0},  # the shipped ack_timeout_s (30 s) < the outage
         ) as (coordinator, nodes, _):
             await coordinator.run(until_tuned=True)
             state = coordinator.jobs[JOB]

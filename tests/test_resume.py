@@ -110,3 +110,20 @@ async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_pa
     assert message["version"] == final["version"] and message["settings"] == final["settings"]
     assert bus.verify(message, key)
     assert second.returncode == 0
+
+
+async def test_a_coordinator_without_its_journal_learns_the_version_the_agents_apply(
+    mosquitto: Mosquitto,
+) -> None:
+    """The agents apply v40 (kept in their state); a coordinator that starts from nothing
+    publishes v1, is told "stale: v40 applied" and publishes above it: no trial is lost."""
+    async with simulated_cluster(
+        mosquitto.url, nodes=2, trials=2, seed=1, speedup=50, job_overrides={"abort_below": 0}
+    ) as (coordinator, nodes, _):
+        for node in nodes:
+            node.agent.applied_versions[JOB] = 40
+        async with asyncio.timeout(120):
+            await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+    assert [t.status for t in state.trials] == ["ok"] * 3  # two trials and the confirmation
+    assert min(t.version for t in state.trials) > 40
