@@ -378,7 +378,7 @@ async def record(capture: Path, frames: int, out: Path) -> int:
     from hyperagent.replay import Recorder
     from hyperagent.sources import capture_sources
     from hyperagent.sources.host import HostSource
-    from hyperagent.sources.job import JobSource
+    from hyperagent.sources.job import JobSource, Peer
     from hyperagent.sources.runner import SourceRunner
 
     config = build_config({"node": "bench-node", "mqtt": {"enabled": False}})
@@ -391,15 +391,20 @@ async def record(capture: Path, frames: int, out: Path) -> int:
         protocol.encode_step(protocol.StepReport(JOB, rank, 32, 0.2, 0.16, 0.04, 2.0, 0))
         for rank in range(8)
     ]
+    connections = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in steps]
+    ranks = [Peer(ours, os.getpid(), os.getuid(), os.getgid()) for ours, _ in connections]
     with out.open("wb") as f:
         recorder = Recorder(f, config.node, 1.0)
         for second in range(frames):
             clock.now = float(second)
             for _ in range(5):
-                for step in steps:
-                    job.receive(step, None)
+                for rank, step in zip(ranks, steps, strict=True):
+                    job.receive(step, rank)
             recorder.write(1_790_000_000.0 + second, await runner.read_by_source())
     await runner.close()
+    for pair in connections:
+        for end in pair:
+            end.close()
     return recorder.frames
 
 

@@ -39,7 +39,13 @@ _CORE: dict[str, str] = {
     "hyperagent_job_loss": "Loss of the last reported step.",
     "hyperagent_job_nonfinite_loss_total": "Steps that reported a NaN or infinite loss.",
     "hyperagent_job_settings_version": "Settings version the agent last applied for the job.",
-    "hyperagent_job_invalid_reports_total": "Job-socket datagrams dropped as invalid.",
+    "hyperagent_job_invalid_reports_total": "Job-socket messages dropped as invalid.",
+    "hyperagent_job_refused_total": (
+        "Job-socket peers or messages refused, by reason (unauthorised user, job id claimed by "
+        "another user, report for a job or rank the connection did not claim, too many jobs, "
+        "ranks or connections)."
+    ),
+    "hyperagent_job_ranks": "Ranks of the job connected to this node's agent.",
     # Job allocator reports (memory pressure, method="reported")
     "hyperagent_job_gpu_memory_allocated_ratio": (
         "Allocated over total bytes of the fullest GPU among the job's ranks on this node."

@@ -111,15 +111,25 @@ def _run(main: Coroutine[Any, Any, Any]) -> int:
 
 
 def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None = None) -> Agent:
+    """The agent of ``hyperagent agent``/``record``. Replaying a capture, ``agent`` reads the
+    host and serves the job channel live as the config enables them; ``record`` records only
+    what the capture holds."""
     from hyperagent.agent import Agent
     from hyperagent.sources import capture_sources, job_source
+    from hyperagent.sources.host import HostSource
 
     key = read_settings_key(config)
     if args.replay is None:
         return Agent.from_config(config, settings_key=key, recorder=recorder)
     sources, hardware = capture_sources(args.replay, config)
-    if config.sources.job.enabled:  # the job channel is live, never replayed
-        sources = [s for s in sources if s.name != "job"] + [job_source(config)]
+    if recorder is not None:
+        return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
+    live = {"host": config.sources.host.enabled, "job": config.sources.job.enabled}
+    sources = [s for s in sources if not live.get(s.name)]  # never replayed where they are live
+    if live["host"]:
+        sources.append(HostSource())
+    if live["job"]:
+        sources.append(job_source(config))
     return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
 
 

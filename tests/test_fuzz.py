@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from hyperagent.job import JobReporter, StepReport, decode, encode_step, parse_s
 from hyperagent.replay import RecordingError, load_recording
 from hyperagent.sources import Hardware, ipmi, pdu, rdma
 from hyperagent.sources.host import parse_numa_balancing
-from hyperagent.sources.job import JobSource
+from hyperagent.sources.job import JobSource, Peer
 from hyperagent.testing.nvidia_smi import parse_capture
 
 FUZZ = settings(
@@ -194,11 +196,19 @@ def test_job_socket_garbage_is_counted_and_the_rest_taken(
     datagrams: list[bytes], tmp_path: Path
 ) -> None:
     source = JobSource(tmp_path / "job.sock")
-    for datagram in datagrams:
-        source.receive(datagram, None)
-    good = encode_step(StepReport("j", 0, 32, 0.5, 0.4, 0.1, 1.0, 0))
-    source.receive(good, None)
-    assert source.jobs["j"].steps >= 1
+    with contextlib.ExitStack() as stack:
+
+        def peer() -> Peer:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            stack.enter_context(theirs)
+            return Peer(stack.enter_context(ours), os.getpid(), os.getuid(), os.getgid())
+
+        garbage = peer()
+        for datagram in datagrams:
+            source.receive(datagram, garbage)
+        good = encode_step(StepReport("j", 0, 32, 0.5, 0.4, 0.1, 1.0, 0))
+        source.receive(good, peer())
+        assert source.jobs["j"].steps >= 1
     assert source.invalid <= len(datagrams)
 
 
@@ -317,12 +327,14 @@ def test_garbage_sysfs_is_skipped_or_refused(files: dict[str, bytes], tmp_path: 
 
 
 def test_reporter_survives_an_agent_that_answers_garbage(tmp_path: Path) -> None:
-    import socket
-
-    reporter = JobReporter("j", socket_path=tmp_path / "absent.sock")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        address = reporter._sock.getsockname()
-        for junk in (b"\x00", b"{}", b'{"v":1,"type":"settings","job":"j","version":-1}'):
-            s.sendto(junk, address)
-    assert reporter.poll_settings() is None and reporter.version == 0
-    reporter.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as agent:
+        agent.bind(str(tmp_path / "agent.sock"))
+        agent.listen()
+        reporter = JobReporter("j", socket_path=tmp_path / "agent.sock")
+        connection, _ = agent.accept()
+        with connection:
+            for junk in (b"\x00", b"{}", b'{"v":1,"type":"settings","job":"j","version":-1}'):
+                connection.send(junk)
+            assert reporter.poll_settings() is None and reporter.version == 0
+            assert reporter.connected
+        reporter.close()

@@ -12,7 +12,7 @@ from typing import Any
 import psutil
 
 from hyperagent.errors import SourceError
-from hyperagent.readings import Reading
+from hyperagent.readings import Kind, Reading
 from hyperagent.sources.heldfile import HeldFile
 
 STAT_HEAD = 1024
@@ -58,6 +58,7 @@ def parse_memory_pressure(text: bytes) -> list[Reading]:
                 "hyperagent_host_memory_pressure_stall_seconds_total",
                 int(total) / 1e6,
                 {"kind": kind.decode()},
+                Kind.COUNTER,
             )
         )
     return readings
@@ -84,7 +85,12 @@ def parse_swap_activity(vmstat: bytes) -> list[Reading]:
         if not value.isdigit():
             raise ValueError(f"/proc/vmstat: unexpected {field.decode()} value {value[:40]!r}")
         readings.append(
-            Reading("hyperagent_host_swap_pages_total", float(value), {"direction": direction})
+            Reading(
+                "hyperagent_host_swap_pages_total",
+                float(value),
+                {"direction": direction},
+                Kind.COUNTER,
+            )
         )
     return readings
 
