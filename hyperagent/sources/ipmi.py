@@ -8,8 +8,10 @@
   opened again on the next read. The SDR records are read once per session.
 - ``IpmitoolBackend`` runs ``ipmitool sdr elist`` and ``ipmitool dcmi power reading`` (local
   ``-I open`` or ``-I lan``/``-I lanplus``) through an injectable ``run_command``;
-  ``capture_runner(DIR)`` answers those commands with ``DIR/ipmitool-sdr.txt`` and
-  ``DIR/ipmitool-dcmi.txt``, so the same backend replays a capture directory.
+  :func:`hyperagent.sources.ipmi_capture.capture_runner` answers those commands from a capture
+  directory, so the same backend replays it. The SDR output may be ipmitool's (``sdr``,
+  ``sdr elist``) or ipmiutil's (``sensor``); the DCMI output ipmitool's, freeipmi's or
+  ipmiutil's.
 
 Sensor metrics carry ``sensor`` (the name the BMC gives, trimmed) and ``entity`` (the IPMI
 entity as ``ID.instance``, empty when the output does not say, as in plain ``ipmitool sdr``):
@@ -20,6 +22,10 @@ thresholds, so a readable one is 0, as ipmitool reports it "ok". Sensors the BMC
 ("ns", "na", "disabled", "No Reading") are left out, never reported as zero, and so are readings
 in other units (percent, feet). When two sensors share a name and entity, the first is kept. A BMC
 without DCMI is read for its SDR sensors only.
+
+``hyperagent_bmc_node_power_watts`` is the node's input power among the power sensors, chosen
+by name (:data:`NODE_POWER_SENSORS`), never the largest: a standby Lenovo XCC lists the
+enclosure's "Chassis Power" 450 W beside the node's "Sys Power" 20 W.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import asyncio
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -489,29 +495,6 @@ class IpmiSource:
 
     async def close(self) -> None:
         await self.backend.close()
-
-
-SDR_CAPTURE = "ipmitool-sdr.txt"
-DCMI_CAPTURE = "ipmitool-dcmi.txt"
-
-
-def capture_file(argv: Sequence[str]) -> str:
-    """The file of a capture directory that holds the output of an ipmitool ``argv``."""
-    if list(argv[-3:]) == ["dcmi", "power", "reading"]:
-        return DCMI_CAPTURE
-    if "sdr" in argv:
-        return SDR_CAPTURE
-    raise CommandFailed(f"no capture answers {' '.join(argv)}", argv)
-
-
-def capture_runner(directory: Path) -> RunCommand:
-    """A RunCommand answering ``ipmitool ... sdr ...`` with ``directory/ipmitool-sdr.txt`` and
-    ``ipmitool ... dcmi power reading`` with ``directory/ipmitool-dcmi.txt``.
-
-    A missing file raises CaptureMissing, a SourceUnavailable (no SDR capture: the source is
-    down quietly; no DCMI capture: the backend reads SDR sensors only).
-    """
-    return command.capture_runner(directory, capture_file)
 
 
 _COMPLETION_CODE = re.compile(r"\(([0-9a-fA-F]{2})\)\s*$", re.MULTILINE)

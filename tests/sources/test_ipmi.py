@@ -31,7 +31,6 @@ from hyperagent.sources.ipmi import (
     RmcpBackend,
     SensorSample,
     SensorValue,
-    capture_runner,
     node_power,
     parse_dcmi_power,
     parse_ipmiutil_sensor,
@@ -41,6 +40,7 @@ from hyperagent.sources.ipmi import (
     read_password_file,
     sample_value,
 )
+from hyperagent.sources.ipmi_capture import capture_runner
 from hyperagent.sources.runner import SourceRunner
 
 from conftest import FIXTURES, require_binary
