@@ -151,12 +151,28 @@ async def test_job_and_host_come_from_the_config_where_the_capture_has_none(
         await job.close()
 
 
-def test_replay_reads_the_captures_procfs(tmp_path: Path) -> None:
+def copy_procfs(proc: Path) -> int:
+    """This machine's ``/proc/stat`` and ``/proc/meminfo`` copied into ``proc``; its MemTotal
+    in KiB."""
+    proc.mkdir()
+    for name in ("stat", "meminfo"):
+        (proc / name).write_bytes(Path("/proc", name).read_bytes())
+    meminfo = (proc / "meminfo").read_text()
+    return int(next(x for x in meminfo.splitlines() if x.startswith("MemTotal:")).split()[1])
+
+
+async def test_replay_reads_the_captures_procfs(tmp_path: Path) -> None:
+    """A capture's ``proc/`` (here this machine's stat and meminfo, copied) is the host."""
     day_file(tmp_path)
-    (tmp_path / "proc").mkdir()
+    total_kib = copy_procfs(tmp_path / "proc")
     sources, _ = capture_sources(tmp_path, build_config({}))
     host = next(s for s in sources if s.name == "host")
-    assert host.procfs_root == tmp_path / "proc"
+    try:
+        readings = await read(host)
+    finally:
+        await host.close()
+    memory = {r.name: r.value for r in readings}["hyperagent_host_memory_total_bytes"]
+    assert memory == total_kib * 1024
 
 
 def test_agent_replays_a_day_file_at_the_speed_asked(tmp_path: Path) -> None:
