@@ -1,15 +1,18 @@
 """RDMA ports, queues and RoCE flow control: sysfs counters, ``rdma`` resources, ``ethtool -S``.
 
-Three kinds of raw data, each with a pure parser:
+The source (:class:`RdmaSource`) and its metrics' help; each kind of raw data has a module of
+its own, by what it reads, with a pure parser:
 
 * the ``/sys/class/infiniband`` tree (PMA port counters, driver ``hw_counters``, port state and
-  rate, device identity) and ``/sys/class/net/<netdev>/mtu``: :func:`read_sysfs` copies the
-  text of the files into a :class:`SysfsSnapshot`, :func:`parse_sysfs` turns it into readings;
-* ``rdma -j resource show qp`` and ``... cq``: :func:`parse_rdma_qps` and :func:`parse_rdma_cqs`
-  count queue pairs per device, port, state and type and completion queues per device (never
-  one series per queue);
-* ``ethtool -S <netdev>`` of the netdevs behind RoCE ports: :func:`parse_ethtool_pause` keeps
-  the pause (PFC and link-level flow control) frame, duration and transition counters.
+  rate, device identity) and ``/sys/class/net/<netdev>/mtu``:
+  :mod:`hyperagent.sources.rdma_sysfs` copies the text of the files into a ``SysfsSnapshot``
+  (``read_sysfs``, ``SysfsReader``), :mod:`hyperagent.sources.rdma_ports` turns it into
+  readings (``parse_sysfs``; Omni-Path data counters count 8-byte flits, not 4-byte words);
+* ``rdma -j resource show qp`` and ``... cq``: :mod:`hyperagent.sources.rdma_resources` counts
+  queue pairs per device, port, state and type and completion queues per device (never one
+  series per queue);
+* ``ethtool -S <netdev>`` of the netdevs behind RoCE ports: :mod:`hyperagent.sources.rdma_ethtool`
+  keeps the pause (PFC and link-level flow control) frame, duration and transition counters.
 
 Commands go through a ``RunCommand`` callable: :func:`run_command` runs the real tools under a
 time bound, :func:`capture_runner` answers from a capture directory. A command that is missing
