@@ -118,6 +118,14 @@ async def test_replay_with_pdu_outlets_exposes_the_nodes_wall_power() -> None:
     assert node["hyperagent_pdu_node_power_watts"] == 206.0
 
 
+def test_a_pdu_target_without_a_recording_is_refused_at_start() -> None:
+    config = build_config(
+        {"sources": {"pdu": {"targets": [{"name": "rack02-pdu", "host": "x", "outlets": ["1"]}]}}}
+    )
+    with pytest.raises(ConfigError, match=r"rack02-pdu: no rack02-pdu.snmprec .*rack01-pdu"):
+        capture_sources(PDU_REPLAY, config)
+
+
 async def test_replay_without_pdu_targets_reads_every_recorded_pdu() -> None:
     sources, _ = capture_sources(PDU_REPLAY, build_config({}))
     (pdu,) = sources

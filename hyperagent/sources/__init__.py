@@ -129,6 +129,25 @@ SOURCES: dict[str, SourceFactory] = {
 """Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
 
 
+PDU_RECORDINGS = (".snmprec", ".snmpwalk")
+
+
+def _check_pdu_recordings(config: Config, folder: Path) -> None:
+    """Raise ConfigError naming a configured PDU target that has no recording in ``folder``."""
+    recorded = sorted(p.stem for p in folder.iterdir() if p.suffix in PDU_RECORDINGS)
+    problems = [
+        ConfigProblem(
+            f"sources.pdu.targets[{i}].name",
+            f"{t.name}: no {t.name}.snmprec in {folder}"
+            f" (recorded: {', '.join(recorded) or 'none'})",
+        )
+        for i, t in enumerate(config.sources.pdu.targets)
+        if t.name not in recorded
+    ]
+    if problems:
+        raise ConfigError(problems)
+
+
 def _enabled(config: Config, name: str) -> bool:
     """Whether the config enables the source ``name`` (one it does not know: yes)."""
     section = getattr(config.sources, name, None)
@@ -184,6 +203,7 @@ def capture_sources(
             )
         )
     if enabled.pdu.enabled and (directory / "pdu").is_dir():
+        _check_pdu_recordings(config, directory / "pdu")
         sources += pdu_sources(config, hardware)
     if enabled.ipmi.enabled and any(
         (directory / name).is_file() for name in ipmi_capture.SDR_CAPTURES
