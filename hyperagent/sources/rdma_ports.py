@@ -30,8 +30,11 @@ its ``C_DC_XMIT_FLITS``/``C_DC_RCV_FLITS`` counters (``pma_get_opa_port_dctrs`` 
 ``drivers/infiniband/hw/hfi1/mad.c``), and Intel's OPA tools (opa-ff ``FLITS_PER_MB``) read
 PortXmitData/PortRcvData "in units of flits (8 bytes)"."""
 
+OPA_DRIVERS = frozenset({"hfi1"})
+"""Kernel drivers of Omni-Path host fabric interfaces."""
 OPA_DEVICE_PREFIXES = ("hfi1_",)
-"""Names the Omni-Path driver gives its RDMA devices (``ib_register_device(..., "hfi1_%d")``)."""
+"""Names the Omni-Path driver gives its RDMA devices (``ib_register_device(..., "hfi1_%d")``),
+for a tree without the ``device/driver`` link (udev may rename devices; the link stays)."""
 
 HW_COUNTER_SETTINGS = frozenset({"lifespan"})
 """Files in ``hw_counters`` that are settings (the refresh period in ms), not counters."""
@@ -108,9 +111,12 @@ OPA_PMA_EXT_COUNTERS: dict[str, _Counter] = {
 """:data:`PMA_EXT_COUNTERS` of an Omni-Path device: data in flits."""
 
 
-def is_omni_path(device: str) -> bool:
-    """Whether an RDMA device is an Omni-Path HFI, whose data counters count flits."""
-    return device.startswith(OPA_DEVICE_PREFIXES)
+def is_omni_path(device: DeviceFiles) -> bool:
+    """Whether an RDMA device is an Omni-Path HFI, whose data counters count flits: by its
+    driver, else (no driver link in the tree) by the name the driver gives it."""
+    if device.driver:
+        return device.driver in OPA_DRIVERS
+    return device.name.startswith(OPA_DEVICE_PREFIXES)
 
 
 HW_COUNTERS: dict[str, _Counter] = {
@@ -242,7 +248,7 @@ def _port_readings(
     out.append(Reading("hyperagent_rdma_port_info", 1.0, info, Kind.INFO))
 
     counters = _PortReadings(device.name, port_name)
-    opa = is_omni_path(device.name)
+    opa = is_omni_path(device)
     counters.counters(port.counters_ext, OPA_PMA_EXT_COUNTERS if opa else PMA_EXT_COUNTERS, False)
     counters.counters(port.counters, OPA_PMA_COUNTERS if opa else PMA_COUNTERS, tail=True)
     counters.counters(port.hw_counters, HW_COUNTERS, tail=True)

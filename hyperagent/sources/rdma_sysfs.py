@@ -44,6 +44,8 @@ class DeviceFiles:
     ports: Mapping[str, PortFiles] = field(default_factory=dict)
     pci_netdevs: tuple[str, ...] = ()
     """Netdevs of the device's PCI function (``device/net/*``)."""
+    driver: str = ""
+    """The kernel driver bound to the device (``device/driver``), "" when not known."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,17 @@ def _read_device(name: str, device_dir: str) -> DeviceFiles:
         attributes=_read_attributes(device_dir, DEVICE_ATTRIBUTES),
         ports=ports,
         pci_netdevs=_listdir(f"{device_dir}/device/net"),
+        driver=_driver(device_dir),
     )
+
+
+def _driver(device_dir: str) -> str:
+    """The name of the driver bound to the device's parent (``device/driver`` links to
+    ``.../drivers/<name>``); "" when there is no such link."""
+    try:
+        return os.path.basename(os.readlink(f"{device_dir}/device/driver"))
+    except OSError:
+        return ""
 
 
 def read_sysfs(sysfs_root: Path, netdevs: Sequence[str] = ()) -> SysfsSnapshot:
@@ -370,7 +382,11 @@ class SysfsReader:
                     texts["hw_counters"],
                     device.ports[name].gid_netdevs,
                 )
-            devices.append(DeviceFiles(device.name, device.attributes, files, device.pci_netdevs))
+            devices.append(
+                DeviceFiles(
+                    device.name, device.attributes, files, device.pci_netdevs, device.driver
+                )
+            )
         return SysfsSnapshot(tuple(devices), walked.netdev_mtus)
 
 

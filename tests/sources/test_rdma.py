@@ -821,3 +821,19 @@ def test_omni_path_32_bit_counters_count_flits_too(tmp_path: Path) -> None:
     for name in ("port_xmit_data_64", "port_rcv_data_64"):
         (root / "class/infiniband/hfi1_1/ports/1/counters_ext" / name).unlink()
     assert _data_bytes(parse_sysfs(read_sysfs(root)), "hfi1_1") == (24, 40)
+
+
+def test_omni_path_is_told_by_its_driver_under_another_name(tmp_path: Path) -> None:
+    """udev may rename RDMA devices (rdma-core's persistent names): the bound driver still
+    tells an Omni-Path HFI, and a device named like one but bound to another driver is not."""
+    root = tmp_path / "sys"
+    drivers = tmp_path / "sys" / "bus" / "pci" / "drivers"
+    for device, driver in (("ibp4s0", "hfi1"), ("hfi1_lookalike", "mlx5_core")):
+        _port_tree(root, device, xmit=10, rcv=10)
+        (drivers / driver).mkdir(parents=True, exist_ok=True)
+        parent = root / "class" / "infiniband" / device / "device"
+        parent.mkdir()
+        (parent / "driver").symlink_to(drivers / driver)
+    readings = parse_sysfs(read_sysfs(root))
+    assert _data_bytes(readings, "ibp4s0") == (80, 80)
+    assert _data_bytes(readings, "hfi1_lookalike") == (40, 40)
