@@ -11,7 +11,8 @@ from hyperagent.sources import ipmi, nvml, pdu, rdma
 _CORE: dict[str, str] = {
     # GPUs: the NVML source's own metrics are in hyperagent.sources.nvml.HELP
     "hyperagent_gpu_quantum_coefficient": (
-        "Compute quanta one fully busy GPU of this model is worth (A100 = 1)."
+        'Compute quanta one fully busy GPU of this model is worth (A100 = 1); known="false"'
+        " marks a model indicators.quantum_coefficients does not name, counted as 1."
     ),
     "hyperagent_gpu_job_info": "1 while a process of the job runs on the GPU (NVML, job peers).",
     # Host (procfs)

@@ -45,6 +45,17 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
+def _speed(text: str) -> float:
+    """A replay speed factor: a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if getattr(args, "node", None):
@@ -111,25 +122,13 @@ def _run(main: Coroutine[Any, Any, Any]) -> int:
 
 
 def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None = None) -> Agent:
-    """The agent of ``hyperagent agent``/``record``. Replaying a capture, ``agent`` reads the
-    host and serves the job channel live as the config enables them; ``record`` records only
-    what the capture holds."""
     from hyperagent.agent import Agent
-    from hyperagent.sources import capture_sources, job_source
-    from hyperagent.sources.host import HostSource
+    from hyperagent.sources import capture_sources
 
     key = read_settings_key(config)
     if args.replay is None:
         return Agent.from_config(config, settings_key=key, recorder=recorder)
-    sources, hardware = capture_sources(args.replay, config)
-    if recorder is not None:
-        return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
-    live = {"host": config.sources.host.enabled, "job": config.sources.job.enabled}
-    sources = [s for s in sources if not live.get(s.name)]  # never replayed where they are live
-    if live["host"]:
-        sources.append(HostSource())
-    if live["job"]:
-        sources.append(job_source(config))
+    sources, hardware = capture_sources(args.replay, config, speed=args.speed)
     return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
 
 
@@ -397,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay a capture directory (DIR/nvidia-smi.xml) instead of hardware",
     )
     agent.add_argument(
+        "--speed",
+        type=_speed,
+        default=1.0,
+        metavar="FACTOR",
+        help="with --replay: play recordings and timestamped day files FACTOR times as fast",
+    )
+    agent.add_argument(
         "--metrics-address", metavar="HOST:PORT", help='serve /metrics here ("" disables)'
     )
     broker = agent.add_mutually_exclusive_group()
@@ -412,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("--duration", type=float, required=True, metavar="SECONDS")
     record.add_argument("--config", type=Path)
     record.add_argument("--replay", type=Path, metavar="DIR", help="record a capture directory")
+    record.add_argument(
+        "--speed", type=_speed, default=1.0, metavar="FACTOR", help="replay speed with --replay"
+    )
     record.add_argument("--node")
     record.add_argument("--interval", type=float, help="seconds between collections")
     record.set_defaults(func=cmd_record)

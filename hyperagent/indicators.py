@@ -5,10 +5,17 @@ Device i has effective utilisation u_i in [0, 1] and quantum coefficient q_i.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
 from hyperagent.readings import Reading, Snapshot
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_MODEL_COEFFICIENT = 1.0
+"""q of a GPU model the coefficient table does not name (as if it were an A100)."""
 
 STALL_SECONDS = "hyperagent_host_memory_pressure_stall_seconds_total"
 """PSI: seconds some task (``kind="some"``) stalled waiting for memory."""
@@ -122,16 +129,33 @@ def _per_gpu(snapshot: Snapshot, name: str) -> dict[str | None, Reading]:
     return {r.labels.get("uuid"): r for r in snapshot.named(name)}
 
 
-def _units(snapshot: Snapshot, table: Mapping[str, float]) -> list[tuple[Reading, Unit]]:
-    """(utilisation reading, (q, u)) per GPU; unknown models count as q = 1."""
+@functools.cache
+def _warn_unknown_model(model: str) -> None:
+    """Say once per process that a GPU model weighs the default in QU."""
+    log.warning(
+        "GPU model %r is not in indicators.quantum_coefficients: it counts as q = %g in QU"
+        ' (hyperagent_gpu_quantum_coefficient{known="false"}); add its coefficient to the'
+        " config",
+        model,
+        UNKNOWN_MODEL_COEFFICIENT,
+    )
+
+
+def _units(snapshot: Snapshot, table: Mapping[str, float]) -> list[tuple[Unit, dict[str, str]]]:
+    """((q, u), coefficient labels) per GPU; a model the table does not
+    name counts as :data:`UNKNOWN_MODEL_COEFFICIENT`, is warned about once and is labelled
+    ``known="false"``."""
     info = _per_gpu(snapshot, "hyperagent_gpu_info")
     active = _per_gpu(snapshot, "hyperagent_gpu_sm_active_ratio")
     units = []
     for uuid, util in _per_gpu(snapshot, "hyperagent_gpu_utilization_ratio").items():
         model = info[uuid].labels.get("model", "") if uuid in info else ""
         q = quantum_coefficient(model, table)
+        if q is None:
+            _warn_unknown_model(model)
         u = active[uuid].value if uuid in active else util.value
-        units.append((util, (1.0 if q is None else q, u)))
+        labels = {**util.labels, "model": model, "known": "false" if q is None else "true"}
+        units.append(((UNKNOWN_MODEL_COEFFICIENT if q is None else q, u), labels))
     return units
 
 
@@ -199,9 +223,9 @@ def derive(
             out.append(Reading(name, value, labels))
 
     per_gpu = _units(current, coefficients)
-    for util, (q, _) in per_gpu:
-        out.append(Reading("hyperagent_gpu_quantum_coefficient", q, util.labels))
-    units = [unit for _, unit in per_gpu]
+    for (q, _), labels in per_gpu:
+        out.append(Reading("hyperagent_gpu_quantum_coefficient", q, labels))
+    units = [unit for unit, _ in per_gpu]
     put("hyperagent_qu_ratio", quantum_utilization(units))
     put("hyperagent_compute_entropy_ratio", compute_entropy(units))
     put("hyperagent_quantum_dispersion_ratio", quantum_dispersion(units))

@@ -24,7 +24,7 @@ from hyperagent.coordinator import Coordinator
 from hyperagent.errors import ConfigError, PayloadError, SourceError
 from hyperagent.job import JobReporter, StepReport, decode, encode_step, parse_step
 from hyperagent.replay import RecordingError, load_recording
-from hyperagent.sources import Hardware, ipmi, pdu, rdma
+from hyperagent.sources import Hardware, ipmi, pdu, rdma, rdma_ethtool, rdma_resources
 from hyperagent.sources.host import parse_numa_balancing
 from hyperagent.sources.job import JobSource, Peer
 from hyperagent.testing.nvidia_smi import parse_capture
@@ -256,10 +256,10 @@ def test_text_parsers_raise_only_their_errors(text: str) -> None:
     for parse in (
         ipmi.parse_sdr_output,
         ipmi.parse_dcmi_power,
-        rdma.parse_rdma_qps,
-        rdma.parse_rdma_cqs,
+        rdma_resources.parse_rdma_qps,
+        rdma_resources.parse_rdma_cqs,
         parse_numa_balancing,
-        lambda t: rdma.parse_ethtool_pause(t, "eth0"),
+        lambda t: rdma_ethtool.parse_ethtool_pause(t, "eth0"),
     ):
         with contextlib.suppress(SourceError):  # anything else fails the test
             parse(text)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 
 from hyperagent.config import DEFAULT_QUANTUM_COEFFICIENTS as TABLE
 from hyperagent.indicators import (
+    _warn_unknown_model,
     communication_compute_ratio,
     compute_entropy,
     derive,
@@ -207,7 +209,11 @@ def test_derive_from_snapshots() -> None:
     )
     assert out[("hyperagent_ccr_ratio", (("method", "reported"),))] == pytest.approx(0.25)
     assert out[("hyperagent_energy_per_sample_joules", ())] == pytest.approx(0.5)
-    assert out[("hyperagent_gpu_quantum_coefficient", (("gpu", "0"), ("uuid", "GPU-0")))] == 0.6
+    coefficient = (
+        "hyperagent_gpu_quantum_coefficient",
+        (("gpu", "0"), ("known", "true"), ("model", "Tesla V100S-PCIE-32GB"), ("uuid", "GPU-0")),
+    )
+    assert out[coefficient] == 0.6
     first = {r.name for r in derive(before, None, TABLE)}
     assert (
         "hyperagent_ccr_ratio" not in first and "hyperagent_energy_per_sample_joules" not in first
@@ -229,3 +235,29 @@ def test_an_extended_snapshot_answers_like_one_built_whole() -> None:
             assert list(grown.named(name)) == list(whole.named(name))
             assert grown.total(name) == whole.total(name)
         assert snapshot.total("a") == 4.0 and snapshot.named("c") == ()  # the original is intact
+
+
+def test_an_unknown_gpu_model_is_said_once_and_labelled(caplog: pytest.LogCaptureFixture) -> None:
+    """A P100 is not in the table: it weighs 1 in QU, a warning names it once, and its
+    coefficient carries known="false" so a dashboard or alert can show it."""
+    labels = {"gpu": "0", "uuid": "GPU-p100"}
+    snapshot = Snapshot(
+        1.0,
+        "n",
+        (
+            Reading(
+                "hyperagent_gpu_info", 1, {**labels, "model": "Tesla P100-PCIE-16GB"}, Kind.INFO
+            ),
+            Reading("hyperagent_gpu_utilization_ratio", 0.5, labels),
+        ),
+    )
+    _warn_unknown_model.cache_clear()  # the warning is once per process
+    with caplog.at_level(logging.WARNING, logger="hyperagent.indicators"):
+        first = derive(snapshot, None, TABLE)
+        derive(snapshot, snapshot, TABLE)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "Tesla P100-PCIE-16GB" in warnings[0]
+    coefficient = next(r for r in first if r.name == "hyperagent_gpu_quantum_coefficient")
+    assert coefficient.value == 1.0
+    assert coefficient.labels == {**labels, "model": "Tesla P100-PCIE-16GB", "known": "false"}
+    assert next(r.value for r in first if r.name == "hyperagent_qu_ratio") == 0.5

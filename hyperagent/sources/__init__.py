@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from hyperagent.replay import (
     RecordedSource,
     load_recording,
 )
-from hyperagent.sources import ipmi, pdu, rdma
+from hyperagent.sources import ipmi, ipmi_capture, pdu, rdma
 from hyperagent.sources.base import Source
 from hyperagent.sources.host import HostSource
 from hyperagent.sources.job import JobSource, PeerPolicy
@@ -33,6 +33,9 @@ class Hardware:
     """The ``pynvml`` module, or an object with its API (hyperagent.testing.fake_nvml)."""
     replayed: bool = False
     """True for a capture directory: nothing of it is kept on this machine's disk."""
+    capture_dir: Path | None = None
+    """The capture directory replayed, whose recordings the factories read instead of the
+    network (a PDU target reads ``pdu/NAME.snmprec``)."""
 
     @classmethod
     def from_config(cls, config: Config) -> Hardware:
@@ -100,12 +103,17 @@ def rdma_sources(config: Config, hardware: Hardware) -> list[Source]:
 
 
 def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
-    """One source per configured PDU (none configured: none)."""
+    """One source per configured PDU (none configured: none). Replaying a capture directory,
+    each target reads its recording in ``pdu/``, and without targets every recording there is
+    a PDU of its own (without the node's outlets)."""
     c = config.sources.pdu
     targets = [
         pdu.PduTarget(t.name, t.host, t.port, t.community, t.vendor, t.outlets) for t in c.targets
     ]
-    return list(pdu.pdu_sources(targets, timeout_s=c.timeout_s, retries=c.retries))
+    replay_dir = None if hardware.capture_dir is None else hardware.capture_dir / "pdu"
+    return list(
+        pdu.pdu_sources(targets, replay_dir=replay_dir, timeout_s=c.timeout_s, retries=c.retries)
+    )
 
 
 def job_source(config: Config) -> JobSource:
@@ -134,28 +142,71 @@ SOURCES: dict[str, SourceFactory] = {
 """Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
 
 
+PDU_RECORDINGS = (".snmprec", ".snmpwalk")
+
+
+def _check_pdu_recordings(config: Config, folder: Path) -> None:
+    """Raise ConfigError naming a configured PDU target that has no recording in ``folder``."""
+    recorded = sorted(p.stem for p in folder.iterdir() if p.suffix in PDU_RECORDINGS)
+    problems = [
+        ConfigProblem(
+            f"sources.pdu.targets[{i}].name",
+            f"{t.name}: no {t.name}.snmprec in {folder}"
+            f" (recorded: {', '.join(recorded) or 'none'})",
+        )
+        for i, t in enumerate(config.sources.pdu.targets)
+        if t.name not in recorded
+    ]
+    if problems:
+        raise ConfigError(problems)
+
+
+def _enabled(config: Config, name: str) -> bool:
+    """Whether the config enables the source ``name`` (one it does not know: yes)."""
+    section = getattr(config.sources, name, None)
+    return bool(getattr(section, "enabled", True))
+
+
 def capture_sources(
-    directory: Path, config: Config, clock: Callable[[], float] = time.monotonic
+    directory: Path,
+    config: Config,
+    clock: Callable[[], float] = time.monotonic,
+    speed: float = 1.0,
 ) -> tuple[list[Source], Hardware]:
-    """Sources replaying what a capture directory holds (see README: capture directories);
-    ``clock`` drives the fake GPUs' energy counters and the recording's player.
+    """Sources replaying what a capture directory holds (see README: capture directories), the
+    ones ``config`` enables, built as a live agent builds them where the capture allows:
 
-    A recording's GPU readings go through NvmlSource over a fake NVML that takes power caps
-    when ``actuation.power_cap`` is on; otherwise they are replayed as recorded.
+    - ``nvml``: ``nvidia-smi.xml``, else the recording's GPU readings, which go through
+      NvmlSource over a fake NVML taking power caps when ``actuation.power_cap`` is on;
+    - ``rdma``: ``sys/class/infiniband`` with the ``rdma``/``ethtool`` outputs beside it;
+    - ``ipmi``: ``ipmitool-sdr.txt`` or ``ipmiutil-sensor.txt`` (one table, or a day file of
+      timestamped tables played as a time series) and ``ipmitool-dcmi.txt``;
+    - ``pdu``: ``[[sources.pdu.targets]]`` with their outlets, each reading ``pdu/NAME.snmprec``
+      (no targets configured: every recording in ``pdu/``);
+    - ``host``: ``proc/``, else this machine's when the config names ``[sources.host]``, else
+      the recording's;
+    - ``job``: the live job socket when the config names ``[sources.job]`` (a replayed node
+      still serves its training job), else the recording's;
+    - any other source the recording holds, as recorded.
 
-    Raises ConfigError naming ``--replay`` when the directory holds nothing to replay.
+    ``clock`` drives the fake GPUs' energy counters, the recording's player and day files;
+    recorded time passes ``speed`` times as fast as it. Raises ConfigError naming ``--replay``
+    when the directory holds nothing to replay.
     """
     from hyperagent.testing.fake_nvml import FakeNvml
 
+    enabled = config.sources
+    named = enabled.model_fields_set
+    hardware = Hardware(nvml=None, replayed=True, capture_dir=directory)
     sources: list[Source] = []
     nvml = None
     smi = directory / "nvidia-smi.xml"
-    if smi.is_file():
+    if enabled.nvml.enabled and smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
         sources.append(
             NvmlSource(nvml, clock=clock, health_interval_s=config.sources.nvml.health_interval_s)
         )
-    if (directory / "sys" / "class" / "infiniband").is_dir():
+    if enabled.rdma.enabled and (directory / "sys" / "class" / "infiniband").is_dir():
         sources.append(
             rdma.RdmaSource(
                 directory / "sys",
@@ -165,17 +216,26 @@ def capture_sources(
                 rescan_interval_s=config.sources.rdma.rescan_interval_s,
             )
         )
-    if (directory / "pdu").is_dir():
-        sources += pdu.pdu_sources([], replay_dir=directory / "pdu")
-    if (directory / "ipmitool-sdr.txt").is_file():
-        backend = ipmi.IpmitoolBackend(ipmi.capture_runner(directory), target=directory.name)
-        sources.append(ipmi.IpmiSource(backend))
+    if enabled.pdu.enabled and (directory / "pdu").is_dir():
+        _check_pdu_recordings(config, directory / "pdu")
+        sources += pdu_sources(config, hardware)
+    if enabled.ipmi.enabled and any(
+        (directory / name).is_file() for name in ipmi_capture.SDR_CAPTURES
+    ):
+        runner = ipmi_capture.capture_runner(directory, clock, speed)
+        sources.append(ipmi.IpmiSource(ipmi.IpmitoolBackend(runner, target=directory.name)))
+    if enabled.host.enabled and (directory / "proc").is_dir():
+        sources.append(HostSource(directory / "proc"))
+    elif enabled.host.enabled and "host" in named:
+        sources.append(HostSource())
+    if enabled.job.enabled and "job" in named:
+        sources.append(job_source(config))
     recording = directory / RECORDING_FILE
     if recording.is_file():
-        player = Player(load_recording(recording), clock)
+        player = Player(load_recording(recording), clock, speed)
         provided = {s.name for s in sources}
         for name in player.recording.source_names:
-            if name in provided:
+            if name in provided or not _enabled(config, name):
                 continue
             if name == "nvml" and config.actuation.power_cap:
                 nvml_replay = RecordedNvmlSource(player)
@@ -193,7 +253,7 @@ def capture_sources(
                 )
             ]
         )
-    return sources, Hardware(nvml=nvml, replayed=True)
+    return sources, replace(hardware, nvml=nvml)
 
 
 def build_sources(config: Config, hardware: Hardware) -> list[Source]:

@@ -8,8 +8,10 @@
   opened again on the next read. The SDR records are read once per session.
 - ``IpmitoolBackend`` runs ``ipmitool sdr elist`` and ``ipmitool dcmi power reading`` (local
   ``-I open`` or ``-I lan``/``-I lanplus``) through an injectable ``run_command``;
-  ``capture_runner(DIR)`` answers those commands with ``DIR/ipmitool-sdr.txt`` and
-  ``DIR/ipmitool-dcmi.txt``, so the same backend replays a capture directory.
+  :func:`hyperagent.sources.ipmi_capture.capture_runner` answers those commands from a capture
+  directory, so the same backend replays it. The SDR output may be ipmitool's (``sdr``,
+  ``sdr elist``) or ipmiutil's (``sensor``); the DCMI output ipmitool's, freeipmi's or
+  ipmiutil's.
 
 Sensor metrics carry ``sensor`` (the name the BMC gives, trimmed) and ``entity`` (the IPMI
 entity as ``ID.instance``, empty when the output does not say, as in plain ``ipmitool sdr``):
@@ -20,6 +22,10 @@ thresholds, so a readable one is 0, as ipmitool reports it "ok". Sensors the BMC
 ("ns", "na", "disabled", "No Reading") are left out, never reported as zero, and so are readings
 in other units (percent, feet). When two sensors share a name and entity, the first is kept. A BMC
 without DCMI is read for its SDR sensors only.
+
+``hyperagent_bmc_node_power_watts`` is the node's input power among the power sensors, chosen
+by name (:data:`NODE_POWER_SENSORS`), never the largest: a standby Lenovo XCC lists the
+enclosure's "Chassis Power" 450 W beside the node's "Sys Power" 20 W.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import asyncio
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +58,7 @@ DCMI_POWER_MIN = "hyperagent_bmc_dcmi_power_min_watts"
 DCMI_POWER_MAX = "hyperagent_bmc_dcmi_power_max_watts"
 DCMI_POWER_AVERAGE = "hyperagent_bmc_dcmi_power_average_watts"
 DCMI_SAMPLING_PERIOD = "hyperagent_bmc_dcmi_sampling_period_seconds"
+NODE_POWER = "hyperagent_bmc_node_power_watts"
 
 HELP: dict[str, str] = {
     POWER: "Power reported by a BMC power sensor (SDR), e.g. the node's input power.",
@@ -68,6 +75,10 @@ HELP: dict[str, str] = {
     DCMI_POWER_MAX: "Highest node power over the DCMI sampling period.",
     DCMI_POWER_AVERAGE: "Average node power over the DCMI sampling period.",
     DCMI_SAMPLING_PERIOD: "Length of the DCMI sampling period the min/max/average cover.",
+    NODE_POWER: (
+        "The node's input power by the BMC's SDR: the power sensor whose name ranks first in"
+        " the documented preference (sensor label), not the largest one."
+    ),
 }
 
 OK, NON_CRITICAL, CRITICAL, NON_RECOVERABLE = 0, 1, 2, 3
@@ -274,13 +285,16 @@ def parse_sdr(text: str) -> list[Reading]:
 
 
 def parse_sdr_output(text: str) -> list[Reading]:
-    """Readings of ``ipmitool sdr elist`` or plain ``ipmitool sdr`` output (told by columns)."""
+    """Readings of ``ipmitool sdr elist``, plain ``ipmitool sdr`` or ``ipmiutil sensor`` output
+    (told by their columns: 5, 3 or 7)."""
     first = next((line for line in text.splitlines() if "|" in line), None)
     if first is None:
         if text.strip():
             raise SourceError("ipmitool sdr output has no sensor lines")
         return []
     columns = len(first.split("|"))
+    if columns == 7:
+        return parse_ipmiutil_sensor(text)
     if columns == 5:
         return parse_sdr_elist(text)
     if columns == 3:
@@ -336,18 +350,37 @@ def dcmi_readings(power: DcmiPower) -> list[Reading]:
 
 
 _DCMI_FIELDS = {
+    # ipmitool dcmi power reading
     "instantaneous power reading": "current_w",
     "minimum during sampling period": "minimum_w",
     "maximum during sampling period": "maximum_w",
     "average power reading over sample period": "average_w",
+    # freeipmi ipmi-dcmi --get-system-power-statistics
+    "current power": "current_w",
+    "minimum power over sampling duration": "minimum_w",
+    "maximum power over sampling duration": "maximum_w",
+    "average power over sampling duration": "average_w",
+    # ipmiutil dcmi
+    "min power over sample duration": "minimum_w",
+    "max power over sample duration": "maximum_w",
+    "avg power over sample duration": "average_w",
 }
+_WATTS = re.compile(r"(\d+(?:\.\d+)?)\s*watts", re.IGNORECASE)
+_PERIODS = {
+    "sampling period": re.compile(r"(\d+)\s*(seconds|ms)\.?", re.IGNORECASE),
+    "statistics reporting time period": re.compile(r"(\d+)\s*(milliseconds)", re.IGNORECASE),
+}
+_PERIOD_SCALE = {"seconds": 1.0, "ms": 1e-3, "milliseconds": 1e-3}
 
 
 def parse_dcmi_power(text: str) -> list[Reading]:
-    """Readings of ``ipmitool dcmi power reading`` output.
+    """Readings of a DCMI power reading: ``ipmitool dcmi power reading``, freeipmi's
+    ``ipmi-dcmi --get-system-power-statistics`` or ``ipmiutil dcmi`` output.
 
-    Raises SourceError when there is no instantaneous reading; an unreadable min/max/average or
-    sampling period is left out; "Power reading state is: deactivated" gives no readings.
+    Raises SourceError naming what it expected when there is no current (instantaneous)
+    reading; an unreadable min/max/average or sampling period is left out; a deactivated or
+    unavailable power measurement ("Power reading state is: deactivated", "Power Measurement :
+    Not Available") gives no readings.
     """
     watts: dict[str, float] = {}
     period_s: float | None = None
@@ -356,20 +389,70 @@ def parse_dcmi_power(text: str) -> list[Reading]:
         key, sep, value = line.partition(":")
         if not sep:
             continue
-        key, value = key.strip().lower(), value.strip()
+        key, value = " ".join(key.lower().split()), value.strip()
         if key in _DCMI_FIELDS:
-            match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*Watts", value)
+            match = _WATTS.fullmatch(value)
             if match:
                 watts[_DCMI_FIELDS[key]] = float(match.group(1))
-        elif key == "sampling period":
-            match = re.fullmatch(r"(\d+)\s*Seconds\.?", value)
+        elif key in _PERIODS:
+            match = _PERIODS[key].fullmatch(value)
             if match:
-                period_s = float(match.group(1))
+                period_s = float(match.group(1)) * _PERIOD_SCALE[match.group(2).lower()]
         elif key == "power reading state is":
             active = value.lower() != "deactivated"
+        elif key == "power measurement":
+            active = value.lower() == "active"
     if "current_w" not in watts:
-        raise SourceError("ipmitool dcmi power reading output has no instantaneous power reading")
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        raise SourceError(
+            "DCMI power output has no current power: expected ipmitool's 'Instantaneous power"
+            f" reading' or freeipmi's/ipmiutil's 'Current Power', got {first[:80]!r}"
+        )
     return dcmi_readings(DcmiPower(**watts, period_s=period_s, active=active))
+
+
+NODE_POWER_SENSORS: tuple[tuple[str, ...], ...] = (
+    # the node's (system's) input power, by the names vendors give it
+    (
+        "sys power",
+        "system power",
+        "node power",
+        "total power",
+        "pwr consumption",
+        "power consumption",
+        "sys input power",
+        "system input power",
+    ),
+    # the sum of a tray's hot-swap controller inputs (GB200-class compute trays)
+    ("hsc pwr sum", "hsc input pwr sum"),
+    # an average or unnamed meter of the node (IBM IMM "Avg Power", Huawei iBMC "Power")
+    ("avg power", "average power", "power meter", "power"),
+    # the enclosure's power: a multi-node chassis (Lenovo XCC "Chassis Power") or a standby
+    # node's PSU capacity; only when nothing of the node's own is there
+    ("chassis power", "total chassis power"),
+)
+"""Sensor names (lower case, ``_`` read as a space) that carry the node's power, in order of
+preference: the first group with a readable power sensor gives ``hyperagent_bmc_node_power_watts``.
+Per-supply, per-GPU and per-CPU sensors are never the node's power."""
+
+_NODE_POWER_RANK = {name: rank for rank, names in enumerate(NODE_POWER_SENSORS) for name in names}
+
+
+def node_power(readings: Iterable[Reading]) -> Reading | None:
+    """The node's input power among BMC power sensor readings, chosen by
+    :data:`NODE_POWER_SENSORS` (the first sensor of the best-ranked name); None when no sensor
+    has such a name."""
+    best: tuple[int, Reading] | None = None
+    for r in readings:
+        if r.name != POWER:
+            continue
+        sensor = r.labels.get("sensor", "")
+        rank = _NODE_POWER_RANK.get(" ".join(sensor.replace("_", " ").lower().split()))
+        if rank is not None and (best is None or rank < best[0]):
+            best = (rank, r)
+    if best is None:
+        return None
+    return Reading(NODE_POWER, best[1].value, {"sensor": best[1].labels["sensor"]})
 
 
 class IpmiBackend(Protocol):
@@ -404,35 +487,14 @@ class IpmiSource:
             raise SourceError(f"previous BMC read of {self.target} still running")
         self._reading = True
         try:
-            return await self.backend.read()
+            readings = await self.backend.read()
         finally:
             self._reading = False
+        node = node_power(readings)
+        return readings if node is None else [*readings, node]
 
     async def close(self) -> None:
         await self.backend.close()
-
-
-SDR_CAPTURE = "ipmitool-sdr.txt"
-DCMI_CAPTURE = "ipmitool-dcmi.txt"
-
-
-def capture_file(argv: Sequence[str]) -> str:
-    """The file of a capture directory that holds the output of an ipmitool ``argv``."""
-    if list(argv[-3:]) == ["dcmi", "power", "reading"]:
-        return DCMI_CAPTURE
-    if "sdr" in argv:
-        return SDR_CAPTURE
-    raise CommandFailed(f"no capture answers {' '.join(argv)}", argv)
-
-
-def capture_runner(directory: Path) -> RunCommand:
-    """A RunCommand answering ``ipmitool ... sdr ...`` with ``directory/ipmitool-sdr.txt`` and
-    ``ipmitool ... dcmi power reading`` with ``directory/ipmitool-dcmi.txt``.
-
-    A missing file raises CaptureMissing, a SourceUnavailable (no SDR capture: the source is
-    down quietly; no DCMI capture: the backend reads SDR sensors only).
-    """
-    return command.capture_runner(directory, capture_file)
 
 
 _COMPLETION_CODE = re.compile(r"\(([0-9a-fA-F]{2})\)\s*$", re.MULTILINE)
@@ -489,6 +551,7 @@ class IpmitoolBackend:
                 options += ["-C", str(cipher_suite)]
         self.options = options
         self._dcmi_supported = dcmi
+        self._dcmi_problem: str | None = None
 
     async def read(self) -> list[Reading]:
         deadline = asyncio.get_running_loop().time() + self.timeout_s
@@ -507,7 +570,8 @@ class IpmitoolBackend:
     async def _read_dcmi(self, deadline: float) -> list[Reading]:
         try:
             async with asyncio.timeout_at(deadline):
-                return parse_dcmi_power(await self._run("dcmi", "power", "reading"))
+                output = await self._run("dcmi", "power", "reading")
+            readings = parse_dcmi_power(output)
         except TimeoutError:
             log.debug("DCMI power reading of %s skipped: no time left", self.target)
         except SourceUnavailable:
@@ -518,8 +582,14 @@ class IpmitoolBackend:
             else:
                 self._dcmi_supported = False
                 log.info("BMC %s refuses DCMI power reading (%s); reading SDR only", self.target, e)
-        except SourceError as e:
-            log.debug("DCMI power reading of %s skipped: %s", self.target, e)
+        except SourceError as e:  # output that is not a DCMI power reading: said once
+            problem = str(e)
+            if problem != self._dcmi_problem:
+                log.warning("DCMI power reading of %s not read: %s", self.target, problem)
+            self._dcmi_problem = problem
+        else:
+            self._dcmi_problem = None
+            return readings
         return []
 
     async def _run(self, *command: str) -> str:

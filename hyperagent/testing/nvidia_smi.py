@@ -1,4 +1,4 @@
-"""Pure parsers for `nvidia-smi` captures: `-q -x` XML and `--query-gpu ... --format=csv`.
+"""Pure parsers for `nvidia-smi` captures: `-q -x` XML, `-q` text, `--query-gpu` CSV.
 
 Each parser turns the captured text into one `GpuRecord` per GPU, in nvidia-smi's (and NVML's)
 device order. Values nvidia-smi reports as `N/A`, `[N/A]`, `[Not Supported]` and the like become
@@ -31,6 +31,7 @@ _QUANTITY = re.compile(r"^(?P<num>[-+]?\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-z%/]*)$")
 _CSV_HEADER = re.compile(r"^(?P<name>[^\[]+?)\s*(?:\[(?P<unit>[^\]]*)\])?$")
 _EXPORTER_SECTION = "# {phase} :: query-gpu"
 _EXPORTER_NVLINK = "# capabilities :: nvlink -s"
+_EXPORTER_QUERY = "# {phase} :: query (-q)"
 _QUERY_GPU_IDENTITY = frozenset({"name", "uuid", "index", "pci.bus_id"})
 _NVLINK_GPU = re.compile(r"^GPU (?P<index>\d+): ")
 _NVLINK_LINK = re.compile(r"^\s*Link (?P<link>\d+): (?P<state>.+?)\s*$")
@@ -405,6 +406,117 @@ def _xml_mig(device: ET.Element) -> MigRecord:
     )
 
 
+_TEXT_LINE = re.compile(r"^(?P<indent> *)(?P<key>\S.*?)\s*(?::(?: (?P<value>.*))?)?$")
+_TEXT_GPU = re.compile(r"^GPU (?P<bus>[0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*$")
+_TEXT_HEADER = "==============NVSMI LOG=============="
+
+_TEXT_TAGS: dict[tuple[str, str], str] = {
+    ("gpu", "GPU UUID"): "uuid",
+    ("pci", "Bus Id"): "pci_bus_id",
+    ("pci", "Replays Since Reset"): "replay_counter",
+    ("pci", "Tx Throughput"): "tx_util",
+    ("pci", "Rx Throughput"): "rx_util",
+    ("utilization", "GPU"): "gpu_util",
+    ("utilization", "Gpu"): "gpu_util",
+    ("utilization", "Memory"): "memory_util",
+    ("temperature", "GPU Current Temp"): "gpu_temp",
+    ("temperature", "Memory Current Temp"): "memory_temp",
+    ("gpu_power_readings", "Instantaneous Power Draw"): "instant_power_draw",
+    ("power_readings", "Instantaneous Power Draw"): "instant_power_draw",
+    ("clocks", "Graphics"): "graphics_clock",
+    ("clocks", "SM"): "sm_clock",
+    ("clocks", "Memory"): "mem_clock",
+    ("clocks", "Video"): "video_clock",
+    ("mig_mode", "Current"): "current_mig",
+    ("mig_mode", "Pending"): "pending_mig",
+    ("remapped_rows", "Correctable Error"): "remapped_row_corr",
+    ("remapped_rows", "Uncorrectable Error"): "remapped_row_unc",
+    ("remapped_rows", "Pending"): "remapped_row_pending",
+    ("remapped_rows", "Remapping Failure Occurred"): "remapped_row_failure",
+    ("retired_pages", "Single Bit ECC"): "multiple_single_bit_retirement/retired_count",
+    ("retired_pages", "Double Bit ECC"): "double_bit_retirement/retired_count",
+    ("retired_pages", "Pending Page Blacklist"): "pending_retirement",
+    ("retired_pages", "Pending Page Retirement"): "pending_retirement",
+}
+"""Labels of ``nvidia-smi -q`` whose ``-q -x`` tag is not their snake_case, by parent tag."""
+_TEXT_REASONS = {"Idle": "gpu_idle", "Display Clock Setting": "display_clocks_setting"}
+_TEXT_SKIPPED = frozenset({"ecc_errors", "processes"})
+"""Sections not read from text: ECC counts are laid out differently from the XML's (use
+``-q -x`` for them), processes are not GPU state."""
+
+
+def _snake(label: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+
+
+def _text_tag(parent: str, key: str) -> str:
+    if parent in ("clocks_event_reasons", "clocks_throttle_reasons"):
+        return parent.removesuffix("s") + "_" + _TEXT_REASONS.get(key, _snake(key))
+    return _TEXT_TAGS.get((parent, key), _snake(key))
+
+
+def _text_child(parent: ET.Element, path: str) -> ET.Element:
+    element = parent
+    for tag in path.split("/"):
+        element = ET.SubElement(element, tag)
+    return element
+
+
+def parse_nvidia_smi_text(text: str) -> list[GpuRecord]:
+    """Parse ``nvidia-smi -q`` text (the form users paste) into one record per GPU, MIG devices
+    included, reading the same fields as :func:`parse_nvidia_smi_xml` except the ECC counts
+    (laid out otherwise in text; ``-q -x`` has them).
+
+    The text is read into the ``-q -x`` element tree: indentation gives the sections, labels
+    become tags (snake_case, or :data:`_TEXT_TAGS`). Raises ValueError when it holds no GPU.
+    """
+    root = ET.Element("nvidia_smi_log")
+    stack: list[tuple[int, ET.Element]] = []
+    gpu: ET.Element | None = None
+    skipped_below: int | None = None
+    for line in text.splitlines():
+        gpu_line = _TEXT_GPU.match(line)
+        if gpu_line is not None:
+            gpu = ET.SubElement(root, "gpu", id=gpu_line["bus"])
+            stack, skipped_below = [(0, gpu)], None
+            continue
+        match = _TEXT_LINE.match(line.rstrip())
+        if match is None:
+            continue
+        depth = len(match["indent"])
+        key, value = match["key"], (match["value"] or "").strip()
+        if gpu is None:
+            if depth == 0 and key == "Driver Version":
+                ET.SubElement(root, "driver_version").text = value
+            continue
+        if skipped_below is not None and depth > skipped_below:
+            continue
+        skipped_below = None
+        while len(stack) > 1 and stack[-1][0] >= depth:
+            stack.pop()
+        parent = stack[-1][1]
+        if parent.tag in ("clocks_event_reasons", "clocks_throttle_reasons") or (
+            parent.tag.startswith("clocks_") and parent.tag.endswith("_reason_hw_slowdown")
+        ):
+            section = parent if parent.tag.endswith("reasons") else stack[-2][1]
+            child = _text_child(section, _text_tag(section.tag, key))
+        else:
+            tag = _text_tag(parent.tag, key)
+            if tag in _TEXT_SKIPPED:
+                skipped_below = depth
+                continue
+            if tag == "mig_device" and parent.tag == "gpu":
+                holder = parent.find("mig_devices")
+                parent = holder if holder is not None else ET.SubElement(parent, "mig_devices")
+            child = _text_child(parent, tag)
+        child.text = value
+        stack.append((depth, child))
+    if root.find("gpu") is None:
+        raise ValueError("nvidia-smi -q text holds no GPU")
+    driver = _text(root, "driver_version") or ""
+    return [_xml_gpu(i, element, driver) for i, element in enumerate(root.findall("gpu"))]
+
+
 def parse_query_gpu_csv(text: str) -> list[GpuRecord]:
     """Parse `nvidia-smi --query-gpu=... --format=csv[,nounits]` output, one record per row.
 
@@ -438,6 +550,18 @@ def parse_query_gpu_csv(text: str) -> list[GpuRecord]:
     return records
 
 
+def _csv_memory(
+    total: int | None, used: int | None, free: int | None, reserved: int | None
+) -> tuple[int | None, int | None, int | None]:
+    """(total, used, reserved) of a CSV row. Drivers since R510 leave the reserve out of
+    ``memory.used``: a capture without ``memory.reserved`` has it as total - used - free, so
+    that used and reserved together are total - free, as the XML path reads them."""
+    if reserved is None and None not in (total, used, free):
+        assert total is not None and used is not None and free is not None
+        reserved = max(0, total - used - free)
+    return total, used, reserved
+
+
 def _csv_gpu(row_number: int, fields: Mapping[str, tuple[str, str]]) -> GpuRecord:
     def num(units: Mapping[str, float], *names: str) -> float | None:
         for name in names:
@@ -459,6 +583,12 @@ def _csv_gpu(row_number: int, fields: Mapping[str, tuple[str, str]]) -> GpuRecor
         return "" if _MISSING.match(raw) else raw
 
     index = _int(num(_COUNT, "index"))
+    mem_total, mem_used, mem_reserved = _csv_memory(
+        _int(num(_BYTES, "memory.total")),
+        _int(num(_BYTES, "memory.used")),
+        _int(num(_BYTES, "memory.free")),
+        _int(num(_BYTES, "memory.reserved")),
+    )
     event_api = not any(name.startswith("clocks_throttle_reasons.") for name in fields)
     family = "clocks_event_reasons" if event_api else "clocks_throttle_reasons"
     states = {reason: flag(f"{family}.{reason}", _ACTIVE) for reason in CLOCK_EVENT_REASONS}
@@ -490,9 +620,9 @@ def _csv_gpu(row_number: int, fields: Mapping[str, tuple[str, str]]) -> GpuRecor
         driver=string("driver_version"),
         util_gpu_pct=num(_PERCENT, "utilization.gpu"),
         util_mem_pct=num(_PERCENT, "utilization.memory"),
-        mem_total_bytes=_int(num(_BYTES, "memory.total")),
-        mem_used_bytes=_int(num(_BYTES, "memory.used")),
-        mem_reserved_bytes=_int(num(_BYTES, "memory.reserved")),
+        mem_total_bytes=mem_total,
+        mem_used_bytes=mem_used,
+        mem_reserved_bytes=mem_reserved,
         power_draw_w=num(_WATTS, "power.draw", "power.draw.average", "power.draw.instant"),
         power_limit_w=num(_WATTS, "enforced.power.limit", "power.limit"),
         default_power_limit_w=num(_WATTS, "power.default_limit"),
@@ -574,12 +704,31 @@ def parse_nvlink_status(lines: list[str]) -> dict[int, tuple[NvLinkRecord, ...]]
     return {index: tuple(found) for index, found in links.items()}
 
 
+def _with_mig(records: list[GpuRecord], from_text: list[GpuRecord]) -> list[GpuRecord]:
+    """CSV records with the MIG mode and devices of the same GPUs' ``-q`` text (by bus id)."""
+    by_bus = {r.pci_bus_id.upper(): r for r in from_text}
+    merged = []
+    for record in records:
+        text = by_bus.get(record.pci_bus_id.upper())
+        if text is not None:
+            record = replace(
+                record,
+                mig_enabled=record.mig_enabled
+                if record.mig_enabled is not None
+                else text.mig_enabled,
+                mig_devices=record.mig_devices or text.mig_devices,
+            )
+        merged.append(record)
+    return merged
+
+
 def parse_capture(text: str) -> list[GpuRecord]:
     """Parse any supported capture, detecting its format.
 
-    Accepts `nvidia-smi -q -x` XML, a bare `--query-gpu` CSV, or an nvidia_gpu_exporter
-    multi-section capture (its `load ::` query-gpu section, else its `idle ::` one, plus the
-    link states of its `nvlink -s` section).
+    Accepts `nvidia-smi -q -x` XML, `nvidia-smi -q` text, a bare `--query-gpu` CSV, or an
+    nvidia_gpu_exporter multi-section capture (its `load ::` query-gpu section, else its
+    `idle ::` one, the MIG devices of the same phase's `-q` section and the link states of its
+    `nvlink -s` section).
     Raises ValueError for anything else and for a capture that holds no GPU.
     """
     body = text.lstrip("\ufeff").strip()
@@ -587,19 +736,25 @@ def parse_capture(text: str) -> list[GpuRecord]:
     if body.startswith("<"):
         kind, records = "nvidia-smi XML", parse_nvidia_smi_xml(body)
     elif any(line.startswith("# idle :: ") or line.startswith("# load :: ") for line in lines):
-        section = _exporter_query_gpu(lines, "load") or _exporter_query_gpu(lines, "idle")
+        phase = "load" if _exporter_query_gpu(lines, "load") else "idle"
+        section = _exporter_query_gpu(lines, phase)
         if section is None:
             raise ValueError("nvidia_gpu_exporter capture without a query-gpu section")
         kind, records = "nvidia_gpu_exporter capture", parse_query_gpu_csv(section)
         links = parse_nvlink_status(_exporter_section(lines, _EXPORTER_NVLINK) or [])
         records = [replace(r, nvlinks=links.get(r.index, r.nvlinks)) for r in records]
+        query = _exporter_section(lines, _EXPORTER_QUERY.format(phase=phase))
+        if query:
+            records = _with_mig(records, parse_nvidia_smi_text("\n".join(query)))
+    elif _TEXT_HEADER in body or _TEXT_GPU.match(lines[0] if lines else ""):
+        kind, records = "nvidia-smi -q text", parse_nvidia_smi_text(body)
     elif lines and _QUERY_GPU_IDENTITY & {c.split("[", 1)[0].strip() for c in lines[0].split(",")}:
         kind, records = "--query-gpu CSV", parse_query_gpu_csv(body)
     else:
         first = lines[0][:60] if lines else ""
         raise ValueError(
-            "unrecognised nvidia-smi capture: expected `-q -x` XML, `--query-gpu` CSV or an "
-            f"nvidia_gpu_exporter capture; it starts with {first!r}"
+            "unrecognised nvidia-smi capture: expected `-q -x` XML, `-q` text, `--query-gpu` CSV"
+            f" or an nvidia_gpu_exporter capture; it starts with {first!r}"
         )
     if not records:
         raise ValueError(f"{kind} holds no GPU")

@@ -22,6 +22,7 @@ from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Reading
 from hyperagent.sources.ipmi import (
     HELP,
+    NODE_POWER,
     POWER,
     SENSOR_STATE,
     IpmiError,
@@ -30,7 +31,7 @@ from hyperagent.sources.ipmi import (
     RmcpBackend,
     SensorSample,
     SensorValue,
-    capture_runner,
+    node_power,
     parse_dcmi_power,
     parse_ipmiutil_sensor,
     parse_sdr,
@@ -39,6 +40,7 @@ from hyperagent.sources.ipmi import (
     read_password_file,
     sample_value,
 )
+from hyperagent.sources.ipmi_capture import capture_runner
 from hyperagent.sources.runner import SourceRunner
 
 from conftest import FIXTURES, require_binary
@@ -293,7 +295,8 @@ async def test_replay_directory() -> None:
     readings = await source.read()
     await source.close()
     assert source.name == "ipmi" and source.target == "dell-r740-idrac9"
-    assert readings == parse_sdr_elist(capture("dell-r740-sdr-elist.txt"))
+    sensors = parse_sdr_elist(capture("dell-r740-sdr-elist.txt"))
+    assert readings == [*sensors, Reading(NODE_POWER, 208.0, {"sensor": "Pwr Consumption"})]
 
 
 async def test_replay_directory_with_dcmi(tmp_path: Path) -> None:
@@ -617,7 +620,9 @@ async def test_stuck_bmc_under_ipmitool(bmc: SimulatedBmc) -> None:
         await first
     assert ipmitool_children() == []
     bmc.resume()
-    assert render(await source.read()) == SIMULATED
+    readings = await source.read()
+    assert render([r for r in readings if r.name != NODE_POWER]) == SIMULATED
+    assert node_power(readings) == Reading(NODE_POWER, 200.0, {"sensor": "Pwr Consumption"})
 
 
 @pytest.mark.peer
@@ -642,3 +647,94 @@ async def test_runner_reports_the_bmc_as_data(bmc: SimulatedBmc) -> None:
         assert values(readings, POWER) == {("Pwr Consumption", "7.1"): 200}
     finally:
         await runner.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "sensor", "watts"),
+    [
+        ("dell-r620-sdr.txt", "Pwr Consumption", 98),
+        ("dell-r740-sdr-elist.txt", "Pwr Consumption", 208),
+        ("huawei-rh2288v3-sdr-elist.txt", "Power", 36),  # beside Power1/Power2 of each supply
+        ("ibm-imm-sdr.txt", "Avg Power", 210),
+        ("ipmiutil-sensor-gpu-tray.txt", "HSC_PWR_SUM", 1342),  # not GPU_PWR_SUM or one HSC
+    ],
+)
+def test_node_power_is_chosen_by_sensor_name(name: str, sensor: str, watts: float) -> None:
+    assert node_power(parse_sdr_output(capture(name))) == Reading(
+        NODE_POWER, watts, {"sensor": sensor}
+    )
+
+
+STANDBY_XCC_SDR = """\
+Chassis Power    | 450 Watts         | ok
+Sys Power        | 20 Watts          | ok
+CPU Power        | 0 Watts           | ok
+Mem Power        | 0 Watts           | ok
+PSU1 IN Power    | 10 Watts          | ok
+"""
+"""Constructed, not recorded (no capture of a Lenovo XCC under a permissive licence was found):
+plain ``ipmitool sdr`` lines with the sensor names and readings that issue 12 reports for a
+standby node, the enclosure's "Chassis Power" above the node's own "Sys Power"."""
+
+
+async def test_standby_node_power_is_the_systems_not_the_chassis(tmp_path: Path) -> None:
+    (tmp_path / "ipmitool-sdr.txt").write_text(STANDBY_XCC_SDR)
+    source = IpmiSource(IpmitoolBackend(capture_runner(tmp_path)))
+    readings = await source.read()
+    assert max(r.value for r in readings if r.name == POWER) == 450
+    assert [r for r in readings if r.name == NODE_POWER] == [
+        Reading(NODE_POWER, 20.0, {"sensor": "Sys Power"})
+    ]
+
+
+def test_without_a_node_power_sensor_there_is_no_node_power() -> None:
+    only_parts = "GPU0_PWR0 | 215 Watts | ok\nPSU1 Input | 300 Watts | ok\n"
+    assert node_power(parse_sdr(only_parts)) is None
+
+
+async def test_ipmiutil_sensor_output_in_replay_and_the_ipmitool_backend(tmp_path: Path) -> None:
+    """An ``ipmiutil sensor`` capture (GB200-class tray) answers the backend's SDR command."""
+    shutil.copy(CAPTURES / "ipmiutil-sensor-gpu-tray.txt", tmp_path / "ipmitool-sdr.txt")
+    readings = await IpmitoolBackend(capture_runner(tmp_path)).read()
+    assert readings == parse_ipmiutil_sensor(capture("ipmiutil-sensor-gpu-tray.txt"))
+    assert values(readings, POWER)[("GPU0_PWR0", "")] == 215
+
+
+FREEIPMI_DCMI = """\
+Current Power                        : 332 Watts
+Minimum Power over sampling duration : 68 watts
+Maximum Power over sampling duration : 504 watts
+Average Power over sampling duration : 348 watts
+Time Stamp                           : 11/03/2023 - 08:36:29
+Statistics reporting time period     : 1000 milliseconds
+Power Measurement                    : Active
+"""
+"""Written from freeipmi's ``ipmi-dcmi --get-system-power-statistics`` output format (field
+names as freeipmi prints them); the values are made up."""
+
+
+def test_freeipmi_dcmi_output_is_read() -> None:
+    assert {r.name: r.value for r in parse_dcmi_power(FREEIPMI_DCMI)} == {
+        "hyperagent_bmc_dcmi_power_watts": 332,
+        "hyperagent_bmc_dcmi_power_min_watts": 68,
+        "hyperagent_bmc_dcmi_power_max_watts": 504,
+        "hyperagent_bmc_dcmi_power_average_watts": 348,
+        "hyperagent_bmc_dcmi_sampling_period_seconds": 1.0,
+    }
+    unavailable = FREEIPMI_DCMI.replace(": Active", ": Not Available")
+    assert parse_dcmi_power(unavailable) == []
+
+
+async def test_unreadable_dcmi_output_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shutil.copy(CAPTURES / "dell-r740-sdr-elist.txt", tmp_path / "ipmitool-sdr.txt")
+    (tmp_path / "ipmitool-dcmi.txt").write_text("Power Statistics: not what anyone prints\n")
+    backend = IpmitoolBackend(capture_runner(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="hyperagent.sources.ipmi"):
+        for _ in range(3):
+            readings = await backend.read()
+    assert not [r for r in readings if r.name.startswith("hyperagent_bmc_dcmi")]
+    warnings = [r.getMessage() for r in caplog.records if "DCMI" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "Current Power" in warnings[0] and "not what anyone prints" in warnings[0]

@@ -17,25 +17,22 @@ import pytest
 from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Kind, Reading
 from hyperagent.sources.command import CaptureMissing, CommandFailed, CommandUnavailable
-from hyperagent.sources.rdma import (
-    HELP,
+from hyperagent.sources.rdma import HELP, RdmaSource, capture_runner, run_command
+from hyperagent.sources.rdma_ethtool import PAUSE_STATISTICS, parse_ethtool_pause
+from hyperagent.sources.rdma_ports import (
     HW_COUNTERS,
-    PAUSE_STATISTICS,
     PMA_COUNTERS,
     PMA_EXT_COUNTERS,
+    parse_rate,
+    parse_sysfs,
+)
+from hyperagent.sources.rdma_resources import (
     RDMA_CQ_COMMAND,
     RDMA_QP_COMMAND,
-    RdmaSource,
-    SysfsReader,
-    capture_runner,
-    parse_ethtool_pause,
-    parse_rate,
     parse_rdma_cqs,
     parse_rdma_qps,
-    parse_sysfs,
-    read_sysfs,
-    run_command,
 )
+from hyperagent.sources.rdma_sysfs import SysfsReader, read_sysfs
 
 from conftest import FIXTURES, require_binary
 
@@ -748,7 +745,8 @@ def test_a_low_descriptor_limit_leaves_the_reader_reading_by_path() -> None:
     script = f"""
 import os, resource
 from pathlib import Path
-from hyperagent.sources.rdma import SysfsReader, parse_sysfs, read_sysfs
+from hyperagent.sources.rdma_ports import parse_sysfs
+from hyperagent.sources.rdma_sysfs import SysfsReader, read_sysfs
 root = Path({str(SYSFS_ROOTS["procfs"])!r})
 expected = parse_sysfs(read_sysfs(root))
 resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -776,3 +774,66 @@ def test_a_rescan_interval_of_zero_walks_on_every_read(tmp_path: Path) -> None:
     assert open_fds() == before
     shutil.copytree(infiniband / "rxe0", infiniband / "rxe1", symlinks=True)
     assert [d.name for d in reader.read().devices] == ["rxe0", "rxe1"]
+
+
+def _port_tree(root: Path, device: str, xmit: int, rcv: int) -> None:
+    """A device's port 1 as the kernel lays it out: data in ``counters`` (the extended width
+    the core shows there when the PMA has it) and ``counters_ext``."""
+    port = root / "class" / "infiniband" / device / "ports" / "1"
+    for group, suffix in (("counters", ""), ("counters_ext", "_64")):
+        (port / group).mkdir(parents=True)
+        (port / group / f"port_xmit_data{suffix}").write_text(f"{xmit}\n")
+        (port / group / f"port_rcv_data{suffix}").write_text(f"{rcv}\n")
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "link_layer").write_text("InfiniBand\n")
+
+
+def _data_bytes(readings: Sequence[Reading], device: str) -> tuple[float, float]:
+    def value(name: str) -> float:
+        return next(r.value for r in readings if r.name == name and r.labels["device"] == device)
+
+    return (
+        value("hyperagent_rdma_port_data_transmitted_bytes_total"),
+        value("hyperagent_rdma_port_data_received_bytes_total"),
+    )
+
+
+async def test_omni_path_data_counters_count_8_byte_flits(tmp_path: Path) -> None:
+    """hfi1 answers PortXmitData/PortRcvData with its flit counters (8 bytes each), where
+    InfiniBand and RoCE devices count 4-byte words: the same counter values are twice the
+    bytes on an Omni-Path HFI."""
+    root = tmp_path / "sys"
+    _port_tree(root, "hfi1_0", xmit=1_000_000, rcv=250)
+    _port_tree(root, "mlx5_0", xmit=1_000_000, rcv=250)
+    readings = parse_sysfs(read_sysfs(root))
+    assert _data_bytes(readings, "hfi1_0") == (8_000_000, 2_000)
+    assert _data_bytes(readings, "mlx5_0") == (4_000_000, 1_000)
+    source = RdmaSource(root, None)
+    try:
+        assert _data_bytes(await source.read(), "hfi1_0") == (8_000_000, 2_000)
+    finally:
+        await source.close()
+
+
+def test_omni_path_32_bit_counters_count_flits_too(tmp_path: Path) -> None:
+    root = tmp_path / "sys"
+    _port_tree(root, "hfi1_1", xmit=3, rcv=5)
+    for name in ("port_xmit_data_64", "port_rcv_data_64"):
+        (root / "class/infiniband/hfi1_1/ports/1/counters_ext" / name).unlink()
+    assert _data_bytes(parse_sysfs(read_sysfs(root)), "hfi1_1") == (24, 40)
+
+
+def test_omni_path_is_told_by_its_driver_under_another_name(tmp_path: Path) -> None:
+    """udev may rename RDMA devices (rdma-core's persistent names): the bound driver still
+    tells an Omni-Path HFI, and a device named like one but bound to another driver is not."""
+    root = tmp_path / "sys"
+    drivers = tmp_path / "sys" / "bus" / "pci" / "drivers"
+    for device, driver in (("ibp4s0", "hfi1"), ("hfi1_lookalike", "mlx5_core")):
+        _port_tree(root, device, xmit=10, rcv=10)
+        (drivers / driver).mkdir(parents=True, exist_ok=True)
+        parent = root / "class" / "infiniband" / device / "device"
+        parent.mkdir()
+        (parent / "driver").symlink_to(drivers / driver)
+    readings = parse_sysfs(read_sysfs(root))
+    assert _data_bytes(readings, "ibp4s0") == (80, 80)
+    assert _data_bytes(readings, "hfi1_lookalike") == (40, 40)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from hyperagent.testing.nvidia_smi import (
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "nvidia-smi"
 H100 = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
 L40S = "linux-x86_64__nvidia-l40s__595.80.txt"
+A100_TEXT = "a100-sxm4-mig-q-written.txt"
 
 
 def _capture(name: str) -> list[GpuRecord]:
@@ -37,6 +39,7 @@ def _capture(name: str) -> list[GpuRecord]:
         ("tesla-t4.xml", 1, "Tesla T4", "515.105.01"),
         (H100, 1, "NVIDIA H100 80GB HBM3", "590.48.01"),
         (L40S, 1, "NVIDIA L40S", "595.80"),
+        (A100_TEXT, 1, "NVIDIA A100-SXM4-80GB", "535.54.03"),
     ],
 )
 def test_every_capture_parses(name: str, count: int, model: str, driver: str) -> None:
@@ -50,7 +53,7 @@ def test_every_capture_parses(name: str, count: int, model: str, driver: str) ->
 
 def test_fixtures_are_all_covered() -> None:
     captures = {p.name for p in FIXTURES.iterdir() if p.suffix in {".xml", ".txt"}}
-    assert len(captures) == 7
+    assert len(captures) == 8
 
 
 def test_gtx_8card_gpu0_under_load() -> None:
@@ -424,3 +427,87 @@ def test_a_garbage_field_raises_naming_it(old: str, new: str, message: str) -> N
     assert old in text
     with pytest.raises(ValueError, match=message):
         parse_capture(text.replace(old, new, 1))
+
+
+def test_mig_devices_from_q_text_match_the_xml() -> None:
+    """`nvidia-smi -q` text keeps the MIG devices: the A100's text (written from its XML
+    capture's values, see SOURCES.md) gives the same GPU record as the XML, ECC counts aside
+    (not read from text)."""
+    text = _capture(A100_TEXT)[0]
+    xml = _capture("a100-sxm4-v12.xml")[0]
+    assert text.mig_enabled is True
+    assert [(m.index, m.gpu_instance_id, m.mem_used_bytes) for m in text.mig_devices] == [
+        (0, 3, 12 * MIB),
+        (1, 4, 12 * MIB),
+        (2, 5, 12 * MIB),
+        (3, 6, 12 * MIB),
+    ]
+    assert text == dataclasses.replace(xml, ecc_errors={}, ecc_errors_by_location={})
+
+
+@pytest.mark.parametrize("name", [H100, L40S])
+def test_q_text_of_real_captures_agrees_with_their_csv(name: str) -> None:
+    """The `-q` sections of the real H100 and L40S captures read as their query-gpu CSV taken
+    moments apart: the same GPU, memory, limits, clocks and states (power and temperatures are
+    read again by each command and may move)."""
+    lines = (FIXTURES / name).read_text(encoding="utf-8").splitlines()
+    start = lines.index("# load :: query (-q)")
+    end = next(i for i in range(start + 2, len(lines)) if lines[i].startswith("# "))
+    (from_text,) = parse_capture("\n".join(lines[start + 1 : end]))
+    (from_csv,) = _capture(name)
+    for field in (
+        "name", "uuid", "pci_bus_id", "driver", "util_gpu_pct", "util_mem_pct",
+        "mem_total_bytes", "mem_used_bytes", "mem_reserved_bytes", "power_limit_w",
+        "default_power_limit_w", "min_power_limit_w", "max_power_limit_w", "sm_clock_mhz",
+        "mem_clock_mhz", "graphics_clock_mhz", "clock_event_reasons", "remapped_rows",
+        "mig_enabled", "mig_devices",
+    ):  # fmt: skip
+        assert getattr(from_text, field) == getattr(from_csv, field), field
+    assert from_text.power_draw_w == pytest.approx(from_csv.power_draw_w, abs=5)
+
+
+def test_csv_without_memory_reserved_agrees_with_total_minus_free() -> None:
+    """A query-gpu CSV without memory.reserved: used 0 MiB with total - free 552 MiB on an
+    idle GPU; the reserve is what the row does not account for, so used and reserved add up
+    to total - free as in the XML path."""
+    csv = (
+        "index, name, uuid, pci.bus_id, memory.total [MiB], memory.used [MiB],"
+        " memory.free [MiB]\n"
+        "0, NVIDIA A10G, GPU-x, 00000000:00:1E.0, 23028 MiB, 0 MiB, 22476 MiB\n"
+    )
+    (gpu,) = parse_capture(csv)
+    assert gpu.mem_used_bytes == 0
+    assert gpu.mem_reserved_bytes == 552 * MIB
+    with_reserved = csv.replace(" memory.free [MiB]", " memory.free [MiB], memory.reserved [MiB]")
+    with_reserved = with_reserved.replace("22476 MiB\n", "22476 MiB, 400 MiB\n")
+    assert parse_capture(with_reserved)[0].mem_reserved_bytes == 400 * MIB
+
+
+def test_csv_and_xml_report_the_same_memory_used_through_nvml() -> None:
+    """The L40S capture's CSV with memory.reserved dropped gives NVML memory used (v1, reserve
+    included) of total - free, as the full CSV does (within the 1 MiB nvidia-smi rounds each of
+    its figures to)."""
+    from hyperagent.testing.fake_nvml import FakeNvml
+
+    lines = (FIXTURES / L40S).read_text(encoding="utf-8").splitlines()
+    start = lines.index("# load :: query-gpu (csv, what the exporter parses)")
+    header, row = [line for line in lines[start + 1 :] if not line.startswith("#")][:2]
+    names = [c.strip() for c in header.split(",")]
+    values = [v.strip() for v in row.split(",")]
+    keep = [i for i, n in enumerate(names) if not n.startswith("memory.reserved")]
+    reduced = ", ".join(names[i] for i in keep) + "\n" + ", ".join(values[i] for i in keep)
+    full = header + "\n" + row
+
+    def used(text: str) -> int:
+        nvml = FakeNvml(parse_capture(text))
+        nvml.nvmlInit()
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(0)
+            return int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        finally:
+            nvml.nvmlShutdown()
+
+    total = int(values[names.index("memory.total [MiB]")].split()[0])
+    free = int(values[names.index("memory.free [MiB]")].split()[0])
+    assert used(reduced) == (total - free) * MIB
+    assert abs(used(full) - used(reduced)) <= MIB
