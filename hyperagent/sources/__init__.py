@@ -103,7 +103,8 @@ def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
     """One source per configured PDU (none configured: none)."""
     c = config.sources.pdu
     targets = [
-        pdu.PduTarget(t.name, t.host, t.port, t.community, t.vendor, t.outlets) for t in c.targets
+        pdu.PduTarget(t.name, t.host, t.port, t.community, t.vendor, t.outlets, t.inlets)
+        for t in c.targets
     ]
     return list(pdu.pdu_sources(targets, timeout_s=c.timeout_s, retries=c.retries))
 
