@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from pdu_agent import CAPTURES, Snmpsim, Transcript, free_udp_port
 
-from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
+from hyperagent.config import build_config
+from hyperagent.errors import ConfigError, SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Kind, Reading
 from hyperagent.sources.pdu import (
     HELP,
@@ -233,6 +234,15 @@ def test_targets_are_validated() -> None:
         PduTarget("p", "h")
     with pytest.raises(ValueError, match="alone"):
         PduTarget("p", "h", outlets=("*", "3"))
+
+
+def test_a_target_that_reads_nothing_is_a_config_error() -> None:
+    targets = [{"name": "rack01-pdu", "host": "10.0.0.5"}]
+    with pytest.raises(ConfigError, match="would read nothing"):
+        build_config({"sources": {"pdu": {"targets": targets}}})
+    config = build_config({"sources": {"pdu": {"targets": [{**targets[0], "inlets": True}]}}})
+    assert config.sources.pdu.targets[0].inlets
+    assert config.sources.pdu.interval_s == 5.0
 
 
 def test_garbage_values_are_skipped() -> None:
