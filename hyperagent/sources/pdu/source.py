@@ -39,6 +39,7 @@ from hyperagent.sources.pdu.snmp import (
     PysnmpClient,
     SnmpClient,
     SnmprecClient,
+    SnmpValue,
     VarBind,
 )
 
@@ -118,8 +119,19 @@ class PduSource:
         if self._busy.locked():
             raise SourceError(f"PDU {self.pdu.name}: previous SNMP read still running")
         async with self._busy:
-            binds = await self._identify()
+            binds: list[VarBind] = []
+            if self.profile is None and not self.unknown:
+                binds += await self._detect()
+                gets = list(self.profile.info.oids() if self.profile else ())
+            else:
+                gets = [*SYSTEM, *(self.profile.info.oids() if self.profile else ())]
             profile = self.profile or ENTITY
+            own = self.pdu.outlets != (ALL_OUTLETS,) and not profile.entity
+            outlet_oids = await self._outlet_oids(profile) if own and self.pdu.outlets else []
+            answers = await self._get([*gets, *outlet_oids])
+            if outlet_oids and all(isinstance(value, Missing) for _, value in answers[len(gets) :]):
+                self._rows = None  # the rows are gone (outlets renumbered): learn them again
+            binds += answers
             if self.pdu.inlets:
                 if profile.entity:
                     columns = list(ENTITY_COLUMNS)
@@ -130,8 +142,6 @@ class PduSource:
             if self.pdu.outlets == (ALL_OUTLETS,):
                 for column in walk_columns(profile.tables_of(Part.OUTLET)):
                     binds.extend(await self.client.walk(column))
-            elif self.pdu.outlets and not profile.entity:
-                binds.extend(await self._own_outlets(profile))
         readings = parse(profile, binds, self.pdu.name, self.sys_object_id)
         measured = any(r.name in MEASUREMENTS for r in readings)
         if self.unknown:
@@ -154,34 +164,28 @@ class PduSource:
             )
         return readings + node
 
-    async def _identify(self) -> list[VarBind]:
-        """The system group and the profile's identity objects; on the first read of an
-        ``auto`` target, the profile from sysObjectID."""
-        if self.profile is None and not self.unknown:
-            binds = await self.client.get(list(SYSTEM))
-            oid = dict(binds).get(SYS_OBJECT_ID)
-            self.sys_object_id = oid if isinstance(oid, str) else ""
-            vendor = detect_vendor(oid)
-            self.profile = PROFILES[vendor] if vendor else None
-            self.unknown = vendor is None
-            log.debug("PDU %s: %s profile", self.pdu.name, vendor or "no")
-            if self.profile is None or not self.profile.info.oids():
-                return list(binds)
-            return list(binds) + await self._get(self.profile.info.oids())
-        info = self.profile.info.oids() if self.profile else ()
-        binds = await self._get([*SYSTEM, *info])
+    async def _detect(self) -> list[VarBind]:
+        """The system group, and from its sysObjectID the profile (first read of ``auto``)."""
+        binds = await self.client.get(list(SYSTEM))
         oid = dict(binds).get(SYS_OBJECT_ID)
-        self.sys_object_id = oid if isinstance(oid, str) else self.sys_object_id
-        return binds
+        self.sys_object_id = oid if isinstance(oid, str) else ""
+        vendor = detect_vendor(oid)
+        self.profile = PROFILES[vendor] if vendor else None
+        self.unknown = vendor is None
+        log.debug("PDU %s: %s profile", self.pdu.name, vendor or "no")
+        return list(binds)
 
     async def _get(self, oids: Sequence[str]) -> list[VarBind]:
         out: list[VarBind] = []
         for at in range(0, len(oids), GET_BATCH):
             out.extend(await self.client.get(oids[at : at + GET_BATCH]))
+        oid = dict(out).get(SYS_OBJECT_ID)
+        if isinstance(oid, str):
+            self.sys_object_id = oid
         return out
 
-    async def _own_outlets(self, profile: Profile) -> list[VarBind]:
-        """GETs of the rows of this node's outlets (learning which rows they are if needed)."""
+    async def _outlet_oids(self, profile: Profile) -> list[str]:
+        """The objects of this node's outlets' rows (learning which rows they are if needed)."""
         now = time.monotonic()
         if self._rows is None or now - self._resolved_at > RESOLVE_EVERY_S:
             labels: list[VarBind] = []
@@ -200,19 +204,15 @@ class PduSource:
                 profile.vendor,
                 known,
             )
-        indexes = list(dict.fromkeys(rows[o] for o in self.pdu.outlets if o in rows))
-        binds = await self._get(outlet_oids(profile, indexes))
-        if binds and all(isinstance(value, Missing) for _, value in binds):
-            self._rows = None  # the rows are gone (outlets renumbered): learn them again
-        return binds
+        return outlet_oids(profile, dict.fromkeys(rows[o] for o in self.pdu.outlets if o in rows))
 
     def _warn_once(self, key: str, message: str, *args: object) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
 
-    def _warn_unknown(self, sys_descr: object, measured: bool) -> None:
-        described = f" ({text(sys_descr)})" if text(sys_descr) else ""  # type: ignore[arg-type]
+    def _warn_unknown(self, sys_descr: SnmpValue | None, measured: bool) -> None:
+        described = f" ({text(sys_descr)})" if text(sys_descr) else ""
         fallback = (
             "its ENTITY-SENSOR-MIB sensors are read instead"
             if measured
