@@ -6,17 +6,19 @@ import asyncio
 import logging
 import os
 import time
+import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from pdu_agent import CAPTURES, Snmpsim, Transcript, free_udp_port
 
-from hyperagent.config import build_config
+from hyperagent.config import PduTargetSection, build_config
 from hyperagent.errors import ConfigError, SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Kind, Reading
 from hyperagent.sources.pdu import (
     HELP,
+    VENDORS,
     Missing,
     PduSource,
     PduTarget,
@@ -243,6 +245,11 @@ def test_a_target_that_reads_nothing_is_a_config_error() -> None:
     config = build_config({"sources": {"pdu": {"targets": [{**targets[0], "inlets": True}]}}})
     assert config.sources.pdu.targets[0].inlets
     assert config.sources.pdu.interval_s == 5.0
+
+
+def test_config_accepts_exactly_the_profiles_vendors() -> None:
+    accepted = typing.get_args(PduTargetSection.model_fields["vendor"].annotation)
+    assert sorted(accepted) == sorted(VENDORS)
 
 
 def test_garbage_values_are_skipped() -> None:
