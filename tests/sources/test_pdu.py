@@ -356,6 +356,18 @@ async def test_node_totals_need_every_configured_outlet(caplog: pytest.LogCaptur
     assert any("has no outlet 99" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_pdu_without_energy_meters_gives_node_power_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """TRIPPLITE-PRODUCTS has no energy objects: the node's power is complete without them."""
+    target = PduTarget("tripplite", "h", outlets=("gpu-node-61-psu1",))
+    with caplog.at_level(logging.WARNING, logger="hyperagent.sources.pdu.source"):
+        readings = await read(target, "tripplite.snmprec")
+    assert values(readings, "hyperagent_pdu_node_power_watts") == {(): 440.0}
+    assert not values(readings, "hyperagent_pdu_node_energy_joules_total")
+    assert not caplog.records
+
+
 class BlockingClient:
     """An SNMP client whose walks wait until released (stands in for a slow PDU)."""
 

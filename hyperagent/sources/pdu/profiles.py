@@ -150,6 +150,10 @@ class Profile:
     def tables_of(self, *parts: Part) -> tuple[Table, ...]:
         return tuple(t for t in self.tables if t.part in parts)
 
+    def meters(self, metric: str) -> bool:
+        """Whether the MIB has an object for ``metric`` (some have no energy meters)."""
+        return any(m.metric == metric for t in self.tables for m in t.measures)
+
 
 def _m(metric: str, column: int, factor: int = 1, divisor: int = 1) -> Measure:
     return Measure(metric, column, factor, divisor)

@@ -17,7 +17,13 @@ from pathlib import Path
 
 from hyperagent.errors import SourceError
 from hyperagent.readings import Kind, Reading
-from hyperagent.sources.pdu.metrics import MEASUREMENTS, PDU_INFO
+from hyperagent.sources.pdu.metrics import (
+    MEASUREMENTS,
+    NODE_ENERGY,
+    NODE_POWER,
+    OUTLET_ENERGY,
+    PDU_INFO,
+)
 from hyperagent.sources.pdu.parse import (
     ENTITY_COLUMNS,
     SYS_DESCR,
@@ -119,29 +125,8 @@ class PduSource:
         if self._busy.locked():
             raise SourceError(f"PDU {self.pdu.name}: previous SNMP read still running")
         async with self._busy:
-            binds: list[VarBind] = []
-            if self.profile is None and not self.unknown:
-                binds += await self._detect()
-                gets = list(self.profile.info.oids() if self.profile else ())
-            else:
-                gets = [*SYSTEM, *(self.profile.info.oids() if self.profile else ())]
-            profile = self.profile or ENTITY
-            own = self.pdu.outlets != (ALL_OUTLETS,) and not profile.entity
-            outlet_oids = await self._outlet_oids(profile) if own and self.pdu.outlets else []
-            answers = await self._get([*gets, *outlet_oids])
-            if outlet_oids and all(isinstance(value, Missing) for _, value in answers[len(gets) :]):
-                self._rows = None  # the rows are gone (outlets renumbered): learn them again
-            binds += answers
-            if self.pdu.inlets:
-                if profile.entity:
-                    columns = list(ENTITY_COLUMNS)
-                else:
-                    columns = walk_columns(profile.tables_of(Part.INLET, Part.PHASE))
-                for column in columns:
-                    binds.extend(await self.client.walk(column))
-            if self.pdu.outlets == (ALL_OUTLETS,):
-                for column in walk_columns(profile.tables_of(Part.OUTLET)):
-                    binds.extend(await self.client.walk(column))
+            binds = await self._request()
+        profile = self.profile or ENTITY
         readings = parse(profile, binds, self.pdu.name, self.sys_object_id)
         measured = any(r.name in MEASUREMENTS for r in readings)
         if self.unknown:
@@ -154,15 +139,46 @@ class PduSource:
                 f"in {len(binds)} objects read"
             )
         node = node_readings(readings, self.pdu.name, self.pdu.own_outlets)
-        if self.pdu.own_outlets and len(node) < 2:
+        expected = {NODE_POWER, NODE_ENERGY} if profile.meters(OUTLET_ENERGY) else {NODE_POWER}
+        if self.pdu.own_outlets and not expected <= {r.name for r in node}:
             self._warn_once(
                 "incomplete",
-                "PDU %s: not every configured outlet of this node (%s) reports power and energy; "
+                "PDU %s: not every configured outlet of this node (%s) reports power%s; "
                 "the node's PDU totals are incomplete",
                 self.pdu.name,
                 ", ".join(self.pdu.own_outlets),
+                " and energy" if NODE_ENERGY in expected else "",
             )
         return readings + node
+
+    async def _request(self) -> list[VarBind]:
+        """The objects of one read: one GET of the system group, the PDU's identity and this
+        node's outlet rows; walks of the inlet and phase tables on the inlets node."""
+        binds: list[VarBind] = []
+        if self.profile is None and not self.unknown:
+            binds += await self._detect()
+            gets = list(self.profile.info.oids() if self.profile else ())
+        else:
+            gets = [*SYSTEM, *(self.profile.info.oids() if self.profile else ())]
+        profile = self.profile or ENTITY
+        own = self.pdu.own_outlets and not profile.entity
+        outlet_oids = await self._outlet_oids(profile) if own else []
+        answers = await self._get([*gets, *outlet_oids])
+        if outlet_oids and all(isinstance(value, Missing) for _, value in answers[len(gets) :]):
+            self._rows = None  # the rows are gone (outlets renumbered): learn them again
+        binds += answers
+        walks: list[str] = []
+        if self.pdu.inlets:
+            walks += (
+                list(ENTITY_COLUMNS)
+                if profile.entity
+                else walk_columns(profile.tables_of(Part.INLET, Part.PHASE))
+            )
+        if self.pdu.outlets == (ALL_OUTLETS,):
+            walks += walk_columns(profile.tables_of(Part.OUTLET))
+        for column in walks:
+            binds.extend(await self.client.walk(column))
+        return binds
 
     async def _detect(self) -> list[VarBind]:
         """The system group, and from its sysObjectID the profile (first read of ``auto``)."""
