@@ -193,19 +193,49 @@ class PduTargetSection(_Model):
     host: Annotated[str, Field(min_length=1)]
     port: Annotated[int, Field(gt=0, lt=65536)] = 161
     community: str = "public"
-    vendor: Literal["auto", "apc", "raritan", "servertech", "eaton", "entity"] = "auto"
+    vendor: Literal[
+        "auto",
+        "apc",
+        "raritan",
+        "raritan-px1",
+        "servertech",
+        "servertech-sentry3",
+        "eaton",
+        "eaton-revelation",
+        "vertiv",
+        "tripplite",
+        "hpe",
+        "dell",
+        "enlogic",
+        "panduit",
+        "schleifenbauer",
+        "entity",
+    ] = "auto"
     outlets: tuple[str, ...] = ()
-    """This node's outlets on the PDU (ids or names): their sum is the node's wall power."""
+    """This node's outlets on the PDU (ids or names): their sum is the node's wall power. The
+    node reads only these rows; ``["*"]`` reads every outlet."""
+    inlets: bool = False
+    """Read the PDU's inlet and phase figures: set on one node per PDU."""
+
+    @model_validator(mode="after")
+    def _reads_something(self) -> PduTargetSection:
+        if not self.outlets and not self.inlets:
+            raise ValueError("lists no outlets and inlets is false: this node would read nothing")
+        if "*" in self.outlets and len(self.outlets) > 1:
+            raise ValueError('outlets = ["*"] reads every outlet and stands alone')
+        return self
 
 
 class PduSection(_Model):
     enabled: bool = True
     timeout_s: Annotated[float, Field(gt=0, le=30)] = 1.0
-    """Bound of one SNMP request (a read makes about twenty)."""
+    """Bound of one SNMP request (a node's read is one or two GETs; the inlets node walks its
+    inlet and phase tables, a few requests more)."""
     retries: Annotated[int, Field(ge=0, le=5)] = 1
     targets: tuple[PduTargetSection, ...] = ()
-    interval_s: PositiveSeconds = 1.0
-    """Poll the PDUs at most this often (they update about once a second)."""
+    interval_s: PositiveSeconds = 5.0
+    """Poll the PDUs at most this often: PDU agents are slow and update their meters every
+    few seconds, and every node of a rack asks the same PDU."""
 
 
 class SourcesSection(_Model):

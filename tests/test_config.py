@@ -198,7 +198,7 @@ def test_bmc_and_pdu_are_read_at_their_own_pace_by_default(tmp_path: Path) -> No
     from hyperagent.agent import Agent
     from hyperagent.sources import Hardware
 
-    assert build_config({}).sources.intervals == {"ipmi": 5.0, "pdu": 1.0}
+    assert build_config({}).sources.intervals == {"ipmi": 5.0, "pdu": 5.0}
     config = build_config(
         {
             "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(tmp_path)},

@@ -270,14 +270,8 @@ def test_text_parsers_raise_only_their_errors(text: str) -> None:
             binds = decode_walk(text)
         except SourceError:
             continue
-        for parse_vendor in (
-            pdu.parse_apc,
-            pdu.parse_raritan,
-            pdu.parse_servertech,
-            pdu.parse_eaton,
-            pdu.parse_entity_sensor,
-        ):
-            parse_vendor(binds, "p")
+        for profile in pdu.PROFILES.values():
+            pdu.parse(profile, binds, "p")
 
 
 @FUZZ

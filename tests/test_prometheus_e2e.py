@@ -182,7 +182,7 @@ async def replayed_node(workdir: Path) -> AsyncIterator[Agent]:
         }
     )
     sources, hardware = capture_sources(FULL_NODE, config)
-    outlets = pdu.PduTarget("rack01-pdu", "replay", outlets=NODE_OUTLETS)
+    outlets = pdu.PduTarget("rack01-pdu", "replay", outlets=NODE_OUTLETS, inlets=True)
     sources = [s for s in sources if s.name != "pdu"]
     sources += pdu.pdu_sources([outlets], replay_dir=FULL_NODE / "pdu")
     sources.append(HostSource(procfs_root=procfs))

@@ -108,7 +108,8 @@ def pdu_sources(config: Config, hardware: Hardware) -> list[Source]:
     a PDU of its own (without the node's outlets)."""
     c = config.sources.pdu
     targets = [
-        pdu.PduTarget(t.name, t.host, t.port, t.community, t.vendor, t.outlets) for t in c.targets
+        pdu.PduTarget(t.name, t.host, t.port, t.community, t.vendor, t.outlets, t.inlets)
+        for t in c.targets
     ]
     replay_dir = None if hardware.capture_dir is None else hardware.capture_dir / "pdu"
     return list(
