@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiomqtt
 import pytest
+from pki import make_certificates
 
 from hyperagent import bus
 from hyperagent.config import build_config
@@ -18,61 +19,6 @@ from hyperagent.config import build_config
 from conftest import REPO, free_port, require_binary, wait_for_port
 
 PASSWORDS = {"coordinator": "c0ord-secret", "node-1": "n1-secret", "node-2": "n2-secret"}
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_certificates(d: Path) -> None:
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=test-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        cwd=d,
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        "broker.key",
-        "-out",
-        "broker.csr",
-        cwd=d,
-    )
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        "broker.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "san.ext",
-        "-out",
-        "broker.crt",
-        cwd=d,
-    )
 
 
 @dataclass

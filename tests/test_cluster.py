@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ UNCAPPED_W = 700.0
 """The replayed H200's power limit."""
 MAX_CAP_W = 400.0
 """The top of the shipped job's power_limits_w."""
+COMPLETED = {"ok", "aborted"}
 PLUMBING = {"no_ack", "timeout", "lost_nodes", "refused"}
 """Trial outcomes that mean the loop's plumbing failed, not the settings."""
 NOT_HERE = {
@@ -46,20 +48,29 @@ def until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: fl
 
 
 @pytest.fixture(scope="module")
-def deployed() -> Iterator[Cluster]:
+def deployed(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     try:
         check_host()
     except Unavailable as e:
         pytest.skip(str(e))
+    failed = request.session.testsfailed
     root = new_root()  # not under pytest's 0700 directories: the job users write logs there
     with Cluster(root) as c:
         c.start(torch_node=TORCH_NODE)
         yield c
-    print(f"cluster logs: {c.logs}")
+    if request.session.testsfailed == failed:
+        shutil.rmtree(root)
+    else:
+        print(f"the cluster's logs, journal and files are kept in {root}")
 
 
 def trials(c: Cluster) -> list[dict[str, Any]]:
     return [e for e in c.journal() if e.get("type") == "trial"]
+
+
+def completed(c: Cluster) -> list[dict[str, Any]]:
+    """Trials that ran to a score: measured, or aborted early by the guardrail on a score."""
+    return [t for t in trials(c) if t["status"] in COMPLETED]
 
 
 def agent_metric(c: Cluster, key: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -76,7 +87,7 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     n1, n2, n3 = c.node_keys
     mallory_log = c.start_job(n2, user=OTHER_USER, name="job-mallory")
 
-    until(lambda: len([t for t in trials(c) if t["status"] == "ok"]) >= 3, 240, "3 trials")
+    until(lambda: len(completed(c)) >= 2, 240, "2 trials")
 
     # a user outside sources.job.allowed_groups is refused and counted
     refused = until(
@@ -90,6 +101,20 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     )
     assert refused
     assert any("refused" in e for e in c.node_log(n2, mallory_log.name))
+
+    # a 30 s broker outage during a trial, with the shipped timeouts
+    before = len(trials(c))
+    until(
+        lambda: (
+            c.journal()[-1].get("type") == "published" and c.journal()[-1].get("trial") is not None
+        ),
+        60,
+        "a trial in flight",
+    )
+    c.kill("mosquitto")
+    time.sleep(30)
+    c.start_broker()
+    until(lambda: len(trials(c)) >= before + 2, 300, "2 trials after the outage")
 
     # coordinator blip: its last will restores the caps, its return applies them again
     c.kill("coordinator")
@@ -110,25 +135,12 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
         )
         until(lambda key=key: max(power_limits(c, key)) <= MAX_CAP_W, 30, f"{key} capped again")
 
-    # a 30 s broker outage during a trial, with the shipped timeouts
-    before = len(trials(c))
-    until(
-        lambda: (
-            c.journal()[-1].get("type") == "published" and c.journal()[-1].get("trial") is not None
-        ),
-        60,
-        "a trial in flight",
-    )
-    c.kill("mosquitto")
-    time.sleep(30)
-    c.start_broker()
-    until(lambda: len(trials(c)) >= before + 3, 300, "3 trials after the outage")
-    until(lambda: len([t for t in trials(c) if t["status"] == "ok"]) >= 8, 300, "8 trials")
+    until(lambda: len(completed(c)) >= 8, 300, "8 trials")
 
     done = trials(c)
     statuses = [t["status"] for t in done]
     assert not PLUMBING & set(statuses), statuses
-    assert all(len(t["reports"]) == len(NODES) for t in done if t["status"] == "ok"), done
+    assert all(len(t["reports"]) == len(NODES) for t in completed(c)), done
 
     # the job runs as another user and received every settings version published after it began
     published = [e["version"] for e in c.journal() if e.get("type") == "published"]

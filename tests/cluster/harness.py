@@ -45,6 +45,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # run as a script too
+
+from pki import make_certificates  # noqa: E402
+
 SYSTEMD = REPO / "systemd"
 BIN = Path(sys.executable).parent
 REPLAY = REPO / "fixtures" / "replay"
@@ -241,60 +245,9 @@ class Cluster:
     def _pki(self) -> None:
         pki = self.root / "pki"
         pki.mkdir()
-        ca_key, ca, key, csr, cert = (
-            pki / n for n in ("ca.key", "ca.crt", "broker.key", "broker.csr", "broker.crt")
-        )
-        run(
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=hyperagent harness CA",
-            "-keyout",
-            str(ca_key),
-            "-out",
-            str(ca),
-        )
-        run(
-            "openssl",
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            f"/CN={BROKER_HOST}",
-            "-keyout",
-            str(key),
-            "-out",
-            str(csr),
-        )
-        ext = pki / "san.ext"
         ctl = self.hosts["ctl"]
-        ext.write_text(f"subjectAltName=DNS:{BROKER_HOST},IP:{ctl.address}\n")
-        run(
-            "openssl",
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(ca),
-            "-CAkey",
-            str(ca_key),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            str(ext),
-            "-out",
-            str(cert),
-        )
-        self.ca = ca
+        make_certificates(pki, BROKER_HOST, f"DNS:{BROKER_HOST},IP:{ctl.address}")
+        self.ca = pki / "ca.crt"
 
     def _hosts_file(self) -> Path:
         path = self.root / "hosts"
