@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -156,6 +157,13 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     assert {v for v in published[-3:]} - torch_versions <= {published[-1]}, (
         torch_versions,
         published,
+    )
+
+    refusals = sum(v for _, v in agent_metric(c, n2, "hyperagent_job_refused_total"))
+    print(
+        f"\ncluster: {len(done)} trials {dict(Counter(statuses))}, settings versions "
+        f"{published[0]}..{published[-1]} ({len(published)} published), received by the "
+        f"ha-train ranks: all; other user's connections refused: {refusals:.0f}"
     )
 
     # Prometheus, scraping across namespaces: every node, the coordinator, no alert firing
