@@ -110,7 +110,8 @@ def _node_sources(args: argparse.Namespace, config: Any) -> tuple[list[Any], Any
 
         sources = [NvmlSource(pynvml), *(s for s in sources if s.name != "nvml")]
         hardware = Hardware(nvml=pynvml, replayed=True)
-    sources += [HostSource(), JobSource(args.job_socket)]
+    have = {s.name for s in sources}  # capture_sources builds those the config names
+    sources += [s for s in (HostSource(), JobSource(args.job_socket)) if s.name not in have]
     return sources, hardware
 
 
