@@ -8,10 +8,11 @@ units (mW, mJ, bytes, KB/s, MHz, percent, ns) and the real `pynvml.NVMLError` su
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,15 +88,21 @@ class _Device:
     xid_backlog: list[int] = field(default_factory=list)
     set_limit_w: float | None = None
     """The power limit set through NVML, kept over recorded cycles (which draw under it)."""
+    limit_before_w: float | None = None
+    """The limit before the last set call, which still holds the draw until ``limit_from``."""
+    limit_from: float = -math.inf
+    """When (``clock``) the last set limit starts to hold the draw."""
 
-    def draw_w(self) -> float | None:
+    def draw_w(self, now: float) -> float | None:
         draw, limit = self.record.power_draw_w, self.record.power_limit_w
+        if now < self.limit_from:
+            limit = self.limit_before_w
         if draw is None or limit is None:
             return draw
         return min(draw, limit)
 
     def integrate(self, now: float) -> None:
-        draw = self.draw_w()
+        draw = self.draw_w(now)
         if draw is not None:
             self.energy_mj += draw * max(0.0, now - self.integrated_to) * 1000.0
         self.integrated_to = max(now, self.integrated_to)
@@ -232,7 +239,10 @@ class FakeNvml:
         driver: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         writable: bool = True,
+        cap_response_s: float = 0.0,
     ) -> None:
+        if cap_response_s < 0:
+            raise ValueError(f"cap_response_s must be >= 0, got {cap_response_s}")
         for position, gpu in enumerate(gpus):
             if gpu.index != position:
                 raise ValueError(f"GPU at position {position} has index {gpu.index}; renumber it")
@@ -243,7 +253,10 @@ class FakeNvml:
         self._driver = driver
         self._clock = clock
         self._writable = writable
+        self._cap_response_s = cap_response_s
         self._lock = threading.Lock()
+        self._counts_lock = threading.Lock()
+        self._calls: Counter[str] = Counter()
         self._events = threading.Condition(self._lock)
         self._event_sets: list[FakeEventSet] = []
         self._gpm_samples: dict[int, _GpmSample] = {}
@@ -346,6 +359,12 @@ class FakeNvml:
             self.__dict__[name] = value
             return value
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def call_counts(self) -> dict[str, int]:
+        """NVML calls made on this fake so far, by function name (a subclass's override is
+        counted when it calls the fake's own function)."""
+        with self._counts_lock:
+            return dict(self._calls)
 
     # -- simulation controls -------------------------------------------------------------------
 
@@ -590,7 +609,7 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, handle: FakeNvmlHandle) -> int:
         """Current draw in milliwatts, capped by the enforced limit."""
         with self._lock:
-            return _milli(self._device(handle).draw_w())
+            return _milli(self._device(handle).draw_w(self._clock()))
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeNvmlHandle) -> int:
         """Enforced power limit in milliwatts."""
@@ -623,7 +642,10 @@ class FakeNvml:
                 raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
             if not round(low * 1000) <= limit <= round(high * 1000):
                 raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-            device.integrate(self._clock())
+            now = self._clock()
+            device.integrate(now)
+            device.limit_before_w = device.record.power_limit_w
+            device.limit_from = now + self._cap_response_s
             device.record = replace(device.record, power_limit_w=limit / 1000)
             device.set_limit_w = limit / 1000
 
@@ -658,48 +680,41 @@ class FakeNvml:
     def nvmlDeviceGetFieldValues(
         self, handle: FakeNvmlHandle, fieldIds: Sequence[int | tuple[int, int]]
     ) -> Any:
-        """An array of `c_nvmlFieldValue_t`, one per requested field (`id` or `(id, scope)`).
+        """An array of `c_nvmlFieldValue_t`, one per requested field (`id` or `(id, scope)`),
+        each with its own `nvmlReturn`, as NVML answers.
 
-        Served: NVML_FI_DEV_MEMORY_TEMP (C), NVML_FI_DEV_NVLINK_LINK_COUNT and
-        NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB, scope = link); any other field comes
-        back with `nvmlReturn` NOT_SUPPORTED, as NVML answers per field.
+        Served from the record, in nvml.h's units: NVML_FI_DEV_POWER_AVERAGE and _INSTANT (mW,
+        scope 0 = the GPU; the module scope is NOT_SUPPORTED), _POWER_CURRENT_LIMIT, _MIN_LIMIT,
+        _MAX_LIMIT, _DEFAULT_LIMIT (mW), NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION and _ENERGY (mJ,
+        the synthesised counter), _MEMORY_TEMP (C), _PCIE_REPLAY_COUNTER, _PERF_POLICY_* (ns),
+        _ECC_{SBE,DBE}_{VOL,AGG}_TOTAL, _RETIRED_SBE, _DBE, _PENDING, _REMAPPED_COR, _UNC,
+        _PENDING, _FAILURE, _NVLINK_LINK_COUNT and _NVLINK_THROUGHPUT_DATA_TX/RX (KiB, scope =
+        link). A field the record lacks is NOT_SUPPORTED; an id the fake does not serve is
+        NOT_SUPPORTED too. The fake serves every field whatever driver the capture names.
         """
         with self._lock:
-            record = self._device(handle).record
-            stamp = round(self._clock() * 1e6)
+            device = self._device(handle)
+            now = self._clock()
+            record = device.record
+            draw_w = device.draw_w(now)
+            energy_mj: float | None = None
+            if record.power_draw_w is not None:
+                device.integrate(now)
+                energy_mj = device.energy_mj
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        stamp = round(now * 1e6)
         links = {link.link: link for link in record.nvlinks}
+        served = _served_fields(record, draw_w, energy_mj, links)
         for value, requested in zip(values, fieldIds, strict=True):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             value.fieldId, value.scopeId, value.timestamp = field_id, scope, stamp
-            number: int | None = None
-            kind = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
-                temp = record.memory_temperature_c
-                number, kind = (
-                    (None if temp is None else round(temp)),
-                    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-                )
-            elif field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT and links:
-                number, kind = len(links), pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-            elif (
-                field_id
-                in (
-                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-                )
-                and scope in links
-            ):
-                link = links[scope]
-                sent = field_id == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
-                counted = link.tx_bytes if sent else link.rx_bytes
-                number = None if counted is None else counted // 1024
+            number, kind = served.get((field_id, scope), (None, _UINT))
             if number is None:
                 value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
                 continue
             value.nvmlReturn = pynvml.NVML_SUCCESS
             value.valueType = kind
-            if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+            if kind == _UINT:
                 value.value.uiVal = number
             else:
                 value.value.ullVal = number
@@ -1010,6 +1025,93 @@ class FakeNvml:
                 )
                 metric.value = 0.0 if value is None else value
         return metricsGet
+
+
+_UINT = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+_ULL = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+_POWER_SCOPE_GPU = getattr(pynvml, "NVML_POWER_SCOPE_GPU", 0)
+
+
+def _served_fields(
+    record: GpuRecord,
+    draw_w: float | None,
+    energy_mj: float | None,
+    links: dict[int, NvLinkRecord],
+) -> dict[tuple[int, int], tuple[int | None, int]]:
+    """What `nvmlDeviceGetFieldValues` answers for a record: (value or None, value type) by
+    (field id, scope), in nvml.h's units."""
+
+    def milli(watts: float | None) -> int | None:
+        return None if watts is None else round(watts * 1000)
+
+    def whole(number: float | None) -> int | None:
+        return None if number is None else round(number)
+
+    def flag(value: bool | None) -> int | None:
+        return None if value is None else int(value)
+
+    rows = record.remapped_rows
+    served: dict[tuple[int, int], tuple[int | None, int]] = {}
+
+    def put(name: str, number: int | None, kind: int = _UINT, scope: int = 0) -> None:
+        field_id = getattr(pynvml, name, None)
+        if field_id is not None:
+            served[(field_id, scope)] = (number, kind)
+
+    for name in ("NVML_FI_DEV_POWER_AVERAGE", "NVML_FI_DEV_POWER_INSTANT"):
+        put(name, milli(draw_w), scope=_POWER_SCOPE_GPU)
+    for name, watts in (
+        ("NVML_FI_DEV_POWER_CURRENT_LIMIT", record.power_limit_w),
+        ("NVML_FI_DEV_POWER_MIN_LIMIT", record.min_power_limit_w),
+        ("NVML_FI_DEV_POWER_MAX_LIMIT", record.max_power_limit_w),
+        ("NVML_FI_DEV_POWER_DEFAULT_LIMIT", record.default_power_limit_w),
+    ):
+        put(name, milli(watts), scope=_POWER_SCOPE_GPU)
+    put("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", whole(energy_mj), _ULL)
+    put("NVML_FI_DEV_ENERGY", whole(energy_mj), _ULL, scope=_POWER_SCOPE_GPU)
+    put("NVML_FI_DEV_MEMORY_TEMP", whole(record.memory_temperature_c))
+    put("NVML_FI_DEV_PCIE_REPLAY_COUNTER", record.pcie_replay_count, _ULL)
+    for reason, policy_field in source._VIOLATION_FIELDS.items():
+        put(policy_field, record.clock_event_counters_ns.get(reason), _ULL)
+    for error_type, scope, name in (
+        ("corrected", "volatile", "NVML_FI_DEV_ECC_SBE_VOL_TOTAL"),
+        ("uncorrected", "volatile", "NVML_FI_DEV_ECC_DBE_VOL_TOTAL"),
+        ("corrected", "aggregate", "NVML_FI_DEV_ECC_SBE_AGG_TOTAL"),
+        ("uncorrected", "aggregate", "NVML_FI_DEV_ECC_DBE_AGG_TOTAL"),
+    ):
+        put(name, record.ecc_errors.get((error_type, scope)), _ULL)
+    put("NVML_FI_DEV_RETIRED_SBE", record.retired_pages_single_bit)
+    put("NVML_FI_DEV_RETIRED_DBE", record.retired_pages_double_bit)
+    put("NVML_FI_DEV_RETIRED_PENDING", flag(record.retired_pages_pending))
+    put("NVML_FI_DEV_REMAPPED_COR", None if rows is None else rows.correctable)
+    put("NVML_FI_DEV_REMAPPED_UNC", None if rows is None else rows.uncorrectable)
+    put("NVML_FI_DEV_REMAPPED_PENDING", None if rows is None else int(rows.pending))
+    put("NVML_FI_DEV_REMAPPED_FAILURE", None if rows is None else int(rows.failure))
+    put("NVML_FI_DEV_NVLINK_LINK_COUNT", len(links) or None)
+    for number, link in links.items():
+        for name, counted in (
+            ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", link.tx_bytes),
+            ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", link.rx_bytes),
+        ):
+            put(name, None if counted is None else counted // 1024, _ULL, scope=number)
+    return served
+
+
+def _counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, counting its calls in the instance's `call_counts()`."""
+
+    @functools.wraps(method)
+    def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
+        with self._counts_lock:
+            self._calls[name] += 1
+        return method(self, *args, **kwargs)
+
+    return call
+
+
+for _name, _method in list(vars(FakeNvml).items()):
+    if _name.startswith("nvml") and callable(_method):
+        setattr(FakeNvml, _name, _counted(_name, _method))
 
 
 # -- recordings -> records ---------------------------------------------------------------------

@@ -468,17 +468,17 @@ async def test_a_lost_gpu_fails_the_read_and_the_runner_shows_it_down_until_reco
 
 
 class GatedNvml(FakeNvml):
-    """Power reads block until `gate` opens: an NVML call that hangs."""
+    """Field-value reads block until `gate` opens: an NVML call that hangs."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
         self.entered.set()
         self.gate.wait(10)
-        return super().nvmlDeviceGetPowerUsage(handle)
+        return super().nvmlDeviceGetFieldValues(handle, fieldIds)
 
 
 async def test_a_read_still_running_refuses_the_next() -> None:
@@ -520,16 +520,19 @@ async def test_a_timed_out_read_keeps_refusing_until_its_thread_finishes() -> No
 
 
 class GarbageFields(FakeNvml):
-    """Field values of an unknown type and a NaN, and GPM metrics out of range."""
+    """Memory temperature of an unknown value type, NaN for the first NVLink traffic field, and
+    GPM metrics out of range."""
 
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
         found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
-        found[0].nvmlReturn = pynvml.NVML_SUCCESS
-        found[0].valueType = 77
-        if len(found) > 1:
-            found[1].nvmlReturn = pynvml.NVML_SUCCESS
-            found[1].valueType = pynvml.NVML_VALUE_TYPE_DOUBLE
-            found[1].value.dVal = math.nan
+        nan_done = False
+        for value in found:
+            if value.fieldId == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+                value.valueType = 77
+            elif value.fieldId == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX and not nan_done:
+                value.valueType = pynvml.NVML_VALUE_TYPE_DOUBLE
+                value.value.dVal = math.nan
+                nan_done = True
         return found
 
     def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
@@ -559,7 +562,7 @@ async def test_garbage_values_are_skipped_not_reported() -> None:
 class LostField(FakeNvml):
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
         found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
-        found[0].nvmlReturn = pynvml.NVML_ERROR_GPU_IS_LOST
+        found[-1].nvmlReturn = pynvml.NVML_ERROR_GPU_IS_LOST
         return found
 
 
@@ -575,7 +578,15 @@ async def test_a_field_that_fails_for_real_fails_the_read() -> None:
 
 
 class OlderDriver(FakeNvml):
-    """A driver that predates a perf policy and an NVLink counter: INVALID_ARGUMENT for them."""
+    """A driver that predates a perf policy and an NVLink counter: INVALID_ARGUMENT for them,
+    as a field and as a call."""
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
+        found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
+        for value in found:
+            if value.fieldId == pynvml.NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS:
+                value.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+        return found
 
     def nvmlDeviceGetViolationStatus(self, handle: Any, perfPolicyType: int) -> Any:
         if perfPolicyType == pynvml.NVML_PERF_POLICY_TOTAL_BASE_CLOCKS:
