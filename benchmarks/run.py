@@ -20,6 +20,10 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   (the BMC every 5 s, the PDU every second, ``rdma``/``ethtool`` every 5 s:
   ``sources.*.interval_s``, ``sources.rdma.commands_interval_s``; telemetry published once a
   second) and with every source read, and telemetry published, every cycle. Peak RSS is ``VmHWM``.
+  ``nvml_calls_per_gpu_cycle``: the NVML calls the agent made over the window (FakeNvml counts
+  them; the XID watcher's event waits left out), per GPU and cycle, as shipped at 1 Hz; by
+  function in ``details.agent.<schedule>.agent.nvml_calls_by_function``. None with
+  ``--real-gpus`` (pynvml counts nothing).
 - floor: the same sources' ``read()`` alone on the same schedule in a process that imports
   nothing else; ``agent_overhead_vs_floor`` is agent CPU / floor CPU (the worst schedule).
 - coordinator: a real ``Coordinator`` (one job listing every simulated node, recommend mode so
@@ -84,6 +88,7 @@ STEPS_PER_S = 5.0
 
 DONE_WHEN = {
     "agent_cpu_percent_1hz": ("<=", 1.0),
+    "nvml_calls_per_gpu_cycle": ("<=", 4.0),
     "agent_cpu_percent_10hz": ("<=", 5.0),
     "agent_rss_mib": ("<=", 60.0),
     "agent_overhead_vs_floor": ("<=", 2.0),
@@ -363,6 +368,11 @@ def compare_with_floor(results: dict[str, dict[str, Any]], schedules: tuple[Sche
             f"cycle, {agent['cycles']} cycles), peak RSS {agent['peak_rss_mib']:.1f} MiB, "
             f"{agent['ready']['readings']} readings, {agent['scrapes']} scrapes of "
             f"{agent['scrape_bytes'] / 1024:.0f} KiB"
+            + (
+                ""
+                if agent.get("nvml_calls_per_gpu_cycle") is None
+                else f", {agent['nvml_calls_per_gpu_cycle']:.2f} NVML calls per GPU per cycle"
+            )
         )
         say(
             f"  floor: {floor['cpu_percent']:.2f}% of a core ({floor['cpu_ms_per_cycle']:.2f} ms "
@@ -592,6 +602,8 @@ def headline(details: dict[str, Any], plan: Plan) -> dict[str, Any]:
         "agent_cpu_percent_10hz": agent("10hz", "cpu_percent"),
         "agent_cpu_percent_1hz_all_sources": agent("1hz_all", "cpu_percent"),
         "agent_cpu_percent_10hz_all_sources": agent("10hz_all", "cpu_percent"),
+        "nvml_calls_per_gpu_cycle": agent("1hz", "nvml_calls_per_gpu_cycle"),
+        "nvml_calls_per_gpu_cycle_all_sources": agent("1hz_all", "nvml_calls_per_gpu_cycle"),
         "agent_rss_mib": max((r["agent"]["peak_rss_mib"] for r in runs.values()), default=None),
         "agent_overhead_vs_floor": max(
             (r["overhead_vs_floor"] for r in runs.values()), default=None

@@ -114,14 +114,52 @@ def _node_sources(args: argparse.Namespace, config: Any) -> tuple[list[Any], Any
     return sources, hardware
 
 
+def nvml_read_calls(nvml: Any) -> Callable[[], dict[str, int]] | None:
+    """The NVML calls a FakeNvml counted so far, by function, less the XID watcher's event
+    waits (a blocking wait every few seconds, not part of a read); None for the real pynvml,
+    which counts nothing."""
+    counts = getattr(nvml, "call_counts", None)
+    if counts is None:
+        return None
+
+    def calls() -> dict[str, int]:
+        return {k: v for k, v in counts().items() if not k.startswith("nvmlEventSetWait")}
+
+    return calls
+
+
+def _per_gpu_cycle(
+    before: dict[str, int], after: dict[str, int], gpus: int, cycles: int
+) -> dict[str, Any]:
+    """NVML calls per GPU per cycle over a measured window, in all and by function."""
+    if not gpus or not cycles:
+        return {"nvml_calls_per_gpu_cycle": None, "nvml_calls_by_function": {}}
+    made = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    by_function = {k: n / (gpus * cycles) for k, n in sorted(made.items(), key=lambda i: -i[1])}
+    return {
+        "nvml_calls_per_gpu_cycle": sum(made.values()) / (gpus * cycles),
+        "nvml_calls_by_function": {k: v for k, v in by_function.items() if v},
+    }
+
+
 async def _measure(
-    args: argparse.Namespace, cycles: Callable[[], int], ready: dict[str, Any]
+    args: argparse.Namespace,
+    cycles: Callable[[], int],
+    ready: dict[str, Any],
+    nvml_calls: Callable[[], dict[str, int]] | None = None,
+    gpus: int = 0,
 ) -> None:
     emit("READY", ready)
     await asyncio.sleep(args.warmup)
+    calls0 = nvml_calls() if nvml_calls else {}
     cpu0, wall0, cycles0 = cpu_seconds(), time.perf_counter(), cycles()
     await asyncio.sleep(args.seconds)
     cpu, wall, done = cpu_seconds() - cpu0, time.perf_counter() - wall0, cycles() - cycles0
+    calls = (
+        _per_gpu_cycle(calls0, nvml_calls(), gpus, done)
+        if nvml_calls
+        else {"nvml_calls_per_gpu_cycle": None, "nvml_calls_by_function": {}}
+    )
     emit(
         "RESULT",
         {
@@ -132,6 +170,7 @@ async def _measure(
             "cpu_percent": 100 * cpu / wall,
             "cpu_ms_per_cycle": 1000 * cpu / done if done else None,
             "peak_rss_mib": peak_rss_mib(),
+            **calls,
         },
     )
 
@@ -153,10 +192,13 @@ async def agent_worker(args: argparse.Namespace) -> None:
                 await agent.link.connected.wait()
         readings = len(agent.snapshot.readings) if agent.snapshot else 0
         up = {f"{s.name}": h for s, h in zip(agent.runner.sources, _up(agent), strict=True)}
+        gpus = len(agent.nvml_source.gpus) if agent.nvml_source else 0
         await _measure(
             args,
             lambda: agent.collections,
             {"readings": readings, "sources_up": up, "metrics_port": args.metrics_port},
+            nvml_read_calls(hardware.nvml),
+            gpus,
         )
     finally:
         running.cancel()

@@ -31,6 +31,7 @@ from conftest import REPO
 
 KEYS = (
     "agent_cpu_percent_1hz",
+    "nvml_calls_per_gpu_cycle",
     "agent_cpu_percent_10hz",
     "agent_rss_mib",
     "agent_overhead_vs_floor",
