@@ -92,6 +92,9 @@ class _Device:
     """The limit before the last set call, which still holds the draw until ``limit_from``."""
     limit_from: float = -math.inf
     """When (``clock``) the last set limit starts to hold the draw."""
+    instant_w: float | None = None
+    """A recorded instant draw (agent recordings have one apart from the 1 s average); None:
+    the instant draw is the draw."""
 
     def draw_w(self, now: float) -> float | None:
         draw, limit = self.record.power_draw_w, self.record.power_limit_w
@@ -100,6 +103,16 @@ class _Device:
         if draw is None or limit is None:
             return draw
         return min(draw, limit)
+
+    def instant_draw_w(self, now: float) -> float | None:
+        """The instant draw: the recorded one, held by a limit set through NVML, else the
+        draw."""
+        if self.instant_w is None:
+            return self.draw_w(now)
+        limit = self.limit_before_w if now < self.limit_from else self.record.power_limit_w
+        if self.set_limit_w is None or limit is None:
+            return self.instant_w
+        return min(self.instant_w, limit)
 
     def integrate(self, now: float) -> None:
         draw = self.draw_w(now)
@@ -119,6 +132,7 @@ class _Frame:
     energy_j: dict[int, float]
     integrated_s: dict[int, dict[str, float]]
     xids: dict[int, dict[int, int]]
+    instant_w: dict[int, float] = field(default_factory=dict)
 
 
 _T = TypeVar("_T")
@@ -201,17 +215,27 @@ class FakeNvml:
     `nvmlDeviceGetViolationStatus` from `clock_event_counters_ns` (sw_power_cap is the POWER
     policy, sync_boost SYNC_BOOST, as NVML defines them); ECC totals and per-location counts,
     retired pages (page addresses are not captured: pages 0..n-1 stand for n pages), remapped
-    rows, PCIe throughput and replays, NVLink state, traffic (`nvmlDeviceGetFieldValues` with
-    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, scope = link) and errors, memory temperature
-    (NVML_FI_DEV_MEMORY_TEMP), MIG mode and devices (a MIG device's UUID and profile raise
-    NOT_SUPPORTED when the capture does not hold them, as `-q -x` dumps do not), and GPM: a
+    rows, PCIe throughput and replays, NVLink state, traffic (field values only) and errors,
+    memory temperature (field values only), MIG mode and devices (a MIG device's UUID and
+    profile raise NOT_SUPPORTED when the capture does not hold them, as `-q -x` dumps do not),
+    and GPM: a
     device supports GPM when its record has an activity, and a metric over two samples is the
     value the later sample took.
 
     Power: `nvmlDeviceGetPowerUsage` reads min(recorded or `set_load` draw, enforced limit), so a
-    cap set through `nvmlDeviceSetPowerManagementLimit` limits the draw. The set call checks, in
-    this order, support (min/max limits known, else NOT_SUPPORTED), permission (`writable=False`
-    acts as a non-root process: NO_PERMISSION) and range (outside [min, max]: INVALID_ARGUMENT).
+    cap set through `nvmlDeviceSetPowerManagementLimit` limits the draw; with `cap_response_s`
+    the old limit keeps holding the draw for that long (of `clock`) after the set call, as a
+    real GPU takes time to slow down. The set call checks, in this order, support (min/max
+    limits known, else NOT_SUPPORTED), permission (`writable=False` acts as a non-root process:
+    NO_PERMISSION) and range (outside [min, max]: INVALID_ARGUMENT).
+
+    Field values (`nvmlDeviceGetFieldValues`): the field ids NvmlSource asks for, in nvml.h's
+    units and `c_nvmlFieldValue_t` structs, each with its own return code (see the method).
+    NVML_FI_DEV_POWER_AVERAGE is the draw above; NVML_FI_DEV_POWER_INSTANT is the same draw,
+    or the instant power an agent recording holds (`from_readings`), until `set_load` changes
+    the draw.
+
+    Calls: `call_counts()` tells how many times each NVML function was called.
 
     Energy: captures hold no energy counter, so `nvmlDeviceGetTotalEnergyConsumption` is a
     synthesised counter consistent with the recorded power, not a recording: it starts at 0 mJ at
@@ -297,6 +321,7 @@ class FakeNvml:
         fake = cls(records, **kwargs)
         for device in fake._devices:
             device.energy_mj = frame.energy_j.get(device.record.index, 0.0) * 1000.0
+            device.instant_w = frame.instant_w.get(device.record.index)
             for xid, number in sorted(frame.xids.get(device.record.index, {}).items()):
                 device.xid_backlog.extend([xid] * number)
         fake._last_frame = frame
@@ -344,6 +369,7 @@ class FakeNvml:
                 if record.mig_devices != device.record.mig_devices:
                     device.mig_handles.clear()
                 device.record = record
+                device.instant_w = frame.instant_w.get(index)
                 before = previous.xids.get(index, {}) if previous is not None else {}
                 for xid, number in frame.xids.get(index, {}).items():
                     for _ in range(max(0, number - before.get(xid, 0))):
@@ -402,6 +428,8 @@ class FakeNvml:
                     f"mem_used_bytes must be within [0, {total}], got {mem_used_bytes}"
                 )
             device.integrate(self._clock())
+            if power_draw_w is not None:
+                device.instant_w = None
             changes: dict[str, Any] = {
                 "util_gpu_pct": util_gpu_pct,
                 "power_draw_w": power_draw_w,
@@ -697,6 +725,7 @@ class FakeNvml:
             now = self._clock()
             record = device.record
             draw_w = device.draw_w(now)
+            instant_w = device.instant_draw_w(now)
             energy_mj: float | None = None
             if record.power_draw_w is not None:
                 device.integrate(now)
@@ -704,7 +733,7 @@ class FakeNvml:
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
         stamp = round(now * 1e6)
         links = {link.link: link for link in record.nvlinks}
-        served = _served_fields(record, draw_w, energy_mj, links)
+        served = _served_fields(record, (draw_w, instant_w), energy_mj, links)
         for value, requested in zip(values, fieldIds, strict=True):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             value.fieldId, value.scopeId, value.timestamp = field_id, scope, stamp
@@ -1034,12 +1063,12 @@ _POWER_SCOPE_GPU = getattr(pynvml, "NVML_POWER_SCOPE_GPU", 0)
 
 def _served_fields(
     record: GpuRecord,
-    draw_w: float | None,
+    draw_w: tuple[float | None, float | None],
     energy_mj: float | None,
     links: dict[int, NvLinkRecord],
 ) -> dict[tuple[int, int], tuple[int | None, int]]:
-    """What `nvmlDeviceGetFieldValues` answers for a record: (value or None, value type) by
-    (field id, scope), in nvml.h's units."""
+    """What `nvmlDeviceGetFieldValues` answers for a record drawing `draw_w` (average, instant):
+    (value or None, value type) by (field id, scope), in nvml.h's units."""
 
     def milli(watts: float | None) -> int | None:
         return None if watts is None else round(watts * 1000)
@@ -1058,8 +1087,10 @@ def _served_fields(
         if field_id is not None:
             served[(field_id, scope)] = (number, kind)
 
-    for name in ("NVML_FI_DEV_POWER_AVERAGE", "NVML_FI_DEV_POWER_INSTANT"):
-        put(name, milli(draw_w), scope=_POWER_SCOPE_GPU)
+    for name, watts in zip(
+        ("NVML_FI_DEV_POWER_AVERAGE", "NVML_FI_DEV_POWER_INSTANT"), draw_w, strict=True
+    ):
+        put(name, milli(watts), scope=_POWER_SCOPE_GPU)
     for name, watts in (
         ("NVML_FI_DEV_POWER_CURRENT_LIMIT", record.power_limit_w),
         ("NVML_FI_DEV_POWER_MIN_LIMIT", record.min_power_limit_w),
@@ -1139,6 +1170,7 @@ _PLAIN = frozenset(
         source.MEMORY_USED,
         source.MEMORY_TOTAL,
         source.POWER,
+        source.POWER_INSTANT,
         source.POWER_LIMIT,
         source.POWER_LIMIT_MIN,
         source.POWER_LIMIT_MAX,
@@ -1200,6 +1232,8 @@ def _decode(readings: Iterable[Reading]) -> _Frame:
         frame.records[index] = _record(index, gpu)
         if source.ENERGY in gpu.values:
             frame.energy_j[index] = gpu.values[source.ENERGY]
+        if source.POWER_INSTANT in gpu.values:
+            frame.instant_w[index] = gpu.values[source.POWER_INSTANT]
         frame.integrated_s[index] = gpu.integrated_s
         frame.xids[index] = gpu.xids
     return frame

@@ -787,6 +787,32 @@ def test_from_readings_answers_like_the_recorded_gpu(clock: FakeClock) -> None:
     assert [nvml.nvmlEventSetWait_v2(events, 10).eventData for _ in range(2)] == [79, 79]
 
 
+def test_recorded_instant_power_is_replayed_and_held_by_a_set_limit(clock: FakeClock) -> None:
+    def frame(average_w: float, instant_w: float) -> list[Reading]:
+        return [
+            _info(),
+            _reading("hyperagent_gpu_power_watts", average_w),
+            _reading("hyperagent_gpu_power_instant_watts", instant_w),
+            _reading("hyperagent_gpu_power_limit_watts", 700.0),
+            _reading("hyperagent_gpu_power_limit_min_watts", 200.0),
+            _reading("hyperagent_gpu_power_limit_max_watts", 700.0),
+        ]
+
+    nvml = FakeNvml.from_readings(frame(612.0, 655.5), clock=clock)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    gpu = pynvml.NVML_POWER_SCOPE_GPU
+    average = (pynvml.NVML_FI_DEV_POWER_AVERAGE, gpu)
+    instant = (pynvml.NVML_FI_DEV_POWER_INSTANT, gpu)
+    assert _fields(nvml, h, average, instant) == [612_000, 655_500]
+    nvml.update_from_readings(frame(590.0, 720.0))  # an instant spike over the limit, recorded
+    assert _fields(nvml, h, average, instant) == [590_000, 720_000]
+    nvml.nvmlDeviceSetPowerManagementLimit(h, 400_000)
+    assert _fields(nvml, h, average, instant) == [400_000, 400_000]
+    nvml.set_load(0, power_draw_w=300.0)
+    assert _fields(nvml, h, average, instant) == [300_000, 300_000]
+
+
 def test_update_from_readings_fails_absent_gpus_and_raises_new_xids(clock: FakeClock) -> None:
     nvml = FakeNvml.from_readings([_info()], clock=clock)
     nvml.nvmlInit()
