@@ -22,8 +22,8 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   second) and with every source read, and telemetry published, every cycle. Peak RSS is ``VmHWM``.
   ``nvml_calls_per_gpu_cycle``: the NVML calls the agent made over the window (FakeNvml counts
   them; the XID watcher's event waits left out), per GPU and cycle, as shipped at 1 Hz; by
-  function in ``details.agent.<schedule>.agent.nvml_calls_by_function``. None with
-  ``--real-gpus`` (pynvml counts nothing).
+  function in ``details.agent.<schedule>.agent.nvml_calls_by_function``. With ``--real-gpus``
+  the calls to the real pynvml are counted the same way (``workers.CountingNvml``).
 - floor: the same sources' ``read()`` alone on the same schedule in a process that imports
   nothing else; ``agent_overhead_vs_floor`` is agent CPU / floor CPU (the worst schedule).
 - coordinator: a real ``Coordinator`` (one job listing every simulated node, recommend mode so

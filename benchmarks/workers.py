@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import os
 import resource
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,16 +110,47 @@ def _node_sources(args: argparse.Namespace, config: Any) -> tuple[list[Any], Any
         from hyperagent.sources import Hardware
         from hyperagent.sources.nvml import NvmlSource
 
-        sources = [NvmlSource(pynvml), *(s for s in sources if s.name != "nvml")]
-        hardware = Hardware(nvml=pynvml, replayed=True)
+        nvml = CountingNvml(pynvml)
+        sources = [
+            NvmlSource(nvml, health_interval_s=config.sources.nvml.health_interval_s),
+            *(s for s in sources if s.name != "nvml"),
+        ]
+        hardware = Hardware(nvml=nvml, replayed=True)
     sources += [HostSource(), JobSource(args.job_socket)]
     return sources, hardware
 
 
+class CountingNvml:
+    """The real ``pynvml`` module with its ``nvml*`` functions counted (``call_counts()``, as
+    FakeNvml has), for ``--real-gpus``; every other name is the module's own."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self._calls: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if name.startswith("nvml") and callable(value):
+            function = value
+
+            def value(*args: Any, **kwargs: Any) -> Any:
+                with self._lock:
+                    self._calls[name] += 1
+                return function(*args, **kwargs)
+
+        self.__dict__[name] = value
+        return value
+
+    def call_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._calls)
+
+
 def nvml_read_calls(nvml: Any) -> Callable[[], dict[str, int]] | None:
-    """The NVML calls a FakeNvml counted so far, by function, less the XID watcher's event
-    waits (a blocking wait every few seconds, not part of a read); None for the real pynvml,
-    which counts nothing."""
+    """The NVML calls a FakeNvml (or CountingNvml) counted so far, by function, less the XID
+    watcher's event waits (a blocking wait every few seconds, not part of a read); None for an
+    NVML that counts nothing."""
     counts = getattr(nvml, "call_counts", None)
     if counts is None:
         return None
