@@ -204,6 +204,16 @@ def field_number(value: Any, members: Mapping[int, str]) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def plain_layout(struct: Any) -> Any:
+    """A ctypes struct with ``struct``'s fields and none of pynvml's Python-level attribute
+    hooks (each read through them is a Python call), to read an array of them in place; None
+    when ``struct`` has no ctypes fields."""
+    fields = getattr(struct, "_fields_", None)
+    if fields is None:
+        return None
+    return type(f"Plain{struct.__name__}", (ctypes.Structure,), {"_fields_": fields})
+
+
 def instant_power_w(nv: Any, handle: Any) -> float | None:
     """The board's power at this moment (NVML_FI_DEV_POWER_INSTANT, GPU scope), in watts; None
     where the GPU or driver does not report it. Raises pynvml.NVMLError when the call fails."""
@@ -337,6 +347,19 @@ class _Field:
     """What the value is, for error messages."""
 
 
+@dataclass
+class _Batch:
+    """Fields read together in one nvmlDeviceGetFieldValues, and what the GPU's answers so far
+    leave to ask: the fields it did not refuse, and the legacy calls of those it did not know
+    (kept until its ``_GpuState.epoch`` moves)."""
+
+    fields: list[_Field]
+    asked: list[_Field] = field(default_factory=list)
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    legacy: list[_Field] = field(default_factory=list)
+    epoch: int = -1
+
+
 UNSUPPORTED_RETRY_READS = 300
 """Reads between two tries of a field or call the GPU said it does not support (5 minutes at
 1 Hz)."""
@@ -351,9 +374,9 @@ class _GpuState:
     info: dict[str, str]
     by_label: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
     links: tuple[_Link, ...] = ()
-    fast: list[_Field] = field(default_factory=list)
+    fast: _Batch = field(default_factory=lambda: _Batch([]))
     """Fields read every cycle, in one nvmlDeviceGetFieldValues."""
-    health_fields: list[_Field] = field(default_factory=list)
+    health_fields: _Batch = field(default_factory=lambda: _Batch([]))
     """Fields read every health interval, in one nvmlDeviceGetFieldValues."""
     violations: tuple[tuple[str, tuple[int, int]], ...] = ()
     """(reason, field key) of the throttle reasons NVML counts itself."""
@@ -363,6 +386,8 @@ class _GpuState:
     ``UNSUPPORTED_RETRY_READS`` reads (a driver update or a MIG change may add them)."""
     no_legacy: set[tuple[int, int]] = field(default_factory=set)
     """Unknown fields whose legacy call is not supported either."""
+    epoch: int = 0
+    """Moves on whenever ``unknown`` or ``no_legacy`` change."""
     gpm: _Gpm | None = None
     reasons_seen_at: float | None = None
     integrated_s: dict[str, float] = field(default_factory=dict)
@@ -386,6 +411,18 @@ class _GpuState:
             found = values[value] = {**self.labels, key: value}
         return found
 
+    def refused(self, key: tuple[int, int], legacy_too: bool = False) -> None:
+        """The GPU does not support (or know) field ``key``; with ``legacy_too``, nor the
+        field's legacy call."""
+        (self.no_legacy if legacy_too else self.unknown).add(key)
+        self.epoch += 1
+
+    def retry_refused(self) -> None:
+        """Ask again everything the GPU refused."""
+        self.unknown.clear()
+        self.no_legacy.clear()
+        self.epoch += 1
+
     def forget_sampling(self) -> None:
         """Drop two-sample and repeated state after a failed read, so an outage is not
         integrated and the next read asks everything again."""
@@ -393,6 +430,21 @@ class _GpuState:
         self.health_at = self.slow_at = -math.inf
         if self.gpm is not None:
             self.gpm.latest = None
+
+
+def _refresh(batch: _Batch, state: _GpuState) -> None:
+    """Bring ``batch``'s asked fields and legacy calls up to what ``state`` knows."""
+    if batch.epoch == state.epoch:
+        return
+    unknown, no_legacy = state.unknown, state.no_legacy
+    batch.asked = [f for f in batch.fields if f.key not in unknown]
+    batch.keys = [f.key for f in batch.asked]
+    batch.legacy = [
+        f
+        for f in batch.fields
+        if f.legacy is not None and f.key in unknown and f.key not in no_legacy
+    ]
+    batch.epoch = state.epoch
 
 
 class NvmlSource:
@@ -476,6 +528,7 @@ class NvmlSource:
         self._nvlink_errors = nvlink_error_counters(nv)
         self._gpm_metrics = gpm_metrics(nv)
         self._field_value = value_members(nv)
+        self._plain_field = plain_layout(nv.c_nvmlFieldValue_t)
         power_scope = getattr(nv, "NVML_POWER_SCOPE_GPU", 0)
         average = field_id(nv, "NVML_FI_DEV_POWER_AVERAGE")
         instant = field_id(nv, "NVML_FI_DEV_POWER_INSTANT")
@@ -539,8 +592,8 @@ class NvmlSource:
             errors = {kind: {**link_labels, "type": kind} for kind, _ in self._nvlink_errors}
             links.append(_Link(number, link_labels, errors))
         state.links = tuple(links)
-        state.fast = self._fast_fields(state)
-        state.health_fields = self._health_fields(state)
+        state.fast = _Batch(self._fast_fields(state))
+        state.health_fields = _Batch(self._health_fields(state))
         state.violations = tuple(
             (reason, (fid, 0)) for reason, _, fid in self._violations if fid is not None
         )
@@ -859,8 +912,7 @@ class NvmlSource:
         out.append(Reading(GPU_INFO, 1.0, state.info, Kind.INFO))
         state.reads += 1
         if state.reads % UNSUPPORTED_RETRY_READS == 0:
-            state.unknown.clear()
-            state.no_legacy.clear()
+            state.retry_refused()
 
         def gauge(name: str, value: float, at: Mapping[str, str] = labels) -> None:
             out.append(Reading(name, float(value), at))
@@ -894,47 +946,50 @@ class NvmlSource:
             out.extend(state.health)
 
     def _read_fields(
-        self, state: _GpuState, fields: list[_Field], out: list[Reading]
+        self, state: _GpuState, batch: _Batch, out: list[Reading]
     ) -> dict[tuple[int, int], float]:
-        """``fields`` in one nvmlDeviceGetFieldValues (those the GPU did not refuse before),
+        """``batch`` in one nvmlDeviceGetFieldValues (the fields the GPU did not refuse before),
         then the legacy call of those it does not know; returns the values read, by key."""
         nv, gpu = self.nvml, state.identity
         got: dict[tuple[int, int], float] = {}
-        asked = [f for f in fields if f.key not in state.unknown]
-        values = None
+        _refresh(batch, state)
+        asked, values = batch.asked, None
         if asked:
             values = self._call(
-                gpu, "field values", nv.nvmlDeviceGetFieldValues, gpu.handle, [f.key for f in asked]
+                gpu, "field values", nv.nvmlDeviceGetFieldValues, gpu.handle, batch.keys
             )
             if values is None:  # a driver without field values at all
-                state.unknown.update(f.key for f in asked)
+                for wanted in asked:
+                    state.refused(wanted.key)
+            elif self._plain_field is not None:
+                try:
+                    values = (self._plain_field * len(asked)).from_buffer(values)
+                except (TypeError, ValueError):
+                    pass  # not a ctypes array: read it as it is
+        success, members = nv.NVML_SUCCESS, self._field_value
         for wanted, value in zip(asked, values or (), strict=False):
             code = value.nvmlReturn
-            if code != nv.NVML_SUCCESS:
+            if code != success:
                 if code in self._unknown_id:
-                    state.unknown.add(wanted.key)
+                    state.refused(wanted.key)
                     continue
                 raise NvmlSourceError(
                     f"GPU {gpu.index} ({gpu.uuid}): {wanted.what} (field {value.fieldId}, "
                     f"scope {wanted.key[1]}): NVML error {code}",
                     code,
                 )
-            number = field_number(value, self._field_value)
+            number = field_number(value, members)
             if number is None:
                 log.debug("GPU %d field %d: unusable value", gpu.index, value.fieldId)
                 continue
             got[wanted.key] = number
             out.append(Reading(wanted.name, number / wanted.per, wanted.labels, wanted.kind))
-        for wanted in fields:
-            if (
-                wanted.legacy is None
-                or wanted.key not in state.unknown
-                or wanted.key in state.no_legacy
-            ):
-                continue
+        _refresh(batch, state)
+        for wanted in batch.legacy:
+            assert wanted.legacy is not None  # _refresh keeps only those with one
             raw = self._call_or_none(gpu, wanted.what, self._unknown_id, wanted.legacy, gpu.handle)
             if raw is None:
-                state.no_legacy.add(wanted.key)
+                state.refused(wanted.key, legacy_too=True)
                 continue
             got[wanted.key] = float(raw)
             out.append(Reading(wanted.name, float(raw) / wanted.per, wanted.labels, wanted.kind))
@@ -962,7 +1017,7 @@ class NvmlSource:
             gpu, "power", self._unknown_id, nv.nvmlDeviceGetPowerUsage, gpu.handle
         )
         if mw is None:
-            state.no_legacy.add(marker)
+            state.refused(marker, legacy_too=True)
         else:
             gauge(POWER, mw / 1000)
 

@@ -654,7 +654,10 @@ class FakeNvml:
     def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: FakeNvmlHandle) -> list[int]:
         """`[min_mW, max_mW]`, a list as pynvml returns it."""
         record = self._record(handle)
-        return [_milli(record.min_power_limit_w), _milli(record.max_power_limit_w)]
+        return [
+            _milli(record.min_power_limit_w),
+            _milli(record.max_power_limit_w),
+        ]
 
     def nvmlDeviceSetPowerManagementLimit(self, handle: FakeNvmlHandle, limit: int) -> None:
         """Set the power limit to `limit` milliwatts, checked as NVML does (see the class doc)."""
@@ -730,14 +733,14 @@ class FakeNvml:
             if record.power_draw_w is not None:
                 device.integrate(now)
                 energy_mj = device.energy_mj
-        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        raw = (_RawFieldValue * len(fieldIds))()
         stamp = round(now * 1e6)
-        links = {link.link: link for link in record.nvlinks}
-        served = _served_fields(record, (draw_w, instant_w), energy_mj, links)
-        for value, requested in zip(values, fieldIds, strict=True):
+        state = _FieldState(record, draw_w, instant_w, energy_mj)
+        for value, requested in zip(raw, fieldIds, strict=True):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             value.fieldId, value.scopeId, value.timestamp = field_id, scope, stamp
-            number, kind = served.get((field_id, scope), (None, _UINT))
+            serve = _SERVED.get(field_id)
+            number, kind = (None, _UINT) if serve is None else serve(state, scope)
             if number is None:
                 value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
                 continue
@@ -747,7 +750,7 @@ class FakeNvml:
                 value.value.uiVal = number
             else:
                 value.value.ullVal = number
-        return values
+        return (pynvml.c_nvmlFieldValue_t * len(fieldIds)).from_buffer(raw)
 
     # -- NVML: clock events ----------------------------------------------------------------------
 
@@ -1061,71 +1064,113 @@ _ULL = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 _POWER_SCOPE_GPU = getattr(pynvml, "NVML_POWER_SCOPE_GPU", 0)
 
 
-def _served_fields(
-    record: GpuRecord,
-    draw_w: tuple[float | None, float | None],
-    energy_mj: float | None,
-    links: dict[int, NvLinkRecord],
-) -> dict[tuple[int, int], tuple[int | None, int]]:
-    """What `nvmlDeviceGetFieldValues` answers for a record drawing `draw_w` (average, instant):
-    (value or None, value type) by (field id, scope), in nvml.h's units."""
+class _RawFieldValue(ctypes.Structure):
+    """`c_nvmlFieldValue_t`'s layout without pynvml's Python-level attribute hooks: filled at C
+    speed, then handed out as the real struct over the same memory."""
 
-    def milli(watts: float | None) -> int | None:
-        return None if watts is None else round(watts * 1000)
+    _fields_ = pynvml.c_nvmlFieldValue_t._fields_
 
-    def whole(number: float | None) -> int | None:
-        return None if number is None else round(number)
 
-    def flag(value: bool | None) -> int | None:
-        return None if value is None else int(value)
+@dataclass(frozen=True)
+class _FieldState:
+    """What a device's field values are read from at one moment."""
 
-    rows = record.remapped_rows
-    served: dict[tuple[int, int], tuple[int | None, int]] = {}
+    record: GpuRecord
+    draw_w: float | None
+    instant_w: float | None
+    energy_mj: float | None
 
-    def put(name: str, number: int | None, kind: int = _UINT, scope: int = 0) -> None:
+    def link(self, number: int) -> NvLinkRecord | None:
+        return next((link for link in self.record.nvlinks if link.link == number), None)
+
+
+_Served = Callable[[_FieldState, int], tuple[int | None, int]]
+
+
+def _milli_watts(watts: float | None) -> int | None:
+    return None if watts is None else round(watts * 1000)
+
+
+def _whole(number: float | None) -> int | None:
+    return None if number is None else round(number)
+
+
+def _served_fields() -> dict[int, _Served]:
+    """How `nvmlDeviceGetFieldValues` answers each field id it serves, from a `_FieldState`
+    and the scope: (value or None for NOT_SUPPORTED, value type), in nvml.h's units."""
+    served: dict[int, _Served] = {}
+
+    def put(name: str, serve: _Served) -> None:
         field_id = getattr(pynvml, name, None)
         if field_id is not None:
-            served[(field_id, scope)] = (number, kind)
+            served[field_id] = serve
 
-    for name, watts in zip(
-        ("NVML_FI_DEV_POWER_AVERAGE", "NVML_FI_DEV_POWER_INSTANT"), draw_w, strict=True
-    ):
-        put(name, milli(watts), scope=_POWER_SCOPE_GPU)
-    for name, watts in (
-        ("NVML_FI_DEV_POWER_CURRENT_LIMIT", record.power_limit_w),
-        ("NVML_FI_DEV_POWER_MIN_LIMIT", record.min_power_limit_w),
-        ("NVML_FI_DEV_POWER_MAX_LIMIT", record.max_power_limit_w),
-        ("NVML_FI_DEV_POWER_DEFAULT_LIMIT", record.default_power_limit_w),
-    ):
-        put(name, milli(watts), scope=_POWER_SCOPE_GPU)
-    put("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", whole(energy_mj), _ULL)
-    put("NVML_FI_DEV_ENERGY", whole(energy_mj), _ULL, scope=_POWER_SCOPE_GPU)
-    put("NVML_FI_DEV_MEMORY_TEMP", whole(record.memory_temperature_c))
-    put("NVML_FI_DEV_PCIE_REPLAY_COUNTER", record.pcie_replay_count, _ULL)
+    def gpu_power(get: Callable[[_FieldState], float | None]) -> _Served:
+        """A power field: mW, the GPU scope only (a module scope needs a Grace CPU)."""
+        return lambda s, scope: (_milli_watts(get(s)) if scope == _POWER_SCOPE_GPU else None, _UINT)
+
+    def plain(get: Callable[[GpuRecord], int | None], kind: int = _UINT) -> _Served:
+        return lambda s, scope: (get(s.record), kind)
+
+    def link_bytes(sent: bool) -> _Served:
+        def serve(s: _FieldState, scope: int) -> tuple[int | None, int]:
+            link = s.link(scope)
+            counted = None if link is None else (link.tx_bytes if sent else link.rx_bytes)
+            return (None if counted is None else counted // 1024, _ULL)
+
+        return serve
+
+    def remapped(position: int) -> Callable[[GpuRecord], int | None]:
+        def get(record: GpuRecord) -> int | None:
+            rows = record.remapped_rows
+            if rows is None:
+                return None
+            return int((rows.correctable, rows.uncorrectable, rows.pending, rows.failure)[position])
+
+        return get
+
+    put("NVML_FI_DEV_POWER_AVERAGE", gpu_power(lambda s: s.draw_w))
+    put("NVML_FI_DEV_POWER_INSTANT", gpu_power(lambda s: s.instant_w))
+    put("NVML_FI_DEV_POWER_CURRENT_LIMIT", gpu_power(lambda s: s.record.power_limit_w))
+    put("NVML_FI_DEV_POWER_MIN_LIMIT", gpu_power(lambda s: s.record.min_power_limit_w))
+    put("NVML_FI_DEV_POWER_MAX_LIMIT", gpu_power(lambda s: s.record.max_power_limit_w))
+    put("NVML_FI_DEV_POWER_DEFAULT_LIMIT", gpu_power(lambda s: s.record.default_power_limit_w))
+    put("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", lambda s, scope: (_whole(s.energy_mj), _ULL))
+    put("NVML_FI_DEV_ENERGY", lambda s, scope: (_whole(s.energy_mj), _ULL))
+    put("NVML_FI_DEV_MEMORY_TEMP", plain(lambda r: _whole(r.memory_temperature_c)))
+    put("NVML_FI_DEV_PCIE_REPLAY_COUNTER", plain(lambda r: r.pcie_replay_count, _ULL))
     for reason, policy_field in source._VIOLATION_FIELDS.items():
-        put(policy_field, record.clock_event_counters_ns.get(reason), _ULL)
+        put(policy_field, plain(functools.partial(_counter_ns, reason=reason), _ULL))
     for error_type, scope, name in (
         ("corrected", "volatile", "NVML_FI_DEV_ECC_SBE_VOL_TOTAL"),
         ("uncorrected", "volatile", "NVML_FI_DEV_ECC_DBE_VOL_TOTAL"),
         ("corrected", "aggregate", "NVML_FI_DEV_ECC_SBE_AGG_TOTAL"),
         ("uncorrected", "aggregate", "NVML_FI_DEV_ECC_DBE_AGG_TOTAL"),
     ):
-        put(name, record.ecc_errors.get((error_type, scope)), _ULL)
-    put("NVML_FI_DEV_RETIRED_SBE", record.retired_pages_single_bit)
-    put("NVML_FI_DEV_RETIRED_DBE", record.retired_pages_double_bit)
-    put("NVML_FI_DEV_RETIRED_PENDING", flag(record.retired_pages_pending))
-    put("NVML_FI_DEV_REMAPPED_COR", None if rows is None else rows.correctable)
-    put("NVML_FI_DEV_REMAPPED_UNC", None if rows is None else rows.uncorrectable)
-    put("NVML_FI_DEV_REMAPPED_PENDING", None if rows is None else int(rows.pending))
-    put("NVML_FI_DEV_REMAPPED_FAILURE", None if rows is None else int(rows.failure))
-    put("NVML_FI_DEV_NVLINK_LINK_COUNT", len(links) or None)
-    for number, link in links.items():
-        for name, counted in (
-            ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", link.tx_bytes),
-            ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", link.rx_bytes),
-        ):
-            put(name, None if counted is None else counted // 1024, _ULL, scope=number)
+        put(name, plain(functools.partial(_ecc_count, key=(error_type, scope)), _ULL))
+    put("NVML_FI_DEV_RETIRED_SBE", plain(lambda r: r.retired_pages_single_bit))
+    put("NVML_FI_DEV_RETIRED_DBE", plain(lambda r: r.retired_pages_double_bit))
+    put(
+        "NVML_FI_DEV_RETIRED_PENDING",
+        plain(lambda r: None if r.retired_pages_pending is None else int(r.retired_pages_pending)),
+    )
+    for position, name in enumerate(("COR", "UNC", "PENDING", "FAILURE")):
+        put(f"NVML_FI_DEV_REMAPPED_{name}", plain(remapped(position)))
+    put("NVML_FI_DEV_NVLINK_LINK_COUNT", plain(lambda r: len(r.nvlinks) or None))
+    put("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", link_bytes(sent=True))
+    put("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", link_bytes(sent=False))
     return served
+
+
+def _counter_ns(record: GpuRecord, reason: str) -> int | None:
+    return record.clock_event_counters_ns.get(reason)
+
+
+def _ecc_count(record: GpuRecord, key: tuple[str, str]) -> int | None:
+    return record.ecc_errors.get(key)
+
+
+_SERVED = _served_fields()
 
 
 def _counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
