@@ -16,7 +16,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
@@ -1071,8 +1071,7 @@ class _RawFieldValue(ctypes.Structure):
     _fields_ = pynvml.c_nvmlFieldValue_t._fields_
 
 
-@dataclass(frozen=True)
-class _FieldState:
+class _FieldState(NamedTuple):
     """What a device's field values are read from at one moment."""
 
     record: GpuRecord
