@@ -654,10 +654,7 @@ class FakeNvml:
     def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: FakeNvmlHandle) -> list[int]:
         """`[min_mW, max_mW]`, a list as pynvml returns it."""
         record = self._record(handle)
-        return [
-            _milli(record.min_power_limit_w),
-            _milli(record.max_power_limit_w),
-        ]
+        return [_milli(record.min_power_limit_w), _milli(record.max_power_limit_w)]
 
     def nvmlDeviceSetPowerManagementLimit(self, handle: FakeNvmlHandle, limit: int) -> None:
         """Set the power limit to `limit` milliwatts, checked as NVML does (see the class doc)."""
