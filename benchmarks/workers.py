@@ -1,7 +1,7 @@
 """The processes ``benchmarks/run.py`` measures, one per scenario, so that CPU time and peak RSS
 are the measured process's own.
 
-    python benchmarks/workers.py agent|floor|coordinator|fanout|simagents|loadgen [options]
+    python benchmarks/workers.py agent|floor|coordinator|fanout|simagents|loadgen|powercap ...
 
 Each worker prints ``READY ...`` once it is set up, then JSON lines (stats or its result) on
 standard output, and stops when its work is done or its standard input closes.
@@ -541,6 +541,67 @@ async def replay_worker(args: argparse.Namespace) -> None:
     )
 
 
+# -- power-cap latency ---------------------------------------------------------------------
+
+
+def _spread(latencies: list[float | None]) -> dict[str, Any]:
+    measured = sorted(x for x in latencies if x is not None)
+    return {
+        "changes": len(latencies),
+        "measured": len(measured),
+        "p50_s": statistics.median(measured) if measured else None,
+        "max_s": measured[-1] if measured else None,
+    }
+
+
+def powercap_worker(args: argparse.Namespace) -> None:
+    """Time power-cap changes with the agent's ``PowerCapActuator``: each round caps every GPU at
+    the lowest limit they all accept, then at the highest. A change's latency runs from its set
+    call until the GPU's instant power is at or under the new limit (``AppliedCap.latency_s``):
+    the GPUs must be under load, or they are under any cap already. The limits in force before
+    are put back at the end. Without ``--real-gpus`` the capture's FakeNvml GPUs obey after
+    ``--response-s``: that checks the harness, it measures nothing."""
+    from hyperagent.actuators import PowerCapActuator
+    from hyperagent.errors import ActuationError
+
+    if args.real_gpus:
+        import pynvml
+
+        nvml: Any = CountingNvml(pynvml)
+    else:
+        from hyperagent.testing.fake_nvml import FakeNvml
+
+        nvml = FakeNvml.from_capture(
+            args.capture / "nvidia-smi.xml", cap_response_s=args.response_s
+        )
+    actuator = PowerCapActuator(nvml, latency_timeout_s=args.timeout)
+    lowered: list[float | None] = []
+    raised: list[float | None] = []
+    try:
+        limits = actuator.limits_w()
+        if limits is None:
+            emit("RESULT", {"error": "the GPUs share no power limit range"})
+            return
+        for _ in range(args.rounds):
+            for watts, latencies in ((limits[0], lowered), (limits[1], raised)):
+                latencies.extend(c.latency_s for c in actuator.apply(watts) if c.changed)
+                time.sleep(args.pause_s)
+    except ActuationError as e:
+        emit("RESULT", {"error": str(e)})
+        return
+    finally:
+        actuator.restore()
+    emit(
+        "RESULT",
+        {
+            "real_gpus": args.real_gpus,
+            "limits_w": limits,
+            "lowered": _spread(lowered),
+            "raised": _spread(raised),
+        },
+    )
+
+
 # -- telemetry load ------------------------------------------------------------------------
 
 
@@ -710,6 +771,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("replay")
     p.add_argument("--capture", type=Path, required=True)
     p.add_argument("--frames", type=int, required=True)
+    p = sub.add_parser("powercap")
+    p.add_argument("--capture", type=Path, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--real-gpus", action="store_true", help="NVML of this machine's GPUs")
+    p.add_argument("--timeout", type=float, default=5.0, help="longest wait for a GPU to obey")
+    p.add_argument("--pause-s", type=float, default=1.0, help="pause after each change")
+    p.add_argument("--response-s", type=float, default=0.25, help="fake GPUs' response time")
     p = sub.add_parser("loadgen")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--capture", type=Path, required=True)
@@ -719,6 +787,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.kind == "loadgen":
         loadgen_worker(args)
+        return 0
+    if args.kind == "powercap":
+        powercap_worker(args)
         return 0
     workers = {
         "agent": agent_worker,

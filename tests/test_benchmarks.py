@@ -67,6 +67,10 @@ def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) ->
     assert ladder["invalid"] == 0 and ladder["ingested"] > 0
     assert figures["machine"]["nproc"] >= 1
     assert set(figures["done_when"]) == set(KEYS)
+    capped = details["powercap"]  # the fake GPUs obey after 0.25 s: a harness check
+    assert capped["lowered"]["changes"] == capped["lowered"]["measured"] == 8
+    assert 0.25 <= capped["lowered"]["max_s"] < 5.0
+    assert figures["power_cap_latency_s_max"] is None  # a measurement only on real GPUs
 
 
 TOPICS = [
