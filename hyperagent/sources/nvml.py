@@ -388,6 +388,8 @@ class _GpuState:
     """Unknown fields whose legacy call is not supported either."""
     epoch: int = 0
     """Moves on whenever ``unknown`` or ``no_legacy`` change."""
+    refused_counters: set[tuple[int, int]] = field(default_factory=set)
+    """(link, NVML_NVLINK_ERROR_*) NVLink error counters the GPU does not support."""
     gpm: _Gpm | None = None
     reasons_seen_at: float | None = None
     integrated_s: dict[str, float] = field(default_factory=dict)
@@ -421,6 +423,7 @@ class _GpuState:
         """Ask again everything the GPU refused."""
         self.unknown.clear()
         self.no_legacy.clear()
+        self.refused_counters.clear()
         self.epoch += 1
 
     def forget_sampling(self) -> None:
@@ -1112,7 +1115,8 @@ class NvmlSource:
         self, state: _GpuState, gauge: Callable[..., None], counter: Callable[..., None]
     ) -> None:
         """Link state and data-link error counters of every NVLink (no field ids cover them
-        for every link and driver)."""
+        for every link and driver); a counter the GPU does not support is asked again only on
+        the retry read."""
         nv, gpu = self.nvml, state.identity
         for link in state.links:
             up = self._call(
@@ -1121,6 +1125,8 @@ class NvmlSource:
             if up is not None:
                 gauge(NVLINK_UP, 1.0 if up == nv.NVML_FEATURE_ENABLED else 0.0, link.labels)
             for error_type, which in self._nvlink_errors:
+                if (link.number, which) in state.refused_counters:
+                    continue
                 count = self._call_or_none(
                     gpu,
                     "NVLink error counter",
@@ -1130,7 +1136,9 @@ class NvmlSource:
                     link.number,
                     which,
                 )
-                if count is not None:
+                if count is None:
+                    state.refused_counters.add((link.number, which))
+                else:
                     counter(NVLINK_ERRORS, count, link.errors[error_type])
 
     def _read_mig(self, state: _GpuState, out: list[Reading]) -> None:

@@ -1014,3 +1014,20 @@ async def test_slow_readings_are_repeated_until_the_slow_interval_passes() -> No
     finally:
         await source.close()
         await every_read.close()
+
+
+async def test_nvlink_error_counters_a_gpu_lacks_are_not_asked_every_health_read() -> None:
+    clock = Clock()
+    nvml = FakeNvml(rich_gpus()[:1], clock=clock)  # links 0, 1 count replay and crc_flit only
+    source = NvmlSource(nvml, clock=clock, event_wait_ms=20, health_interval_s=0.0)
+    await source.start()
+    try:
+        first = await source.read()
+        asked_first = nvml.call_counts()["nvmlDeviceGetNvLinkErrorCounter"]
+        clock.now = 1.0
+        second = await source.read()
+        asked_second = nvml.call_counts()["nvmlDeviceGetNvLinkErrorCounter"] - asked_first
+    finally:
+        await source.close()
+    assert (asked_first, asked_second) == (10, 4)  # 5 counters x 2 links, then the 2 x 2 it has
+    assert {key(r) for r in second} == {key(r) for r in first}
