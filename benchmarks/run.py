@@ -20,6 +20,10 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   (the BMC every 5 s, the PDU every second, ``rdma``/``ethtool`` every 5 s:
   ``sources.*.interval_s``, ``sources.rdma.commands_interval_s``; telemetry published once a
   second) and with every source read, and telemetry published, every cycle. Peak RSS is ``VmHWM``.
+  ``nvml_calls_per_gpu_cycle``: the NVML calls the agent made over the window (FakeNvml counts
+  them; the XID watcher's event waits left out), per GPU and cycle, as shipped at 1 Hz; by
+  function in ``details.agent.<schedule>.agent.nvml_calls_by_function``. With ``--real-gpus``
+  the calls to the real pynvml are counted the same way (``workers.CountingNvml``).
 - floor: the same sources' ``read()`` alone on the same schedule in a process that imports
   nothing else; ``agent_overhead_vs_floor`` is agent CPU / floor CPU (the worst schedule).
 - coordinator: a real ``Coordinator`` (one job listing every simulated node, recommend mode so
@@ -36,6 +40,11 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   sources ``capture_sources`` builds for ``hyperagent agent --replay``: GPU readings as recorded,
   and (``replay_speedup_power_capped``) with ``actuation.power_cap`` on, through NvmlSource over
   a fake NVML that takes power caps.
+- powercap: the agent's ``PowerCapActuator`` caps every GPU at its lowest limit, then at its
+  highest, a few rounds; a change's latency runs from the set call until the GPU's instant
+  power is at or under the new limit (the settle window a trial needs). Only with
+  ``--real-gpus`` (GPUs under load, root) is it a measurement; over the capture's fake GPUs,
+  which obey after 0.25 s, it checks the harness.
 - scale: ``--agents N`` simulated agents, one MQTT connection each, at 1 Hz against one
   coordinator: what it ingests, at what CPU, and what the broker spends.
 
@@ -79,11 +88,12 @@ BROKER_OPTIONS = ("set_tcp_nodelay true",)
 """Besides the shipped config's settings: without it the broker's small packets (PUBACKs, a
 burst of acks) wait up to 40 ms for the peer's delayed ACK (Nagle's algorithm)."""
 RANKS = 8
-SECTIONS = ("agent", "tuner", "coordinator", "fanout", "scale", "replay")
+SECTIONS = ("agent", "tuner", "coordinator", "fanout", "scale", "replay", "powercap")
 STEPS_PER_S = 5.0
 
 DONE_WHEN = {
     "agent_cpu_percent_1hz": ("<=", 1.0),
+    "nvml_calls_per_gpu_cycle": ("<=", 4.0),
     "agent_cpu_percent_10hz": ("<=", 5.0),
     "agent_rss_mib": ("<=", 60.0),
     "agent_overhead_vs_floor": ("<=", 2.0),
@@ -112,6 +122,8 @@ class Plan:
     tuner: bool
     agents_together: bool = False
     """Run the 1 Hz and the 10 Hz agents at once (they disturb each other's figures a little)."""
+    powercap_rounds: int = 3
+    """Rounds of the power-cap section (one lowered and one raised cap each)."""
 
 
 FULL = Plan(
@@ -156,6 +168,7 @@ SMOKE = Plan(
     scale_s=1,
     tuner=False,
     agents_together=True,
+    powercap_rounds=1,
 )
 """Seconds-long runs that exercise every path (the test suite's smoke test); figures mean
 nothing."""
@@ -363,6 +376,11 @@ def compare_with_floor(results: dict[str, dict[str, Any]], schedules: tuple[Sche
             f"cycle, {agent['cycles']} cycles), peak RSS {agent['peak_rss_mib']:.1f} MiB, "
             f"{agent['ready']['readings']} readings, {agent['scrapes']} scrapes of "
             f"{agent['scrape_bytes'] / 1024:.0f} KiB"
+            + (
+                ""
+                if agent.get("nvml_calls_per_gpu_cycle") is None
+                else f", {agent['nvml_calls_per_gpu_cycle']:.2f} NVML calls per GPU per cycle"
+            )
         )
         say(
             f"  floor: {floor['cpu_percent']:.2f}% of a core ({floor['cpu_ms_per_cycle']:.2f} ms "
@@ -543,6 +561,33 @@ def replay(frames: int) -> dict[str, Any]:
     return result
 
 
+def powercap(rounds: int, real_gpus: bool) -> dict[str, Any]:
+    args = ["powercap", "--capture", str(CAPTURE), "--rounds", str(rounds)]
+    if not real_gpus:
+        args += ["--pause-s", "0"]
+    with worker(*args, *(["--real-gpus"] if real_gpus else [])) as w:
+        result: dict[str, Any] = w.wait_for("RESULT", 120 + rounds * 30)
+    if "error" in result:
+        say(f"power-cap latency: not measured: {result['error']}")
+        return result
+    what = "this machine's GPUs" if real_gpus else "fake GPUs, a harness check only"
+    low, high = result["lowered"], result["raised"]
+
+    def shown(spread: dict[str, Any]) -> str:
+        if spread["p50_s"] is None:
+            return f"none of {spread['changes']} measured"
+        return (
+            f"p50 {1000 * spread['p50_s']:.0f} ms, max {1000 * spread['max_s']:.0f} ms "
+            f"({spread['measured']} of {spread['changes']} measured)"
+        )
+
+    say(
+        f"power-cap latency ({what}): to {result['limits_w'][0]:.0f} W {shown(low)}; "
+        f"back to {result['limits_w'][1]:.0f} W {shown(high)}"
+    )
+    return result
+
+
 def machine() -> dict[str, Any]:
     model = ""
     with open("/proc/cpuinfo") as f:
@@ -592,6 +637,8 @@ def headline(details: dict[str, Any], plan: Plan) -> dict[str, Any]:
         "agent_cpu_percent_10hz": agent("10hz", "cpu_percent"),
         "agent_cpu_percent_1hz_all_sources": agent("1hz_all", "cpu_percent"),
         "agent_cpu_percent_10hz_all_sources": agent("10hz_all", "cpu_percent"),
+        "nvml_calls_per_gpu_cycle": agent("1hz", "nvml_calls_per_gpu_cycle"),
+        "nvml_calls_per_gpu_cycle_all_sources": agent("1hz_all", "nvml_calls_per_gpu_cycle"),
         "agent_rss_mib": max((r["agent"]["peak_rss_mib"] for r in runs.values()), default=None),
         "agent_overhead_vs_floor": max(
             (r["overhead_vs_floor"] for r in runs.values()), default=None
@@ -605,6 +652,11 @@ def headline(details: dict[str, Any], plan: Plan) -> dict[str, Any]:
         .get("wall_median_ms"),
         "replay_speedup": replayed.get("speedup"),
         "replay_speedup_power_capped": replayed.get("power_capped", {}).get("speedup"),
+        "power_cap_latency_s_max": (
+            details.get("powercap", {}).get("lowered", {}).get("max_s")
+            if details.get("powercap", {}).get("real_gpus")
+            else None
+        ),
     }
 
 
@@ -631,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--real-gpus",
         action="store_true",
-        help="agent section: this machine's GPUs through NVML instead of the captured 8",
+        help="agent and powercap sections: this machine's GPUs through NVML, not the captured 8",
     )
     parser.add_argument(
         "--only", default="", help=f"comma-separated sections to run ({', '.join(SECTIONS)})"
@@ -706,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
                 details["scale"] = ingest(broker, work, (scale_agents,), plan.scale_s, scale_agents)
         if "replay" in sections:
             details["replay"] = replay(plan.replay_frames)
+        if "powercap" in sections:
+            details["powercap"] = powercap(plan.powercap_rounds, args.real_gpus)
     figures = headline(details, plan)
     report.update(figures)
     report["details"] = details

@@ -1,7 +1,7 @@
 """The processes ``benchmarks/run.py`` measures, one per scenario, so that CPU time and peak RSS
 are the measured process's own.
 
-    python benchmarks/workers.py agent|floor|coordinator|fanout|simagents|loadgen [options]
+    python benchmarks/workers.py agent|floor|coordinator|fanout|simagents|loadgen|powercap ...
 
 Each worker prints ``READY ...`` once it is set up, then JSON lines (stats or its result) on
 standard output, and stops when its work is done or its standard input closes.
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import os
 import resource
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,21 +110,90 @@ def _node_sources(args: argparse.Namespace, config: Any) -> tuple[list[Any], Any
         from hyperagent.sources import Hardware
         from hyperagent.sources.nvml import NvmlSource
 
-        sources = [NvmlSource(pynvml), *(s for s in sources if s.name != "nvml")]
-        hardware = Hardware(nvml=pynvml, replayed=True)
+        nvml = CountingNvml(pynvml)
+        sources = [
+            NvmlSource(nvml, health_interval_s=config.sources.nvml.health_interval_s),
+            *(s for s in sources if s.name != "nvml"),
+        ]
+        hardware = Hardware(nvml=nvml, replayed=True)
     have = {s.name for s in sources}  # capture_sources builds those the config names
     sources += [s for s in (HostSource(), JobSource(args.job_socket)) if s.name not in have]
     return sources, hardware
 
 
+class CountingNvml:
+    """The real ``pynvml`` module with its ``nvml*`` functions counted (``call_counts()``, as
+    FakeNvml has), for ``--real-gpus``; every other name is the module's own."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self._calls: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if name.startswith("nvml") and callable(value):
+            function = value
+
+            def value(*args: Any, **kwargs: Any) -> Any:
+                with self._lock:
+                    self._calls[name] += 1
+                return function(*args, **kwargs)
+
+        self.__dict__[name] = value
+        return value
+
+    def call_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._calls)
+
+
+def nvml_read_calls(nvml: Any) -> Callable[[], dict[str, int]] | None:
+    """The NVML calls a FakeNvml (or CountingNvml) counted so far, by function, less the XID
+    watcher's event waits (a blocking wait every few seconds, not part of a read); None for an
+    NVML that counts nothing."""
+    counts = getattr(nvml, "call_counts", None)
+    if counts is None:
+        return None
+
+    def calls() -> dict[str, int]:
+        return {k: v for k, v in counts().items() if not k.startswith("nvmlEventSetWait")}
+
+    return calls
+
+
+def _per_gpu_cycle(
+    before: dict[str, int], after: dict[str, int], gpus: int, cycles: int
+) -> dict[str, Any]:
+    """NVML calls per GPU per cycle over a measured window, in all and by function."""
+    if not gpus or not cycles:
+        return {"nvml_calls_per_gpu_cycle": None, "nvml_calls_by_function": {}}
+    made = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    by_function = {k: n / (gpus * cycles) for k, n in sorted(made.items(), key=lambda i: -i[1])}
+    return {
+        "nvml_calls_per_gpu_cycle": sum(made.values()) / (gpus * cycles),
+        "nvml_calls_by_function": {k: v for k, v in by_function.items() if v},
+    }
+
+
 async def _measure(
-    args: argparse.Namespace, cycles: Callable[[], int], ready: dict[str, Any]
+    args: argparse.Namespace,
+    cycles: Callable[[], int],
+    ready: dict[str, Any],
+    nvml_calls: Callable[[], dict[str, int]] | None = None,
+    gpus: int = 0,
 ) -> None:
     emit("READY", ready)
     await asyncio.sleep(args.warmup)
+    calls0 = nvml_calls() if nvml_calls else {}
     cpu0, wall0, cycles0 = cpu_seconds(), time.perf_counter(), cycles()
     await asyncio.sleep(args.seconds)
     cpu, wall, done = cpu_seconds() - cpu0, time.perf_counter() - wall0, cycles() - cycles0
+    calls = (
+        _per_gpu_cycle(calls0, nvml_calls(), gpus, done)
+        if nvml_calls
+        else {"nvml_calls_per_gpu_cycle": None, "nvml_calls_by_function": {}}
+    )
     emit(
         "RESULT",
         {
@@ -133,6 +204,7 @@ async def _measure(
             "cpu_percent": 100 * cpu / wall,
             "cpu_ms_per_cycle": 1000 * cpu / done if done else None,
             "peak_rss_mib": peak_rss_mib(),
+            **calls,
         },
     )
 
@@ -154,10 +226,13 @@ async def agent_worker(args: argparse.Namespace) -> None:
                 await agent.link.connected.wait()
         readings = len(agent.snapshot.readings) if agent.snapshot else 0
         up = {f"{s.name}": h for s, h in zip(agent.runner.sources, _up(agent), strict=True)}
+        gpus = len(agent.nvml_source.gpus) if agent.nvml_source else 0
         await _measure(
             args,
             lambda: agent.collections,
             {"readings": readings, "sources_up": up, "metrics_port": args.metrics_port},
+            nvml_read_calls(hardware.nvml),
+            gpus,
         )
     finally:
         running.cancel()
@@ -472,6 +547,67 @@ async def replay_worker(args: argparse.Namespace) -> None:
     )
 
 
+# -- power-cap latency ---------------------------------------------------------------------
+
+
+def _spread(latencies: list[float | None]) -> dict[str, Any]:
+    measured = sorted(x for x in latencies if x is not None)
+    return {
+        "changes": len(latencies),
+        "measured": len(measured),
+        "p50_s": statistics.median(measured) if measured else None,
+        "max_s": measured[-1] if measured else None,
+    }
+
+
+def powercap_worker(args: argparse.Namespace) -> None:
+    """Time power-cap changes with the agent's ``PowerCapActuator``: each round caps every GPU at
+    the lowest limit they all accept, then at the highest. A change's latency runs from its set
+    call until the GPU's instant power is at or under the new limit (``AppliedCap.latency_s``):
+    the GPUs must be under load, or they are under any cap already. The limits in force before
+    are put back at the end. Without ``--real-gpus`` the capture's FakeNvml GPUs obey after
+    ``--response-s``: that checks the harness, it measures nothing."""
+    from hyperagent.actuators import PowerCapActuator
+    from hyperagent.errors import ActuationError
+
+    if args.real_gpus:
+        import pynvml
+
+        nvml: Any = CountingNvml(pynvml)
+    else:
+        from hyperagent.testing.fake_nvml import FakeNvml
+
+        nvml = FakeNvml.from_capture(
+            args.capture / "nvidia-smi.xml", cap_response_s=args.response_s
+        )
+    actuator = PowerCapActuator(nvml, latency_timeout_s=args.timeout)
+    lowered: list[float | None] = []
+    raised: list[float | None] = []
+    try:
+        limits = actuator.limits_w()
+        if limits is None:
+            emit("RESULT", {"error": "the GPUs share no power limit range"})
+            return
+        for _ in range(args.rounds):
+            for watts, latencies in ((limits[0], lowered), (limits[1], raised)):
+                latencies.extend(c.latency_s for c in actuator.apply(watts) if c.changed)
+                time.sleep(args.pause_s)
+    except ActuationError as e:
+        emit("RESULT", {"error": str(e)})
+        return
+    finally:
+        actuator.restore()
+    emit(
+        "RESULT",
+        {
+            "real_gpus": args.real_gpus,
+            "limits_w": limits,
+            "lowered": _spread(lowered),
+            "raised": _spread(raised),
+        },
+    )
+
+
 # -- telemetry load ------------------------------------------------------------------------
 
 
@@ -641,6 +777,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("replay")
     p.add_argument("--capture", type=Path, required=True)
     p.add_argument("--frames", type=int, required=True)
+    p = sub.add_parser("powercap")
+    p.add_argument("--capture", type=Path, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--real-gpus", action="store_true", help="NVML of this machine's GPUs")
+    p.add_argument("--timeout", type=float, default=5.0, help="longest wait for a GPU to obey")
+    p.add_argument("--pause-s", type=float, default=1.0, help="pause after each change")
+    p.add_argument("--response-s", type=float, default=0.25, help="fake GPUs' response time")
     p = sub.add_parser("loadgen")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--capture", type=Path, required=True)
@@ -650,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.kind == "loadgen":
         loadgen_worker(args)
+        return 0
+    if args.kind == "powercap":
+        powercap_worker(args)
         return 0
     workers = {
         "agent": agent_worker,

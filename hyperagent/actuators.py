@@ -2,22 +2,25 @@
 
 Reads before it writes, skips no-op writes, remembers each GPU's original limit the first
 time it changes it, and puts them back on ``restore``. The originals are also kept in a state
-file until restored, so that after a crash the next start puts them back. Blocking: call from
-a worker thread.
+file until restored, so that after a crash the next start puts them back. After a change it
+measures how long the GPUs took to obey it (see ``PowerCapActuator.apply``). Blocking: call
+from a worker thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from hyperagent.errors import ActuationError, NoPermission, NotSupported
-from hyperagent.sources.nvml import nvml_error_code
+from hyperagent.sources.nvml import instant_power_w, nvml_error_code
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +34,42 @@ class AppliedCap:
     requested_w: float
     applied_w: float
     changed: bool
+    latency_s: float | None = None
+    """Seconds from the set call until the GPU's instant power was at or under the new limit;
+    None when the limit did not change, the GPU reports no instant power, or it stayed above
+    the limit for the whole ``latency_timeout_s``."""
 
 
 class PowerCapActuator:
-    """Applies one power cap to every GPU of the node, clamped to each device's constraints."""
+    """Applies one power cap to every GPU of the node, clamped to each device's constraints.
 
-    def __init__(self, nvml: Any, state_file: Path | None = None) -> None:
+    ``latency_timeout_s`` bounds the wait for the GPUs to obey a new limit, polling their
+    instant power (NVML_FI_DEV_POWER_INSTANT) every ``poll_s`` seconds of ``clock``.
+    """
+
+    def __init__(
+        self,
+        nvml: Any,
+        state_file: Path | None = None,
+        *,
+        latency_timeout_s: float = 3.0,
+        poll_s: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Any] = time.sleep,
+    ) -> None:
         self.nvml = nvml
         self.state_file = state_file
+        self.latency_timeout_s = latency_timeout_s
+        self.poll_s = poll_s
+        self._clock = clock
+        self._sleep = sleep
         self._handles: list[tuple[int, str, Any]] | None = None
         self.original_mw: dict[str, tuple[Any, int]] = {}
         """uuid -> (handle, limit before hyperagent first changed it)."""
+        self.last_latency_s: float | None = None
+        """The longest ``AppliedCap.latency_s`` of the last ``apply`` that changed a limit and
+        measured it: how long this node's GPUs take to draw under a new cap, for the settle
+        window of a trial."""
 
     def _save(self) -> None:
         if self.state_file is None:
@@ -123,9 +151,15 @@ class PowerCapActuator:
         return max(lows), min(highs)
 
     def apply(self, watts: float) -> list[AppliedCap]:
-        """Set ``watts`` (clamped to each GPU's [min, max]) on every GPU; raises ActuationError."""
+        """Set ``watts`` (clamped to each GPU's [min, max]) on every GPU; raises ActuationError.
+
+        Returns once every changed GPU's instant power is at or under its new limit (or after
+        ``latency_timeout_s``), with each one's latency in ``AppliedCap.latency_s``, the
+        longest in ``last_latency_s``.
+        """
         nv = self.nvml
         results = []
+        changes: dict[int, tuple[Any, float, float]] = {}
         for index, uuid, h in self._devices():
             what = f"GPU {index} power limit"
             try:
@@ -137,11 +171,50 @@ class PowerCapActuator:
                     if uuid not in self.original_mw:
                         self.original_mw[uuid] = (h, current)
                         self._save()
+                    began = self._clock()
                     nv.nvmlDeviceSetPowerManagementLimit(h, target)
+                    changes[index] = (h, target / 1000, began)
             except nv.NVMLError as e:
                 raise self._translate(e, what) from e
             results.append(AppliedCap(index, uuid, watts, target / 1000, changed))
-        return results
+        if not changes:
+            return results
+        latencies = self._latencies(changes)
+        if latencies:
+            self.last_latency_s = max(latencies.values())
+        return [replace(r, latency_s=latencies.get(r.gpu)) for r in results]
+
+    def _latencies(self, changes: dict[int, tuple[Any, float, float]]) -> dict[int, float]:
+        """Seconds from each set call until the GPU's instant power was at or under its new
+        limit, by GPU index; GPUs without instant power, or still above after
+        ``latency_timeout_s``, are left out."""
+        nv = self.nvml
+        waiting = dict(changes)
+        found: dict[int, float] = {}
+        deadline = self._clock() + self.latency_timeout_s
+        while waiting:
+            for index, (h, limit_w, began) in list(waiting.items()):
+                try:
+                    power_w = instant_power_w(nv, h)
+                except nv.NVMLError as e:
+                    log.debug("GPU %d: no instant power to time the new cap: %s", index, e)
+                    power_w = None
+                if power_w is None:
+                    del waiting[index]
+                elif power_w <= limit_w:
+                    found[index] = self._clock() - began
+                    del waiting[index]
+            if not waiting or self._clock() >= deadline:
+                break
+            self._sleep(self.poll_s)
+        for index, (_, limit_w, _) in waiting.items():
+            log.info(
+                "GPU %d still drew over its new %.0f W limit after %.1f s",
+                index,
+                limit_w,
+                self.latency_timeout_s,
+            )
+        return found
 
     def restore(self) -> int:
         """Put back every limit hyperagent changed; returns how many were restored."""

@@ -117,8 +117,10 @@ class NvmlSection(_Model):
     dump: Path | None = None
     """Replay this ``nvidia-smi -q -x`` dump (or query-gpu capture) instead of the driver."""
     health_interval_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
-    """Read ECC counts, retired pages, remapped rows and the power limit range at most this
-    often (they change rarely; 0 reads them every cycle)."""
+    """Read ECC counts, retired pages, remapped rows, the power limit range and NVLink errors
+    at most this often (they change rarely; 0 reads them every cycle), and GPU temperature,
+    memory, clocks, PCIe throughput and MIG devices too: the NVML calls without a field id
+    (power, energy, utilisation and throttling are read every cycle)."""
 
 
 class HostSection(_Model):

@@ -31,6 +31,7 @@ from conftest import REPO
 
 KEYS = (
     "agent_cpu_percent_1hz",
+    "nvml_calls_per_gpu_cycle",
     "agent_cpu_percent_10hz",
     "agent_rss_mib",
     "agent_overhead_vs_floor",
@@ -66,6 +67,10 @@ def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) ->
     assert ladder["invalid"] == 0 and ladder["ingested"] > 0
     assert figures["machine"]["nproc"] >= 1
     assert set(figures["done_when"]) == set(KEYS)
+    capped = details["powercap"]  # the fake GPUs obey after 0.25 s: a harness check
+    assert capped["lowered"]["changes"] == capped["lowered"]["measured"] == 8
+    assert 0.25 <= capped["lowered"]["max_s"] < 5.0
+    assert figures["power_cap_latency_s_max"] is None  # a measurement only on real GPUs
 
 
 TOPICS = [
@@ -305,3 +310,33 @@ async def test_health_readings_are_reused_only_while_unchanged() -> None:
     assert up().value == 0.0
     errors = [r for r in runner.health_readings() if r.name == "hyperagent_source_errors_total"]
     assert errors[0].value == 1 and errors[0].kind is Kind.COUNTER
+
+
+async def test_the_real_gpu_call_counter_counts_what_nvml_source_calls() -> None:
+    """``--real-gpus`` counts pynvml's calls through ``workers.CountingNvml``: over a fake that
+    counts its own calls too, both agree, and the source reads through it unchanged."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from workers import CountingNvml, nvml_read_calls
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from hyperagent.sources.nvml import NvmlSource
+    from hyperagent.testing.fake_nvml import FakeNvml
+
+    fake = FakeNvml.from_capture(REPO / "fixtures" / "nvidia-smi" / "gtx-8card.xml")
+    counting = CountingNvml(fake)
+    source = NvmlSource(counting, event_wait_ms=20)
+    await source.start()
+    watcher = source._events_thread
+    try:
+        readings = await source.read()
+    finally:
+        await source.close()
+    if watcher is not None:
+        watcher.join(timeout=10)  # its last calls (free, shutdown) land before the counts
+    assert len([r for r in readings if r.name == "hyperagent_gpu_power_watts"]) == 8
+    calls = nvml_read_calls(counting)
+    assert calls is not None
+    wanted = {k: v for k, v in fake.call_counts().items() if not k.startswith("nvmlEventSetWait")}
+    assert calls() == wanted
+    assert calls()["nvmlDeviceGetFieldValues"] == 16  # the cycle's batch and the health batch

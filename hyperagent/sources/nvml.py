@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -35,6 +36,7 @@ DRAM_ACTIVE = "hyperagent_gpu_dram_active_ratio"
 MEMORY_USED = "hyperagent_gpu_memory_used_bytes"
 MEMORY_TOTAL = "hyperagent_gpu_memory_total_bytes"
 POWER = "hyperagent_gpu_power_watts"
+POWER_INSTANT = "hyperagent_gpu_power_instant_watts"
 POWER_LIMIT = "hyperagent_gpu_power_limit_watts"
 POWER_LIMIT_MIN = "hyperagent_gpu_power_limit_min_watts"
 POWER_LIMIT_MAX = "hyperagent_gpu_power_limit_max_watts"
@@ -71,7 +73,8 @@ HELP: dict[str, str] = {
     DRAM_ACTIVE: "Device memory bandwidth used as a fraction of its peak since the previous read.",
     MEMORY_USED: "Device memory in use, including memory the driver reserves.",
     MEMORY_TOTAL: "Device memory installed.",
-    POWER: "Power draw of the GPU board.",
+    POWER: "Power draw of the GPU board: NVML's 1 s average where the GPU has one (Ampere on).",
+    POWER_INSTANT: "Power draw of the GPU board at the read, not averaged.",
     POWER_LIMIT: "Enforced power limit.",
     POWER_LIMIT_MIN: "Lowest power limit the device accepts.",
     POWER_LIMIT_MAX: "Highest power limit the device accepts.",
@@ -148,6 +151,83 @@ def violation_policies(nv: Any) -> tuple[tuple[str, int], ...]:
     )
 
 
+_VIOLATION_FIELDS = {
+    "sw_power_cap": "NVML_FI_DEV_PERF_POLICY_POWER",
+    "sync_boost": "NVML_FI_DEV_PERF_POLICY_SYNC_BOOST",
+    "thermal": "NVML_FI_DEV_PERF_POLICY_THERMAL",
+    "board_limit": "NVML_FI_DEV_PERF_POLICY_BOARD_LIMIT",
+    "low_utilization": "NVML_FI_DEV_PERF_POLICY_LOW_UTILIZATION",
+    "reliability": "NVML_FI_DEV_PERF_POLICY_RELIABILITY",
+    "total_app_clocks": "NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS",
+    "total_base_clocks": "NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS",
+}
+"""The field (nvmlDeviceGetFieldValues, ns like nvmlViolationTime_t) of each perf policy."""
+
+
+def field_id(nv: Any, name: str) -> int | None:
+    """The NVML field id ``name`` (``NVML_FI_...``) where this nvidia-ml-py defines it."""
+    value = getattr(nv, name, None)
+    return value if isinstance(value, int) else None
+
+
+def violation_fields(nv: Any) -> tuple[tuple[str, int, int | None], ...]:
+    """(reason label, perf policy, field id or None) of every counted throttle reason."""
+    return tuple(
+        (reason, policy, field_id(nv, _VIOLATION_FIELDS[reason]))
+        for reason, policy in violation_policies(nv)
+    )
+
+
+_VALUE_TYPES = (
+    ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+    ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+    ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),  # not in nvidia-ml-py 12.535
+)
+
+
+def value_members(nv: Any) -> dict[int, str]:
+    """The ``nvmlValue_t`` member that holds each NVML value type this nvidia-ml-py knows."""
+    return {getattr(nv, name): member for name, member in _VALUE_TYPES if hasattr(nv, name)}
+
+
+def field_number(value: Any, members: Mapping[int, str]) -> float | None:
+    """The number a successful ``c_nvmlFieldValue_t`` holds; None for an unknown value type
+    or a value that is not finite."""
+    member = members.get(value.valueType)
+    if member is None:
+        return None
+    number = float(getattr(value.value, member))
+    return number if math.isfinite(number) else None
+
+
+def plain_layout(struct: Any) -> Any:
+    """A ctypes struct with ``struct``'s fields and none of pynvml's Python-level attribute
+    hooks (each read through them is a Python call), to read an array of them in place; None
+    when ``struct`` has no ctypes fields."""
+    fields = getattr(struct, "_fields_", None)
+    if fields is None:
+        return None
+    return type(f"Plain{struct.__name__}", (ctypes.Structure,), {"_fields_": fields})
+
+
+def instant_power_w(nv: Any, handle: Any) -> float | None:
+    """The board's power at this moment (NVML_FI_DEV_POWER_INSTANT, GPU scope), in watts; None
+    where the GPU or driver does not report it. Raises pynvml.NVMLError when the call fails."""
+    instant = field_id(nv, "NVML_FI_DEV_POWER_INSTANT")
+    if instant is None:
+        return None
+    scope = getattr(nv, "NVML_POWER_SCOPE_GPU", 0)
+    value = nv.nvmlDeviceGetFieldValues(handle, [(instant, scope)])[0]
+    if value.nvmlReturn != nv.NVML_SUCCESS:
+        return None
+    milliwatts = field_number(value, value_members(nv))
+    return None if milliwatts is None else milliwatts / 1000
+
+
 def clock_event_reason_bits(nv: Any) -> tuple[tuple[str, int], ...]:
     """The bits of NVML's current clock-event (throttle) reasons mask, by nvidia-smi's names."""
     return (
@@ -190,6 +270,34 @@ def mig_profile(name: str) -> str:
     return profile.strip() if marker and head else ""
 
 
+def _violation_ns(nv: Any, policy: int, handle: Any) -> int:
+    return int(nv.nvmlDeviceGetViolationStatus(handle, policy).violationTime)
+
+
+def _ecc_total(nv: Any, error_type: int, counter: int, handle: Any) -> int:
+    return int(nv.nvmlDeviceGetTotalEccErrors(handle, error_type, counter))
+
+
+def _retired_pages(nv: Any, cause: int, handle: Any) -> int:
+    return len(nv.nvmlDeviceGetRetiredPages(handle, cause))
+
+
+def _retired_pending(nv: Any, handle: Any) -> float:
+    pending = nv.nvmlDeviceGetRetiredPagesPendingStatus(handle)
+    return 1.0 if pending == nv.NVML_FEATURE_ENABLED else 0.0
+
+
+def _remapped_rows(nv: Any, position: int, handle: Any) -> float:
+    """One of (correctable, uncorrectable, pending, failed) of nvmlDeviceGetRemappedRows."""
+    value = nv.nvmlDeviceGetRemappedRows(handle)[position]
+    return float(value) if position < 2 else (1.0 if value else 0.0)
+
+
+def _limit_constraint(nv: Any, position: int, handle: Any) -> int:
+    """The lowest (0) or highest (1) power limit the device accepts, mW."""
+    return int(nv.nvmlDeviceGetPowerManagementLimitConstraints(handle)[position])
+
+
 @dataclass(frozen=True)
 class GpuIdentity:
     index: int
@@ -220,8 +328,41 @@ class _Mig:
     labels: dict[str, str]
 
 
+@dataclass(frozen=True)
+class _Field:
+    """One value of an nvmlDeviceGetFieldValues batch and the reading it becomes."""
+
+    key: tuple[int, int]
+    """(field id, scope id): the scope is the link for NVLink fields, the power scope for power
+    fields (0: the GPU alone), 0 for the rest."""
+    name: str
+    labels: Mapping[str, str]
+    kind: Kind = Kind.GAUGE
+    per: float = 1.0
+    """NVML's units (mW, mJ, ns, KiB, ...) per unit of the metric: the value is divided by it."""
+    legacy: Callable[[Any], Any] | None = None
+    """The older call that gives the same value in the same unit from the device handle, for a
+    driver that does not know the field id."""
+    what: str = "field"
+    """What the value is, for error messages."""
+
+
+@dataclass
+class _Batch:
+    """Fields read together in one nvmlDeviceGetFieldValues, and what the GPU's answers so far
+    leave to ask: the fields it did not refuse, and the legacy calls of those it did not know
+    (kept until its ``_GpuState.epoch`` moves)."""
+
+    fields: list[_Field]
+    asked: list[_Field] = field(default_factory=list)
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    legacy: list[_Field] = field(default_factory=list)
+    epoch: int = -1
+
+
 UNSUPPORTED_RETRY_READS = 300
-"""Reads between two tries of a call the GPU said it does not support (5 minutes at 1 Hz)."""
+"""Reads between two tries of a field or call the GPU said it does not support (5 minutes at
+1 Hz)."""
 
 
 @dataclass
@@ -233,20 +374,33 @@ class _GpuState:
     info: dict[str, str]
     by_label: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
     links: tuple[_Link, ...] = ()
-    fields: list[tuple[int, int]] = field(default_factory=list)
-    field_targets: list[tuple[str, dict[str, str], Kind, float]] = field(default_factory=list)
+    fast: _Batch = field(default_factory=lambda: _Batch([]))
+    """Fields read every cycle, in one nvmlDeviceGetFieldValues."""
+    health_fields: _Batch = field(default_factory=lambda: _Batch([]))
+    """Fields read every health interval, in one nvmlDeviceGetFieldValues."""
+    violations: tuple[tuple[str, tuple[int, int]], ...] = ()
+    """(reason, field key) of the throttle reasons NVML counts itself."""
+    unknown: set[tuple[int, int]] = field(default_factory=set)
+    """Fields the GPU answered "not supported" (or whose id the driver does not know): left
+    out of the batch, read through their legacy call if they have one, asked again every
+    ``UNSUPPORTED_RETRY_READS`` reads (a driver update or a MIG change may add them)."""
+    no_legacy: set[tuple[int, int]] = field(default_factory=set)
+    """Unknown fields whose legacy call is not supported either."""
+    epoch: int = 0
+    """Moves on whenever ``unknown`` or ``no_legacy`` change."""
+    refused_counters: set[tuple[int, int]] = field(default_factory=set)
+    """(link, NVML_NVLINK_ERROR_*) NVLink error counters the GPU does not support."""
     gpm: _Gpm | None = None
     reasons_seen_at: float | None = None
     integrated_s: dict[str, float] = field(default_factory=dict)
     mig_slots: int | None = None
     mig: dict[tuple[int, str], _Mig] = field(default_factory=dict)
+    slow: list[Reading] = field(default_factory=list)
+    """The last slow readings, repeated until ``slow_at`` + the slow interval."""
+    slow_at: float = -math.inf
     health: list[Reading] = field(default_factory=list)
-    """The last memory health readings, repeated until ``health_at`` + the health interval."""
+    """The last health readings, repeated until ``health_at`` + the health interval."""
     health_at: float = -math.inf
-    power_bounds: Any = None
-    unsupported_violations: set[int] = field(default_factory=set)
-    """Violation policies the GPU answered "not supported"; asked again every
-    ``UNSUPPORTED_RETRY_READS`` reads (a driver update or a MIG change may add them)."""
     reads: int = 0
 
     def labelled(self, key: str, value: str) -> dict[str, str]:
@@ -259,43 +413,89 @@ class _GpuState:
             found = values[value] = {**self.labels, key: value}
         return found
 
+    def refused(self, key: tuple[int, int], legacy_too: bool = False) -> None:
+        """The GPU does not support (or know) field ``key``; with ``legacy_too``, nor the
+        field's legacy call."""
+        (self.no_legacy if legacy_too else self.unknown).add(key)
+        self.epoch += 1
+
+    def retry_refused(self) -> None:
+        """Ask again everything the GPU refused."""
+        self.unknown.clear()
+        self.no_legacy.clear()
+        self.refused_counters.clear()
+        self.epoch += 1
+
     def forget_sampling(self) -> None:
-        """Drop two-sample state after a failed read, so an outage is not integrated."""
+        """Drop two-sample and repeated state after a failed read, so an outage is not
+        integrated and the next read asks everything again."""
         self.reasons_seen_at = None
-        self.health_at = -math.inf
+        self.health_at = self.slow_at = -math.inf
         if self.gpm is not None:
             self.gpm.latest = None
+
+
+def _refresh(batch: _Batch, state: _GpuState) -> None:
+    """Bring ``batch``'s asked fields and legacy calls up to what ``state`` knows."""
+    if batch.epoch == state.epoch:
+        return
+    unknown, no_legacy = state.unknown, state.no_legacy
+    batch.asked = [f for f in batch.fields if f.key not in unknown]
+    batch.keys = [f.key for f in batch.asked]
+    batch.legacy = [
+        f
+        for f in batch.fields
+        if f.legacy is not None and f.key in unknown and f.key not in no_legacy
+    ]
+    batch.epoch = state.epoch
 
 
 class NvmlSource:
     """Per-GPU telemetry through NVML; see the module docstring for what is read.
 
-    Every NVML call runs in a worker thread, one call per field per device and read; a field
-    the device or driver does not support (NOT_SUPPORTED, FUNCTION_NOT_FOUND, and
-    INVALID_ARGUMENT for a field, perf policy or NVLink counter id newer than the driver) is
-    left out, never reported as zero. Any other NVML error fails the whole read with NvmlSourceError
-    (the runner reports the source down) and the next read tries again. A read still running
-    when the next is due makes that next read fail instead of piling up.
+    Every NVML call runs in a worker thread. Every reading that has an NVML field id is read
+    through ``nvmlDeviceGetFieldValues``, one call per GPU for a whole set, each field with its
+    own return code; the rest takes one call each. Per GPU and read, at steady state:
+
+    - every read: one field-values call (board power, 1 s average and instant, energy, the
+      enforced power limit, memory temperature, PCIe replays, NVML's throttle counters, NVLink
+      traffic), utilisation, the clock-event reasons, and on GPUs with GPM one
+      ``nvmlGpmSampleGet`` and one ``nvmlGpmMetricsGet`` for every activity;
+    - every ``slow_interval_s`` of ``clock`` (by default the health interval): GPU temperature,
+      memory, SM and memory clocks, PCIe throughput, MIG devices;
+    - every ``health_interval_s``: one field-values call (ECC counts, retired pages, remapped
+      rows, the power limit range), NVLink state and error counters.
+
+    The reads in between repeat the last slow and health readings (0 reads them every time).
+    A field or call the device or driver does not support (NOT_SUPPORTED, FUNCTION_NOT_FOUND,
+    and INVALID_ARGUMENT for a field, perf policy or NVLink counter id newer than the driver)
+    is left out, never reported as zero, and asked again only every
+    ``UNSUPPORTED_RETRY_READS`` reads; a field the driver does not know is read through its
+    older call where there is one (``nvmlDeviceGetPowerUsage`` for power, ...). Any other NVML
+    error, a field's included, fails the whole read with NvmlSourceError (the runner reports
+    the source down) and the next read tries again. A read still running when the next is due
+    makes that next read fail instead of piling up.
+
+    Units: power fields are mW (scope 0, the GPU alone), energy mJ, throttle counters ns, NVLink
+    traffic KiB (scope = link), as nvml.h defines them. ``hyperagent_gpu_power_watts`` is NVML's
+    1 s average where the GPU has it (Ampere on, not GA100), else the instant power, as
+    ``nvmlDeviceGetPowerUsage``; ``hyperagent_gpu_power_instant_watts`` is never averaged.
 
     Two-sample values use the previous read of the same GPU: GPM activities (the first
     interval starts at ``start()``) and clock-event time for reasons NVML has no counter for.
     ``hyperagent_gpu_throttle_seconds_total{reason}`` takes NVML's cumulative violation time
-    (nvmlDeviceGetViolationStatus, ns) for sw_power_cap, sync_boost, thermal, board_limit,
-    low_utilization, reliability, total_app_clocks and total_base_clocks where the GPU
-    supports it; every other bit of nvmlDeviceGetCurrentClocksEventReasons (or
-    ...ThrottleReasons on drivers before 535) is integrated by the agent: a reason active at
-    a read counts for the whole interval since that GPU's previous successful read, so those
-    counters start at 0 when the agent starts.
+    (NVML_FI_DEV_PERF_POLICY_*, else nvmlDeviceGetViolationStatus, ns) for sw_power_cap,
+    sync_boost, thermal, board_limit, low_utilization, reliability, total_app_clocks and
+    total_base_clocks where the GPU supports it; every other bit of
+    nvmlDeviceGetCurrentClocksEventReasons (or ...ThrottleReasons on drivers before 535) is
+    integrated by the agent: a reason active at a read counts for the whole interval since that
+    GPU's previous successful read, so those counters start at 0 when the agent starts.
 
     XID events arrive through an NVML event set that a dedicated thread waits on with a
     ``event_wait_ms`` timeout (an event ends the wait at once; the timeout is how long the
     thread outlives ``close()``, holding its own NVML reference, and how often it wakes while
     idle); counts are kept per GPU and XID from ``start()`` on. ``clock`` (seconds, monotonic)
-    times the integration; pass the clock of a replayed NVML to integrate in its time.
-
-    Memory health (ECC counts, retired pages, remapped rows) and the power limit range change
-    rarely: they are read every ``health_interval_s`` of ``clock`` (every read with 0), and
-    the reads in between repeat them (39% of the NVML calls of a read, on eight V100s).
+    times the integration and the intervals; pass the clock of a replayed NVML to use its time.
     """
 
     name = "nvml"
@@ -308,10 +508,12 @@ class NvmlSource:
         clock: Callable[[], float] = time.monotonic,
         event_wait_ms: int = 5000,
         health_interval_s: float = 10.0,
+        slow_interval_s: float | None = None,
     ) -> None:
         nv = nvml
         self.nvml = nvml
         self.health_interval_s = health_interval_s
+        self.slow_interval_s = health_interval_s if slow_interval_s is None else slow_interval_s
         self.gpus: list[GpuIdentity] = []
         self.driver = ""
         self.event_wait_ms = event_wait_ms
@@ -324,30 +526,17 @@ class NvmlSource:
         self._nvml_error: type[Exception] = nv.NVMLError
         self._unsupported = (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND)
         self._unknown_id = (*self._unsupported, nv.NVML_ERROR_INVALID_ARGUMENT)
-        self._violations = violation_policies(nv)
+        self._violations = violation_fields(nv)
         self._reason_bits = clock_event_reason_bits(nv)
         self._nvlink_errors = nvlink_error_counters(nv)
         self._gpm_metrics = gpm_metrics(nv)
-        self._ecc = (
-            ("corrected", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-            ("uncorrected", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
-        )
-        self._retirement = (
-            ("single_bit_ecc", nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-            ("double_bit_ecc", nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
-        )
-        value_types = (
-            ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
-            ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
-            ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
-            ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
-            ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
-            ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
-            ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),  # not in nvidia-ml-py 12.535
-        )
-        self._field_value = {
-            getattr(nv, name): member for name, member in value_types if hasattr(nv, name)
-        }
+        self._field_value = value_members(nv)
+        self._plain_field = plain_layout(nv.c_nvmlFieldValue_t)
+        power_scope = getattr(nv, "NVML_POWER_SCOPE_GPU", 0)
+        average = field_id(nv, "NVML_FI_DEV_POWER_AVERAGE")
+        instant = field_id(nv, "NVML_FI_DEV_POWER_INSTANT")
+        self._power_average = None if average is None else (average, power_scope)
+        self._power_instant = None if instant is None else (instant, power_scope)
         self._reasons_call: Callable[[Any], int] = nv.nvmlDeviceGetCurrentClocksEventReasons
         self._events_stop = threading.Event()
         self._events_thread: threading.Thread | None = None
@@ -400,22 +589,167 @@ class NvmlSource:
         labels = {"gpu": str(index), "uuid": identity.uuid}
         info = {**labels, "model": identity.model, "driver": self.driver}
         state = _GpuState(identity, labels, info)
-        state.fields = [(nv.NVML_FI_DEV_MEMORY_TEMP, 0)]
-        state.field_targets = [(MEMORY_TEMPERATURE, labels, Kind.GAUGE, 1.0)]
         links = []
         for number in self._probe_links(identity):
             link_labels = {**labels, "link": str(number)}
             errors = {kind: {**link_labels, "type": kind} for kind, _ in self._nvlink_errors}
             links.append(_Link(number, link_labels, errors))
-            for direction, field_id in (
-                ("tx", nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX),
-                ("rx", nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX),
-            ):
-                state.fields.append((field_id, number))
-                traffic = {**link_labels, "direction": direction}
-                state.field_targets.append((NVLINK_DATA, traffic, Kind.COUNTER, 1024.0))
         state.links = tuple(links)
+        state.fast = _Batch(self._fast_fields(state))
+        state.health_fields = _Batch(self._health_fields(state))
+        state.violations = tuple(
+            (reason, (fid, 0)) for reason, _, fid in self._violations if fid is not None
+        )
         return state
+
+    def _fast_fields(self, state: _GpuState) -> list[_Field]:
+        """The fields read every cycle: power, energy, enforced limit, memory temperature, PCIe
+        replays, NVML's throttle counters, NVLink traffic."""
+        nv, labels = self.nvml, state.labels
+        fields: list[_Field] = []
+
+        def add(what: str, key: tuple[int | None, int], metric: str, **how: Any) -> None:
+            if key[0] is not None:
+                at = how.pop("at", labels)
+                fields.append(_Field((key[0], key[1]), metric, at, what=what, **how))
+
+        if self._power_average is not None:
+            fields.append(_Field(self._power_average, POWER, labels, per=1000.0, what="power"))
+        if self._power_instant is not None:
+            instant = _Field(self._power_instant, POWER_INSTANT, labels, per=1000.0, what="power")
+            fields.append(instant)
+        add(
+            "energy",
+            (field_id(nv, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"), 0),
+            ENERGY,
+            kind=Kind.COUNTER,
+            per=1000.0,
+            legacy=nv.nvmlDeviceGetTotalEnergyConsumption,
+        )
+        add(
+            "power limit",
+            (
+                field_id(nv, "NVML_FI_DEV_POWER_CURRENT_LIMIT"),
+                getattr(nv, "NVML_POWER_SCOPE_GPU", 0),
+            ),
+            POWER_LIMIT,
+            per=1000.0,
+            legacy=nv.nvmlDeviceGetEnforcedPowerLimit,
+        )
+        add("memory temperature", (field_id(nv, "NVML_FI_DEV_MEMORY_TEMP"), 0), MEMORY_TEMPERATURE)
+        add(
+            "PCIe replays",
+            (field_id(nv, "NVML_FI_DEV_PCIE_REPLAY_COUNTER"), 0),
+            PCIE_REPLAYS,
+            kind=Kind.COUNTER,
+            legacy=nv.nvmlDeviceGetPcieReplayCounter,
+        )
+        for reason, policy, fid in self._violations:
+            add(
+                "violation status",
+                (fid, 0),
+                THROTTLE,
+                at=state.labelled("reason", reason),
+                kind=Kind.COUNTER,
+                per=1e9,
+                legacy=partial(_violation_ns, nv, policy),
+            )
+        for link in state.links:
+            for direction, name in (
+                ("tx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"),
+                ("rx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"),
+            ):
+                add(
+                    "NVLink traffic",
+                    (field_id(nv, name), link.number),
+                    NVLINK_DATA,
+                    at={**link.labels, "direction": direction},
+                    kind=Kind.COUNTER,
+                    per=1 / 1024,
+                )
+        return fields
+
+    def _health_fields(self, state: _GpuState) -> list[_Field]:
+        """The fields read every health interval: ECC counts, retired pages, remapped rows,
+        the power limit range."""
+        nv, labels = self.nvml, state.labels
+        fields: list[_Field] = []
+
+        def add(name: str, metric: str, at: Mapping[str, str], legacy: Any, **how: Any) -> None:
+            fid = field_id(nv, name)
+            if fid is not None:
+                what = name.removeprefix("NVML_FI_DEV_").lower().replace("_", " ")
+                fields.append(_Field((fid, 0), metric, at, legacy=legacy, what=what, **how))
+
+        corrected, uncorrected = (
+            nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+            nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+        )
+        for name, metric, error_type, kind, scope in (
+            ("ECC_SBE_VOL_TOTAL", ECC_ERRORS, "corrected", corrected, nv.NVML_VOLATILE_ECC),
+            ("ECC_DBE_VOL_TOTAL", ECC_ERRORS, "uncorrected", uncorrected, nv.NVML_VOLATILE_ECC),
+            (
+                "ECC_SBE_AGG_TOTAL",
+                ECC_LIFETIME_ERRORS,
+                "corrected",
+                corrected,
+                nv.NVML_AGGREGATE_ECC,
+            ),
+            (
+                "ECC_DBE_AGG_TOTAL",
+                ECC_LIFETIME_ERRORS,
+                "uncorrected",
+                uncorrected,
+                nv.NVML_AGGREGATE_ECC,
+            ),
+        ):
+            add(
+                f"NVML_FI_DEV_{name}",
+                metric,
+                state.labelled("type", error_type),
+                partial(_ecc_total, nv, kind, scope),
+                kind=Kind.COUNTER,
+            )
+        for name, cause, source in (
+            (
+                "RETIRED_SBE",
+                "single_bit_ecc",
+                nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+            ),
+            ("RETIRED_DBE", "double_bit_ecc", nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
+        ):
+            add(
+                f"NVML_FI_DEV_{name}",
+                RETIRED_PAGES,
+                state.labelled("cause", cause),
+                partial(_retired_pages, nv, source),
+            )
+        add(
+            "NVML_FI_DEV_RETIRED_PENDING",
+            RETIRED_PAGES_PENDING,
+            labels,
+            partial(_retired_pending, nv),
+        )
+        for position, (name, metric, at) in enumerate(
+            (
+                ("REMAPPED_COR", REMAPPED_ROWS, state.labelled("cause", "correctable")),
+                ("REMAPPED_UNC", REMAPPED_ROWS, state.labelled("cause", "uncorrectable")),
+                ("REMAPPED_PENDING", REMAPPED_ROWS_PENDING, labels),
+                ("REMAPPED_FAILURE", REMAPPED_ROWS_FAILED, labels),
+            )
+        ):
+            add(f"NVML_FI_DEV_{name}", metric, at, partial(_remapped_rows, nv, position))
+        for position, (name, metric) in enumerate(
+            (("POWER_MIN_LIMIT", POWER_LIMIT_MIN), ("POWER_MAX_LIMIT", POWER_LIMIT_MAX))
+        ):
+            add(
+                f"NVML_FI_DEV_{name}",
+                metric,
+                labels,
+                partial(_limit_constraint, nv, position),
+                per=1000.0,
+            )
+        return fields
 
     def _probe_links(self, gpu: GpuIdentity) -> tuple[int, ...]:
         """NVLinks the GPU has: up to the first link NVML calls invalid, skipping unsupported."""
@@ -579,6 +913,9 @@ class NvmlSource:
         nv, gpu = self.nvml, state.identity
         h, labels = gpu.handle, state.labels
         out.append(Reading(GPU_INFO, 1.0, state.info, Kind.INFO))
+        state.reads += 1
+        if state.reads % UNSUPPORTED_RETRY_READS == 0:
+            state.retry_refused()
 
         def gauge(name: str, value: float, at: Mapping[str, str] = labels) -> None:
             out.append(Reading(name, float(value), at))
@@ -591,49 +928,132 @@ class NvmlSource:
             gauge(UTILIZATION, util.gpu / 100)
             gauge(MEMORY_UTILIZATION, util.memory / 100)
         self._read_gpm(state, gauge)
-        memory = self._call(gpu, "memory", nv.nvmlDeviceGetMemoryInfo, h)
-        if memory is not None:
-            gauge(MEMORY_USED, memory.used)
-            gauge(MEMORY_TOTAL, memory.total)
-        power_mw = self._call(gpu, "power", nv.nvmlDeviceGetPowerUsage, h)
-        if power_mw is not None:
-            gauge(POWER, power_mw / 1000)
-        limit_mw = self._call(gpu, "power limit", nv.nvmlDeviceGetEnforcedPowerLimit, h)
-        if limit_mw is not None:
-            gauge(POWER_LIMIT, limit_mw / 1000)
+        got = self._read_fields(state, state.fast, out)
+        self._read_power(state, got, gauge)
+        self._read_throttle(state, counter, {r for r, key in state.violations if key in got})
         now = self._clock()
-        health_due = now - state.health_at >= self.health_interval_s
-        if health_due:
-            state.power_bounds = self._call(
-                gpu, "power limit constraints", nv.nvmlDeviceGetPowerManagementLimitConstraints, h
+        if now - state.slow_at >= self.slow_interval_s:
+            first = len(out)
+            self._read_slow(state, gauge, counter, out)
+            state.slow = out[first:]
+            state.slow_at = now
+        else:
+            out.extend(state.slow)
+        if now - state.health_at >= self.health_interval_s:
+            first = len(out)
+            self._read_fields(state, state.health_fields, out)
+            self._read_nvlink(state, gauge, counter)
+            state.health = out[first:]
+            state.health_at = now
+        else:
+            out.extend(state.health)
+
+    def _read_fields(
+        self, state: _GpuState, batch: _Batch, out: list[Reading]
+    ) -> dict[tuple[int, int], float]:
+        """``batch`` in one nvmlDeviceGetFieldValues (the fields the GPU did not refuse before),
+        then the legacy call of those it does not know; returns the values read, by key."""
+        nv, gpu = self.nvml, state.identity
+        got: dict[tuple[int, int], float] = {}
+        _refresh(batch, state)
+        asked, values = batch.asked, None
+        if asked:
+            values = self._call(
+                gpu, "field values", nv.nvmlDeviceGetFieldValues, gpu.handle, batch.keys
             )
-        bounds = state.power_bounds
-        if bounds is not None:
-            gauge(POWER_LIMIT_MIN, bounds[0] / 1000)
-            gauge(POWER_LIMIT_MAX, bounds[1] / 1000)
-        energy_mj = self._call(gpu, "energy", nv.nvmlDeviceGetTotalEnergyConsumption, h)
-        if energy_mj is not None:
-            counter(ENERGY, energy_mj / 1000)
+            if values is None:  # a driver without field values at all
+                for wanted in asked:
+                    state.refused(wanted.key)
+            elif self._plain_field is not None:
+                try:
+                    values = (self._plain_field * len(asked)).from_buffer(values)
+                except (TypeError, ValueError):
+                    pass  # not a ctypes array: read it as it is
+        success, members = nv.NVML_SUCCESS, self._field_value
+        for wanted, value in zip(asked, values or (), strict=False):
+            code = value.nvmlReturn
+            if code != success:
+                if code in self._unknown_id:
+                    state.refused(wanted.key)
+                    continue
+                raise NvmlSourceError(
+                    f"GPU {gpu.index} ({gpu.uuid}): {wanted.what} (field {value.fieldId}, "
+                    f"scope {wanted.key[1]}): NVML error {code}",
+                    code,
+                )
+            number = field_number(value, members)
+            if number is None:
+                log.debug("GPU %d field %d: unusable value", gpu.index, value.fieldId)
+                continue
+            got[wanted.key] = number
+            out.append(Reading(wanted.name, number / wanted.per, wanted.labels, wanted.kind))
+        _refresh(batch, state)
+        for wanted in batch.legacy:
+            assert wanted.legacy is not None  # _refresh keeps only those with one
+            raw = self._call_or_none(gpu, wanted.what, self._unknown_id, wanted.legacy, gpu.handle)
+            if raw is None:
+                state.refused(wanted.key, legacy_too=True)
+                continue
+            got[wanted.key] = float(raw)
+            out.append(Reading(wanted.name, float(raw) / wanted.per, wanted.labels, wanted.kind))
+        return got
+
+    def _read_power(
+        self, state: _GpuState, got: dict[tuple[int, int], float], gauge: Callable[..., None]
+    ) -> None:
+        """Board power where the 1 s average is missing: the instant value, as
+        nvmlDeviceGetPowerUsage gives it on such GPUs; that call on a driver that knows
+        neither field."""
+        average, instant = self._power_average, self._power_instant
+        if average is not None and average in got:
+            return
+        if instant is not None and instant in got:
+            gauge(POWER, got[instant] / 1000)
+            return
+        if instant is not None and instant not in state.unknown:
+            return  # asked, but the value was unusable
+        marker = average or instant or (-1, 0)
+        if marker in state.no_legacy:
+            return
+        nv, gpu = self.nvml, state.identity
+        mw = self._call_or_none(
+            gpu, "power", self._unknown_id, nv.nvmlDeviceGetPowerUsage, gpu.handle
+        )
+        if mw is None:
+            state.refused(marker, legacy_too=True)
+        else:
+            gauge(POWER, mw / 1000)
+
+    def _read_slow(
+        self,
+        state: _GpuState,
+        gauge: Callable[..., None],
+        counter: Callable[..., None],
+        out: list[Reading],
+    ) -> None:
+        """Temperature, memory, clocks, PCIe throughput and MIG devices."""
+        nv, gpu = self.nvml, state.identity
+        h = gpu.handle
         temp = self._call(
             gpu, "temperature", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU
         )
         if temp is not None:
             gauge(TEMPERATURE, temp)
+        memory = self._call(gpu, "memory", nv.nvmlDeviceGetMemoryInfo, h)
+        if memory is not None:
+            gauge(MEMORY_USED, memory.used)
+            gauge(MEMORY_TOTAL, memory.total)
         for name, clock in ((SM_CLOCK, nv.NVML_CLOCK_SM), (MEMORY_CLOCK, nv.NVML_CLOCK_MEM)):
             mhz = self._call(gpu, "clock", nv.nvmlDeviceGetClockInfo, h, clock)
             if mhz is not None:
                 gauge(name, mhz * 1e6)
-        self._read_fields(state, out)
-        self._read_throttle(state, counter)
-        if health_due:
-            first = len(out)
-            self._read_memory_health(state, gauge, counter)
-            state.health = out[first:]
-            state.health_at = now
-        else:
-            out.extend(state.health)
-        self._read_pcie(state, gauge, counter)
-        self._read_nvlink(state, gauge, counter)
+        for direction, which in (
+            ("tx", nv.NVML_PCIE_UTIL_TX_BYTES),
+            ("rx", nv.NVML_PCIE_UTIL_RX_BYTES),
+        ):
+            kb_per_s = self._call(gpu, "PCIe throughput", nv.nvmlDeviceGetPcieThroughput, h, which)
+            if kb_per_s is not None:
+                gauge(PCIE_THROUGHPUT, kb_per_s * 1024, state.labelled("direction", direction))
         self._read_mig(state, out)
 
     def _read_gpm(self, state: _GpuState, gauge: Callable[..., None]) -> None:
@@ -655,54 +1075,12 @@ class NvmlSource:
                         gauge(name, min(value / 100, 1.0))
         gpm.latest = target
 
-    def _read_fields(self, state: _GpuState, out: list[Reading]) -> None:
-        """Memory temperature and NVLink traffic: one nvmlDeviceGetFieldValues per GPU."""
-        nv, gpu = self.nvml, state.identity
-        values = self._call(
-            gpu, "field values", nv.nvmlDeviceGetFieldValues, gpu.handle, state.fields
-        )
-        if values is None:
-            return
-        for value, (name, labels, kind, scale) in zip(values, state.field_targets, strict=False):
-            code = value.nvmlReturn
-            if code != nv.NVML_SUCCESS:
-                if code in self._unknown_id:
-                    continue
-                raise NvmlSourceError(
-                    f"GPU {gpu.index} ({gpu.uuid}): field {value.fieldId}: NVML error {code}", code
-                )
-            member = self._field_value.get(value.valueType)
-            if member is None:
-                log.debug("GPU %d field %d: unknown value type", gpu.index, value.fieldId)
-                continue
-            number = float(getattr(value.value, member))
-            if math.isfinite(number):
-                out.append(Reading(name, number * scale, labels, kind))
-
-    def _read_throttle(self, state: _GpuState, counter: Callable[..., None]) -> None:
-        nv, gpu = self.nvml, state.identity
-        counted: set[str] = set()
-        state.reads += 1
-        skipped = state.unsupported_violations
-        if state.reads % UNSUPPORTED_RETRY_READS == 0:
-            skipped.clear()
-        for reason, policy in self._violations:
-            if policy in skipped:
-                continue
-            violation = self._call_or_none(
-                gpu,
-                "violation status",
-                self._unknown_id,
-                nv.nvmlDeviceGetViolationStatus,
-                gpu.handle,
-                policy,
-            )
-            if violation is None:
-                skipped.add(policy)
-            else:
-                counted.add(reason)
-                counter(THROTTLE, violation.violationTime / 1e9, state.labelled("reason", reason))
-        mask = self._clock_event_reasons(gpu)
+    def _read_throttle(
+        self, state: _GpuState, counter: Callable[..., None], counted: set[str]
+    ) -> None:
+        """Clock-event time for the reasons NVML does not count (``counted`` it did, this read):
+        the agent's integration of the active reasons."""
+        mask = self._clock_event_reasons(state.identity)
         now = self._clock()
         if mask is None:
             state.reasons_seen_at = None
@@ -733,58 +1111,12 @@ class NvmlSource:
                 f"GPU {gpu.index} ({gpu.uuid}): clock event reasons: {e}", code
             ) from e
 
-    def _read_memory_health(
-        self, state: _GpuState, gauge: Callable[..., None], counter: Callable[..., None]
-    ) -> None:
-        nv, gpu = self.nvml, state.identity
-        h = gpu.handle
-        for name, scope in (
-            (ECC_ERRORS, nv.NVML_VOLATILE_ECC),
-            (ECC_LIFETIME_ERRORS, nv.NVML_AGGREGATE_ECC),
-        ):
-            for error_type, kind in self._ecc:
-                count = self._call(
-                    gpu, "ECC error count", nv.nvmlDeviceGetTotalEccErrors, h, kind, scope
-                )
-                if count is not None:
-                    counter(name, count, state.labelled("type", error_type))
-        for cause, source in self._retirement:
-            pages = self._call(gpu, "retired pages", nv.nvmlDeviceGetRetiredPages, h, source)
-            if pages is not None:
-                gauge(RETIRED_PAGES, len(pages), state.labelled("cause", cause))
-        pending = self._call(
-            gpu, "retired pages pending", nv.nvmlDeviceGetRetiredPagesPendingStatus, h
-        )
-        if pending is not None:
-            gauge(RETIRED_PAGES_PENDING, 1.0 if pending == nv.NVML_FEATURE_ENABLED else 0.0)
-        rows = self._call(gpu, "remapped rows", nv.nvmlDeviceGetRemappedRows, h)
-        if rows is not None:
-            correctable, uncorrectable, rows_pending, rows_failed = rows
-            gauge(REMAPPED_ROWS, correctable, state.labelled("cause", "correctable"))
-            gauge(REMAPPED_ROWS, uncorrectable, state.labelled("cause", "uncorrectable"))
-            gauge(REMAPPED_ROWS_PENDING, 1.0 if rows_pending else 0.0)
-            gauge(REMAPPED_ROWS_FAILED, 1.0 if rows_failed else 0.0)
-
-    def _read_pcie(
-        self, state: _GpuState, gauge: Callable[..., None], counter: Callable[..., None]
-    ) -> None:
-        nv, gpu = self.nvml, state.identity
-        for direction, which in (
-            ("tx", nv.NVML_PCIE_UTIL_TX_BYTES),
-            ("rx", nv.NVML_PCIE_UTIL_RX_BYTES),
-        ):
-            kb_per_s = self._call(
-                gpu, "PCIe throughput", nv.nvmlDeviceGetPcieThroughput, gpu.handle, which
-            )
-            if kb_per_s is not None:
-                gauge(PCIE_THROUGHPUT, kb_per_s * 1024, state.labelled("direction", direction))
-        replays = self._call(gpu, "PCIe replays", nv.nvmlDeviceGetPcieReplayCounter, gpu.handle)
-        if replays is not None:
-            counter(PCIE_REPLAYS, replays)
-
     def _read_nvlink(
         self, state: _GpuState, gauge: Callable[..., None], counter: Callable[..., None]
     ) -> None:
+        """Link state and data-link error counters of every NVLink (no field ids cover them
+        for every link and driver); a counter the GPU does not support is asked again only on
+        the retry read."""
         nv, gpu = self.nvml, state.identity
         for link in state.links:
             up = self._call(
@@ -793,6 +1125,8 @@ class NvmlSource:
             if up is not None:
                 gauge(NVLINK_UP, 1.0 if up == nv.NVML_FEATURE_ENABLED else 0.0, link.labels)
             for error_type, which in self._nvlink_errors:
+                if (link.number, which) in state.refused_counters:
+                    continue
                 count = self._call_or_none(
                     gpu,
                     "NVLink error counter",
@@ -802,7 +1136,9 @@ class NvmlSource:
                     link.number,
                     which,
                 )
-                if count is not None:
+                if count is None:
+                    state.refused_counters.add((link.number, which))
+                else:
                     counter(NVLINK_ERRORS, count, link.errors[error_type])
 
     def _read_mig(self, state: _GpuState, out: list[Reading]) -> None:

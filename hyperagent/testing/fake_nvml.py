@@ -8,14 +8,15 @@ units (mW, mJ, bytes, KB/s, MHz, percent, ns) and the real `pynvml.NVMLError` su
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
@@ -87,15 +88,34 @@ class _Device:
     xid_backlog: list[int] = field(default_factory=list)
     set_limit_w: float | None = None
     """The power limit set through NVML, kept over recorded cycles (which draw under it)."""
+    limit_before_w: float | None = None
+    """The limit before the last set call, which still holds the draw until ``limit_from``."""
+    limit_from: float = -math.inf
+    """When (``clock``) the last set limit starts to hold the draw."""
+    instant_w: float | None = None
+    """A recorded instant draw (agent recordings have one apart from the 1 s average); None:
+    the instant draw is the draw."""
 
-    def draw_w(self) -> float | None:
+    def draw_w(self, now: float) -> float | None:
         draw, limit = self.record.power_draw_w, self.record.power_limit_w
+        if now < self.limit_from:
+            limit = self.limit_before_w
         if draw is None or limit is None:
             return draw
         return min(draw, limit)
 
+    def instant_draw_w(self, now: float) -> float | None:
+        """The instant draw: the recorded one, held by a limit set through NVML, else the
+        draw."""
+        if self.instant_w is None:
+            return self.draw_w(now)
+        limit = self.limit_before_w if now < self.limit_from else self.record.power_limit_w
+        if self.set_limit_w is None or limit is None:
+            return self.instant_w
+        return min(self.instant_w, limit)
+
     def integrate(self, now: float) -> None:
-        draw = self.draw_w()
+        draw = self.draw_w(now)
         if draw is not None:
             self.energy_mj += draw * max(0.0, now - self.integrated_to) * 1000.0
         self.integrated_to = max(now, self.integrated_to)
@@ -112,6 +132,7 @@ class _Frame:
     energy_j: dict[int, float]
     integrated_s: dict[int, dict[str, float]]
     xids: dict[int, dict[int, int]]
+    instant_w: dict[int, float] = field(default_factory=dict)
 
 
 _T = TypeVar("_T")
@@ -194,17 +215,27 @@ class FakeNvml:
     `nvmlDeviceGetViolationStatus` from `clock_event_counters_ns` (sw_power_cap is the POWER
     policy, sync_boost SYNC_BOOST, as NVML defines them); ECC totals and per-location counts,
     retired pages (page addresses are not captured: pages 0..n-1 stand for n pages), remapped
-    rows, PCIe throughput and replays, NVLink state, traffic (`nvmlDeviceGetFieldValues` with
-    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, scope = link) and errors, memory temperature
-    (NVML_FI_DEV_MEMORY_TEMP), MIG mode and devices (a MIG device's UUID and profile raise
-    NOT_SUPPORTED when the capture does not hold them, as `-q -x` dumps do not), and GPM: a
+    rows, PCIe throughput and replays, NVLink state, traffic (field values only) and errors,
+    memory temperature (field values only), MIG mode and devices (a MIG device's UUID and
+    profile raise NOT_SUPPORTED when the capture does not hold them, as `-q -x` dumps do not),
+    and GPM: a
     device supports GPM when its record has an activity, and a metric over two samples is the
     value the later sample took.
 
     Power: `nvmlDeviceGetPowerUsage` reads min(recorded or `set_load` draw, enforced limit), so a
-    cap set through `nvmlDeviceSetPowerManagementLimit` limits the draw. The set call checks, in
-    this order, support (min/max limits known, else NOT_SUPPORTED), permission (`writable=False`
-    acts as a non-root process: NO_PERMISSION) and range (outside [min, max]: INVALID_ARGUMENT).
+    cap set through `nvmlDeviceSetPowerManagementLimit` limits the draw; with `cap_response_s`
+    the old limit keeps holding the draw for that long (of `clock`) after the set call, as a
+    real GPU takes time to slow down. The set call checks, in this order, support (min/max
+    limits known, else NOT_SUPPORTED), permission (`writable=False` acts as a non-root process:
+    NO_PERMISSION) and range (outside [min, max]: INVALID_ARGUMENT).
+
+    Field values (`nvmlDeviceGetFieldValues`): the field ids NvmlSource asks for, in nvml.h's
+    units and `c_nvmlFieldValue_t` structs, each with its own return code (see the method).
+    NVML_FI_DEV_POWER_AVERAGE is the draw above; NVML_FI_DEV_POWER_INSTANT is the same draw,
+    or the instant power an agent recording holds (`from_readings`), until `set_load` changes
+    the draw.
+
+    Calls: `call_counts()` tells how many times each NVML function was called.
 
     Energy: captures hold no energy counter, so `nvmlDeviceGetTotalEnergyConsumption` is a
     synthesised counter consistent with the recorded power, not a recording: it starts at 0 mJ at
@@ -232,7 +263,10 @@ class FakeNvml:
         driver: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         writable: bool = True,
+        cap_response_s: float = 0.0,
     ) -> None:
+        if cap_response_s < 0:
+            raise ValueError(f"cap_response_s must be >= 0, got {cap_response_s}")
         for position, gpu in enumerate(gpus):
             if gpu.index != position:
                 raise ValueError(f"GPU at position {position} has index {gpu.index}; renumber it")
@@ -243,7 +277,10 @@ class FakeNvml:
         self._driver = driver
         self._clock = clock
         self._writable = writable
+        self._cap_response_s = cap_response_s
         self._lock = threading.Lock()
+        self._counts_lock = threading.Lock()
+        self._calls: Counter[str] = Counter()
         self._events = threading.Condition(self._lock)
         self._event_sets: list[FakeEventSet] = []
         self._gpm_samples: dict[int, _GpmSample] = {}
@@ -284,6 +321,7 @@ class FakeNvml:
         fake = cls(records, **kwargs)
         for device in fake._devices:
             device.energy_mj = frame.energy_j.get(device.record.index, 0.0) * 1000.0
+            device.instant_w = frame.instant_w.get(device.record.index)
             for xid, number in sorted(frame.xids.get(device.record.index, {}).items()):
                 device.xid_backlog.extend([xid] * number)
         fake._last_frame = frame
@@ -331,6 +369,7 @@ class FakeNvml:
                 if record.mig_devices != device.record.mig_devices:
                     device.mig_handles.clear()
                 device.record = record
+                device.instant_w = frame.instant_w.get(index)
                 before = previous.xids.get(index, {}) if previous is not None else {}
                 for xid, number in frame.xids.get(index, {}).items():
                     for _ in range(max(0, number - before.get(xid, 0))):
@@ -346,6 +385,12 @@ class FakeNvml:
             self.__dict__[name] = value
             return value
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def call_counts(self) -> dict[str, int]:
+        """NVML calls made on this fake so far, by function name (a subclass's override is
+        counted when it calls the fake's own function)."""
+        with self._counts_lock:
+            return dict(self._calls)
 
     # -- simulation controls -------------------------------------------------------------------
 
@@ -383,6 +428,8 @@ class FakeNvml:
                     f"mem_used_bytes must be within [0, {total}], got {mem_used_bytes}"
                 )
             device.integrate(self._clock())
+            if power_draw_w is not None:
+                device.instant_w = None
             changes: dict[str, Any] = {
                 "util_gpu_pct": util_gpu_pct,
                 "power_draw_w": power_draw_w,
@@ -590,7 +637,7 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, handle: FakeNvmlHandle) -> int:
         """Current draw in milliwatts, capped by the enforced limit."""
         with self._lock:
-            return _milli(self._device(handle).draw_w())
+            return _milli(self._device(handle).draw_w(self._clock()))
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeNvmlHandle) -> int:
         """Enforced power limit in milliwatts."""
@@ -623,7 +670,10 @@ class FakeNvml:
                 raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
             if not round(low * 1000) <= limit <= round(high * 1000):
                 raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-            device.integrate(self._clock())
+            now = self._clock()
+            device.integrate(now)
+            device.limit_before_w = device.record.power_limit_w
+            device.limit_from = now + self._cap_response_s
             device.record = replace(device.record, power_limit_w=limit / 1000)
             device.set_limit_w = limit / 1000
 
@@ -658,52 +708,46 @@ class FakeNvml:
     def nvmlDeviceGetFieldValues(
         self, handle: FakeNvmlHandle, fieldIds: Sequence[int | tuple[int, int]]
     ) -> Any:
-        """An array of `c_nvmlFieldValue_t`, one per requested field (`id` or `(id, scope)`).
+        """An array of `c_nvmlFieldValue_t`, one per requested field (`id` or `(id, scope)`),
+        each with its own `nvmlReturn`, as NVML answers.
 
-        Served: NVML_FI_DEV_MEMORY_TEMP (C), NVML_FI_DEV_NVLINK_LINK_COUNT and
-        NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB, scope = link); any other field comes
-        back with `nvmlReturn` NOT_SUPPORTED, as NVML answers per field.
+        Served from the record, in nvml.h's units: NVML_FI_DEV_POWER_AVERAGE and _INSTANT (mW,
+        scope 0 = the GPU; the module scope is NOT_SUPPORTED), _POWER_CURRENT_LIMIT, _MIN_LIMIT,
+        _MAX_LIMIT, _DEFAULT_LIMIT (mW), NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION and _ENERGY (mJ,
+        the synthesised counter), _MEMORY_TEMP (C), _PCIE_REPLAY_COUNTER, _PERF_POLICY_* (ns),
+        _ECC_{SBE,DBE}_{VOL,AGG}_TOTAL, _RETIRED_SBE, _DBE, _PENDING, _REMAPPED_COR, _UNC,
+        _PENDING, _FAILURE, _NVLINK_LINK_COUNT and _NVLINK_THROUGHPUT_DATA_TX/RX (KiB, scope =
+        link). A field the record lacks is NOT_SUPPORTED; an id the fake does not serve is
+        NOT_SUPPORTED too. The fake serves every field whatever driver the capture names.
         """
         with self._lock:
-            record = self._device(handle).record
-            stamp = round(self._clock() * 1e6)
-        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
-        links = {link.link: link for link in record.nvlinks}
-        for value, requested in zip(values, fieldIds, strict=True):
+            device = self._device(handle)
+            now = self._clock()
+            record = device.record
+            draw_w = device.draw_w(now)
+            instant_w = device.instant_draw_w(now)
+            energy_mj: float | None = None
+            if record.power_draw_w is not None:
+                device.integrate(now)
+                energy_mj = device.energy_mj
+        raw = (_RawFieldValue * len(fieldIds))()
+        stamp = round(now * 1e6)
+        state = _FieldState(record, draw_w, instant_w, energy_mj)
+        for value, requested in zip(raw, fieldIds, strict=True):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             value.fieldId, value.scopeId, value.timestamp = field_id, scope, stamp
-            number: int | None = None
-            kind = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
-                temp = record.memory_temperature_c
-                number, kind = (
-                    (None if temp is None else round(temp)),
-                    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-                )
-            elif field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT and links:
-                number, kind = len(links), pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-            elif (
-                field_id
-                in (
-                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-                )
-                and scope in links
-            ):
-                link = links[scope]
-                sent = field_id == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
-                counted = link.tx_bytes if sent else link.rx_bytes
-                number = None if counted is None else counted // 1024
+            serve = _SERVED.get(field_id)
+            number, kind = (None, _UINT) if serve is None else serve(state, scope)
             if number is None:
                 value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
                 continue
             value.nvmlReturn = pynvml.NVML_SUCCESS
             value.valueType = kind
-            if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+            if kind == _UINT:
                 value.value.uiVal = number
             else:
                 value.value.ullVal = number
-        return values
+        return (pynvml.c_nvmlFieldValue_t * len(fieldIds)).from_buffer(raw)
 
     # -- NVML: clock events ----------------------------------------------------------------------
 
@@ -1012,6 +1056,136 @@ class FakeNvml:
         return metricsGet
 
 
+_UINT = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+_ULL = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+_POWER_SCOPE_GPU = getattr(pynvml, "NVML_POWER_SCOPE_GPU", 0)
+
+
+class _RawFieldValue(ctypes.Structure):
+    """`c_nvmlFieldValue_t`'s layout without pynvml's Python-level attribute hooks: filled at C
+    speed, then handed out as the real struct over the same memory."""
+
+    _fields_ = pynvml.c_nvmlFieldValue_t._fields_
+
+
+class _FieldState(NamedTuple):
+    """What a device's field values are read from at one moment."""
+
+    record: GpuRecord
+    draw_w: float | None
+    instant_w: float | None
+    energy_mj: float | None
+
+    def link(self, number: int) -> NvLinkRecord | None:
+        return next((link for link in self.record.nvlinks if link.link == number), None)
+
+
+_Served = Callable[[_FieldState, int], tuple[int | None, int]]
+
+
+def _milli_watts(watts: float | None) -> int | None:
+    return None if watts is None else round(watts * 1000)
+
+
+def _whole(number: float | None) -> int | None:
+    return None if number is None else round(number)
+
+
+def _served_fields() -> dict[int, _Served]:
+    """How `nvmlDeviceGetFieldValues` answers each field id it serves, from a `_FieldState`
+    and the scope: (value or None for NOT_SUPPORTED, value type), in nvml.h's units."""
+    served: dict[int, _Served] = {}
+
+    def put(name: str, serve: _Served) -> None:
+        field_id = getattr(pynvml, name, None)
+        if field_id is not None:
+            served[field_id] = serve
+
+    def gpu_power(get: Callable[[_FieldState], float | None]) -> _Served:
+        """A power field: mW, the GPU scope only (a module scope needs a Grace CPU)."""
+        return lambda s, scope: (_milli_watts(get(s)) if scope == _POWER_SCOPE_GPU else None, _UINT)
+
+    def plain(get: Callable[[GpuRecord], int | None], kind: int = _UINT) -> _Served:
+        return lambda s, scope: (get(s.record), kind)
+
+    def link_bytes(sent: bool) -> _Served:
+        def serve(s: _FieldState, scope: int) -> tuple[int | None, int]:
+            link = s.link(scope)
+            counted = None if link is None else (link.tx_bytes if sent else link.rx_bytes)
+            return (None if counted is None else counted // 1024, _ULL)
+
+        return serve
+
+    def remapped(position: int) -> Callable[[GpuRecord], int | None]:
+        def get(record: GpuRecord) -> int | None:
+            rows = record.remapped_rows
+            if rows is None:
+                return None
+            return int((rows.correctable, rows.uncorrectable, rows.pending, rows.failure)[position])
+
+        return get
+
+    put("NVML_FI_DEV_POWER_AVERAGE", gpu_power(lambda s: s.draw_w))
+    put("NVML_FI_DEV_POWER_INSTANT", gpu_power(lambda s: s.instant_w))
+    put("NVML_FI_DEV_POWER_CURRENT_LIMIT", gpu_power(lambda s: s.record.power_limit_w))
+    put("NVML_FI_DEV_POWER_MIN_LIMIT", gpu_power(lambda s: s.record.min_power_limit_w))
+    put("NVML_FI_DEV_POWER_MAX_LIMIT", gpu_power(lambda s: s.record.max_power_limit_w))
+    put("NVML_FI_DEV_POWER_DEFAULT_LIMIT", gpu_power(lambda s: s.record.default_power_limit_w))
+    put("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", lambda s, scope: (_whole(s.energy_mj), _ULL))
+    put("NVML_FI_DEV_ENERGY", lambda s, scope: (_whole(s.energy_mj), _ULL))
+    put("NVML_FI_DEV_MEMORY_TEMP", plain(lambda r: _whole(r.memory_temperature_c)))
+    put("NVML_FI_DEV_PCIE_REPLAY_COUNTER", plain(lambda r: r.pcie_replay_count, _ULL))
+    for reason, policy_field in source._VIOLATION_FIELDS.items():
+        put(policy_field, plain(functools.partial(_counter_ns, reason=reason), _ULL))
+    for error_type, scope, name in (
+        ("corrected", "volatile", "NVML_FI_DEV_ECC_SBE_VOL_TOTAL"),
+        ("uncorrected", "volatile", "NVML_FI_DEV_ECC_DBE_VOL_TOTAL"),
+        ("corrected", "aggregate", "NVML_FI_DEV_ECC_SBE_AGG_TOTAL"),
+        ("uncorrected", "aggregate", "NVML_FI_DEV_ECC_DBE_AGG_TOTAL"),
+    ):
+        put(name, plain(functools.partial(_ecc_count, key=(error_type, scope)), _ULL))
+    put("NVML_FI_DEV_RETIRED_SBE", plain(lambda r: r.retired_pages_single_bit))
+    put("NVML_FI_DEV_RETIRED_DBE", plain(lambda r: r.retired_pages_double_bit))
+    put(
+        "NVML_FI_DEV_RETIRED_PENDING",
+        plain(lambda r: None if r.retired_pages_pending is None else int(r.retired_pages_pending)),
+    )
+    for position, name in enumerate(("COR", "UNC", "PENDING", "FAILURE")):
+        put(f"NVML_FI_DEV_REMAPPED_{name}", plain(remapped(position)))
+    put("NVML_FI_DEV_NVLINK_LINK_COUNT", plain(lambda r: len(r.nvlinks) or None))
+    put("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", link_bytes(sent=True))
+    put("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", link_bytes(sent=False))
+    return served
+
+
+def _counter_ns(record: GpuRecord, reason: str) -> int | None:
+    return record.clock_event_counters_ns.get(reason)
+
+
+def _ecc_count(record: GpuRecord, key: tuple[str, str]) -> int | None:
+    return record.ecc_errors.get(key)
+
+
+_SERVED = _served_fields()
+
+
+def _counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, counting its calls in the instance's `call_counts()`."""
+
+    @functools.wraps(method)
+    def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
+        with self._counts_lock:
+            self._calls[name] += 1
+        return method(self, *args, **kwargs)
+
+    return call
+
+
+for _name, _method in list(vars(FakeNvml).items()):
+    if _name.startswith("nvml") and callable(_method):
+        setattr(FakeNvml, _name, _counted(_name, _method))
+
+
 # -- recordings -> records ---------------------------------------------------------------------
 
 
@@ -1037,6 +1211,7 @@ _PLAIN = frozenset(
         source.MEMORY_USED,
         source.MEMORY_TOTAL,
         source.POWER,
+        source.POWER_INSTANT,
         source.POWER_LIMIT,
         source.POWER_LIMIT_MIN,
         source.POWER_LIMIT_MAX,
@@ -1098,6 +1273,8 @@ def _decode(readings: Iterable[Reading]) -> _Frame:
         frame.records[index] = _record(index, gpu)
         if source.ENERGY in gpu.values:
             frame.energy_j[index] = gpu.values[source.ENERGY]
+        if source.POWER_INSTANT in gpu.values:
+            frame.instant_w[index] = gpu.values[source.POWER_INSTANT]
         frame.integrated_s[index] = gpu.integrated_s
         frame.xids[index] = gpu.xids
     return frame

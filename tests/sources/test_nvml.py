@@ -468,17 +468,17 @@ async def test_a_lost_gpu_fails_the_read_and_the_runner_shows_it_down_until_reco
 
 
 class GatedNvml(FakeNvml):
-    """Power reads block until `gate` opens: an NVML call that hangs."""
+    """Field-value reads block until `gate` opens: an NVML call that hangs."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
         self.entered.set()
         self.gate.wait(10)
-        return super().nvmlDeviceGetPowerUsage(handle)
+        return super().nvmlDeviceGetFieldValues(handle, fieldIds)
 
 
 async def test_a_read_still_running_refuses_the_next() -> None:
@@ -520,16 +520,19 @@ async def test_a_timed_out_read_keeps_refusing_until_its_thread_finishes() -> No
 
 
 class GarbageFields(FakeNvml):
-    """Field values of an unknown type and a NaN, and GPM metrics out of range."""
+    """Memory temperature of an unknown value type, NaN for the first NVLink traffic field, and
+    GPM metrics out of range."""
 
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
         found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
-        found[0].nvmlReturn = pynvml.NVML_SUCCESS
-        found[0].valueType = 77
-        if len(found) > 1:
-            found[1].nvmlReturn = pynvml.NVML_SUCCESS
-            found[1].valueType = pynvml.NVML_VALUE_TYPE_DOUBLE
-            found[1].value.dVal = math.nan
+        nan_done = False
+        for value in found:
+            if value.fieldId == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+                value.valueType = 77
+            elif value.fieldId == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX and not nan_done:
+                value.valueType = pynvml.NVML_VALUE_TYPE_DOUBLE
+                value.value.dVal = math.nan
+                nan_done = True
         return found
 
     def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
@@ -559,7 +562,7 @@ async def test_garbage_values_are_skipped_not_reported() -> None:
 class LostField(FakeNvml):
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
         found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
-        found[0].nvmlReturn = pynvml.NVML_ERROR_GPU_IS_LOST
+        found[-1].nvmlReturn = pynvml.NVML_ERROR_GPU_IS_LOST
         return found
 
 
@@ -575,7 +578,15 @@ async def test_a_field_that_fails_for_real_fails_the_read() -> None:
 
 
 class OlderDriver(FakeNvml):
-    """A driver that predates a perf policy and an NVLink counter: INVALID_ARGUMENT for them."""
+    """A driver that predates a perf policy and an NVLink counter: INVALID_ARGUMENT for them,
+    as a field and as a call."""
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
+        found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
+        for value in found:
+            if value.fieldId == pynvml.NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS:
+                value.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+        return found
 
     def nvmlDeviceGetViolationStatus(self, handle: Any, perfPolicyType: int) -> Any:
         if perfPolicyType == pynvml.NVML_PERF_POLICY_TOTAL_BASE_CLOCKS:
@@ -817,3 +828,206 @@ async def test_memory_health_is_read_every_health_interval_and_repeated_between(
         assert {key(r) for r in between} == {key(r) for r in await source.read()}
     finally:
         await source.close()
+
+
+# -- batched reads: one field-values call per GPU and read --------------------------------------
+
+
+class AskedFields(FakeNvml):
+    """Records the (field id, scope) pairs of every nvmlDeviceGetFieldValues call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[set[tuple[int, int]]] = []
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
+        self.asked.append({f if isinstance(f, tuple) else (f, 0) for f in fieldIds})
+        return super().nvmlDeviceGetFieldValues(handle, fieldIds)
+
+
+def per_gpu_read(before: dict[str, int], after: dict[str, int], reads: int) -> dict[str, float]:
+    """NVML calls per GPU and read between two `call_counts()` of the 8-GPU capture."""
+    return {
+        k: (n - before.get(k, 0)) / (8 * reads) for k, n in after.items() if n > before.get(k, 0)
+    }
+
+
+async def test_a_steady_read_is_one_field_values_call_and_at_most_four_calls_per_gpu() -> None:
+    clock = Clock()
+    nvml = capture("gtx-8card.xml", clock)
+    source = await started(nvml, clock)  # health (and slow) interval 10 s, as shipped
+    try:
+        first = await source.read()
+        before = nvml.call_counts()
+        for _ in range(20):
+            clock.now += 1.0
+            last = await source.read()
+        calls = per_gpu_read(before, nvml.call_counts(), 20)
+    finally:
+        await source.close()
+    assert {key(r) for r in last} == {key(r) for r in first}
+    assert calls["nvmlDeviceGetFieldValues"] == pytest.approx(1.1)  # + health at t=10 and 20
+    assert sum(calls.values()) <= 4.0, calls
+    per_value_calls = {
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetTotalEnergyConsumption",
+        "nvmlDeviceGetPcieReplayCounter",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetRetiredPages",
+        "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+    }
+    assert not per_value_calls & set(calls), calls
+    assert values(last, "hyperagent_gpu_power_watts")["0"] == 232.8
+    assert values(last, "hyperagent_gpu_power_instant_watts")["0"] == 232.8
+
+
+class AverageNotSupported(FakeNvml):
+    """A GPU without NVML's 1 s average power (before Ampere, and GA100): NOT_SUPPORTED for
+    that field, instant power 7 W over the recorded draw."""
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
+        found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
+        for value in found:
+            if value.fieldId == pynvml.NVML_FI_DEV_POWER_AVERAGE:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            elif value.fieldId == pynvml.NVML_FI_DEV_POWER_INSTANT:
+                value.value.uiVal += 7000
+        return found
+
+
+async def test_without_the_average_field_board_power_is_the_instant_value() -> None:
+    clock = Clock()
+    nvml = AverageNotSupported(rich_gpus()[:1], clock=clock)
+    source = await started(nvml, clock)
+    try:
+        readings = await source.read()
+        clock.now = 1.0
+        again = await source.read()
+    finally:
+        await source.close()
+    for found in (readings, again):
+        assert values(found, "hyperagent_gpu_power_watts") == {"0": 619.25}
+        assert values(found, "hyperagent_gpu_power_instant_watts") == {"0": 619.25}
+    assert "nvmlDeviceGetPowerUsage" not in nvml.call_counts()
+
+
+class OlderPowerFields(AskedFields):
+    """A driver from before the power fields (185-192) and the perf-policy fields: their ids
+    come back INVALID_ARGUMENT, each in its own nvmlReturn."""
+
+    UNKNOWN = frozenset(
+        {
+            pynvml.NVML_FI_DEV_POWER_AVERAGE,
+            pynvml.NVML_FI_DEV_POWER_INSTANT,
+            pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT,
+            pynvml.NVML_FI_DEV_POWER_MIN_LIMIT,
+            pynvml.NVML_FI_DEV_POWER_MAX_LIMIT,
+            pynvml.NVML_FI_DEV_PERF_POLICY_POWER,
+            pynvml.NVML_FI_DEV_PERF_POLICY_THERMAL,
+        }
+    )
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
+        found = super().nvmlDeviceGetFieldValues(handle, fieldIds)
+        for value in found:
+            if value.fieldId in self.UNKNOWN:
+                value.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+        return found
+
+
+async def test_fields_the_driver_does_not_know_come_from_the_older_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hyperagent.sources import nvml as nvml_module
+
+    monkeypatch.setattr(nvml_module, "UNSUPPORTED_RETRY_READS", 5)
+    clock = Clock()
+    gpus = rich_gpus()[:1]
+    reference_nvml = FakeNvml(gpus, clock=clock)
+    reference = await started(reference_nvml, clock)
+    try:
+        wanted = await reference.read()
+    finally:
+        await reference.close()
+    nvml = OlderPowerFields(gpus, clock=clock)
+    source = await started(nvml, clock)
+    try:
+        readings = await source.read()
+        counts = nvml.call_counts()
+        asked_first = set().union(*nvml.asked)
+        nvml.asked.clear()
+        clock.now = 3.0
+        second = await source.read()
+        asked_second = set().union(*nvml.asked)
+        for _ in range(2):
+            clock.now += 3.0
+            await source.read()
+        nvml.asked.clear()
+        clock.now = 12.0
+        await source.read()  # the fifth read asks the unknown ids again (and health is due)
+        asked_again = set().union(*nvml.asked)
+    finally:
+        await source.close()
+    unknown = {(f, s) for f, s in asked_first if f in OlderPowerFields.UNKNOWN}
+    assert {f for f, _ in unknown} == OlderPowerFields.UNKNOWN
+    assert not unknown & asked_second and unknown <= asked_again
+    assert rendered(r for r in readings if r.name != "hyperagent_gpu_power_instant_watts") == (
+        rendered(r for r in wanted if r.name != "hyperagent_gpu_power_instant_watts")
+    )
+    assert "hyperagent_gpu_power_instant_watts" not in names(readings)  # no older call for it
+    assert {key(r) for r in second} == {key(r) for r in readings}
+    for call in (
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+        "nvmlDeviceGetViolationStatus",
+    ):
+        assert counts.get(call), call
+
+
+async def test_slow_readings_are_repeated_until_the_slow_interval_passes() -> None:
+    clock = Clock()
+    nvml = FakeNvml(rich_gpus()[:1], clock=clock)
+    source = NvmlSource(nvml, clock=clock, event_wait_ms=20, slow_interval_s=5.0)
+    every_read = NvmlSource(nvml, clock=clock, event_wait_ms=20, slow_interval_s=0.0)
+    await source.start()
+    await every_read.start()
+
+    def warmer(gpu: GpuRecord) -> GpuRecord:
+        return replace(gpu, temperature_c=75, sm_clock_mhz=1500)
+
+    try:
+        await source.read()
+        device = nvml._devices[0]
+        device.record = warmer(device.record)
+        nvml.set_load(0, power_draw_w=300.0)
+        clock.now = 4.0
+        between = await source.read()
+        assert values(between, "hyperagent_gpu_temperature_celsius") == {"0": 61.0}
+        assert values(between, "hyperagent_gpu_sm_clock_hertz") == {"0": 1980e6}
+        assert values(between, "hyperagent_gpu_power_watts") == {"0": 300.0}  # every read
+        assert values(await every_read.read(), "hyperagent_gpu_temperature_celsius") == {"0": 75.0}
+        clock.now = 5.0
+        assert values(await source.read(), "hyperagent_gpu_temperature_celsius") == {"0": 75.0}
+    finally:
+        await source.close()
+        await every_read.close()
+
+
+async def test_nvlink_error_counters_a_gpu_lacks_are_not_asked_every_health_read() -> None:
+    clock = Clock()
+    nvml = FakeNvml(rich_gpus()[:1], clock=clock)  # links 0, 1 count replay and crc_flit only
+    source = NvmlSource(nvml, clock=clock, event_wait_ms=20, health_interval_s=0.0)
+    await source.start()
+    try:
+        first = await source.read()
+        asked_first = nvml.call_counts()["nvmlDeviceGetNvLinkErrorCounter"]
+        clock.now = 1.0
+        second = await source.read()
+        asked_second = nvml.call_counts()["nvmlDeviceGetNvLinkErrorCounter"] - asked_first
+    finally:
+        await source.close()
+    assert (asked_first, asked_second) == (10, 4)  # 5 counters x 2 links, then the 2 x 2 it has
+    assert {key(r) for r in second} == {key(r) for r in first}

@@ -445,14 +445,16 @@ def test_pcie_throughput_is_in_kb_per_second(v100s: FakeNvml) -> None:
 
 def test_field_values_answer_per_field(v100s: FakeNvml) -> None:
     h = v100s.nvmlDeviceGetHandleByIndex(1)
-    temp, links, unknown = v100s.nvmlDeviceGetFieldValues(
+    temp, links, replays, unknown = v100s.nvmlDeviceGetFieldValues(
         h,
         [
             pynvml.NVML_FI_DEV_MEMORY_TEMP,
             (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0),
             pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER,
+            pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON,
         ],
     )
+    assert isinstance(temp, pynvml.c_nvmlFieldValue_t)
     assert (temp.nvmlReturn, temp.valueType, temp.value.uiVal) == (
         pynvml.NVML_SUCCESS,
         pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
@@ -460,7 +462,115 @@ def test_field_values_answer_per_field(v100s: FakeNvml) -> None:
     )
     assert links.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED  # PCIe V100S: no NVLink
     assert (links.fieldId, links.scopeId) == (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0)
-    assert unknown.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert (replays.nvmlReturn, replays.value.ullVal) == (pynvml.NVML_SUCCESS, 0)
+    assert unknown.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED  # an id the fake does not serve
+
+
+def _fields(nvml: FakeNvml, handle: Any, *ids: int | tuple[int, int]) -> list[int | None]:
+    """The value of each field, None where its own return code is not SUCCESS."""
+    out: list[int | None] = []
+    for value in nvml.nvmlDeviceGetFieldValues(handle, list(ids)):
+        if value.nvmlReturn != pynvml.NVML_SUCCESS:
+            out.append(None)
+        elif value.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+            out.append(value.value.uiVal)
+        else:
+            assert value.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            out.append(value.value.ullVal)
+    return out
+
+
+def test_power_energy_and_limit_fields_in_nvml_units(v100s: FakeNvml, clock: FakeClock) -> None:
+    """The same numbers as the older calls: mW, mJ; the module power scope is not supported."""
+    h = v100s.nvmlDeviceGetHandleByIndex(0)
+    gpu, module = pynvml.NVML_POWER_SCOPE_GPU, pynvml.NVML_POWER_SCOPE_MODULE
+    assert _fields(
+        v100s,
+        h,
+        (pynvml.NVML_FI_DEV_POWER_AVERAGE, gpu),
+        (pynvml.NVML_FI_DEV_POWER_INSTANT, gpu),
+        (pynvml.NVML_FI_DEV_POWER_INSTANT, module),
+        (pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT, gpu),
+        (pynvml.NVML_FI_DEV_POWER_MIN_LIMIT, gpu),
+        (pynvml.NVML_FI_DEV_POWER_MAX_LIMIT, gpu),
+    ) == [232_800, 232_800, None, 250_000, 100_000, 250_000]
+    assert v100s.nvmlDeviceGetPowerUsage(h) == 232_800
+    clock.now = 10.0
+    energy, also = _fields(
+        v100s, h, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_ENERGY
+    )
+    assert energy == also == 2_328_000 == v100s.nvmlDeviceGetTotalEnergyConsumption(h)
+
+
+def test_health_and_throttle_fields_match_the_older_calls(
+    v100s: FakeNvml, clock: FakeClock
+) -> None:
+    h = v100s.nvmlDeviceGetHandleByIndex(0)
+    assert _fields(
+        v100s,
+        h,
+        pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
+        pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL,
+        pynvml.NVML_FI_DEV_RETIRED_SBE,
+        pynvml.NVML_FI_DEV_RETIRED_DBE,
+        pynvml.NVML_FI_DEV_RETIRED_PENDING,
+        pynvml.NVML_FI_DEV_REMAPPED_COR,  # the V100S has no row remapper
+        pynvml.NVML_FI_DEV_PERF_POLICY_POWER,  # -q -x dumps hold no counters
+    ) == [0, 0, 0, 0, 0, None, None]
+    l40s = _started(L40S, clock)
+    h = l40s.nvmlDeviceGetHandleByIndex(0)
+    power, sync, thermal = _fields(
+        l40s,
+        h,
+        pynvml.NVML_FI_DEV_PERF_POLICY_POWER,
+        pynvml.NVML_FI_DEV_PERF_POLICY_SYNC_BOOST,
+        pynvml.NVML_FI_DEV_PERF_POLICY_THERMAL,
+    )
+    assert (power, sync, thermal) == (204_642_816_000, 0, None)  # ns, as the violation status
+    assert l40s.nvmlDeviceGetRemappedRows(h) == tuple(
+        _fields(
+            l40s,
+            h,
+            pynvml.NVML_FI_DEV_REMAPPED_COR,
+            pynvml.NVML_FI_DEV_REMAPPED_UNC,
+            pynvml.NVML_FI_DEV_REMAPPED_PENDING,
+            pynvml.NVML_FI_DEV_REMAPPED_FAILURE,
+        )
+    )
+
+
+def test_calls_are_counted_per_function(v100s: FakeNvml) -> None:
+    before = v100s.call_counts()
+    h = v100s.nvmlDeviceGetHandleByIndex(0)
+    v100s.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_MEMORY_TEMP])
+    v100s.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_MEMORY_TEMP])
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # a failed call is a call
+        v100s.nvmlDeviceGetRemappedRows(h)
+    after = v100s.call_counts()
+    assert before == {"nvmlInit": 1}
+    assert after == {
+        "nvmlInit": 1,
+        "nvmlDeviceGetHandleByIndex": 1,
+        "nvmlDeviceGetFieldValues": 2,
+        "nvmlDeviceGetRemappedRows": 1,
+    }
+
+
+def test_a_lowered_cap_holds_the_draw_only_after_the_response_time(clock: FakeClock) -> None:
+    nvml = FakeNvml.from_capture(FIXTURES / "gtx-8card.xml", clock=clock, cap_response_s=0.5)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)  # draws 232.8 W under a 250 W limit
+    instant = (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_GPU)
+    nvml.nvmlDeviceSetPowerManagementLimit(h, 150_000)
+    assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 150_000
+    assert _fields(nvml, h, instant) == [232_800]
+    clock.now = 0.49
+    assert nvml.nvmlDeviceGetPowerUsage(h) == 232_800
+    clock.now = 0.5
+    assert _fields(nvml, h, instant) == [150_000]
+    assert nvml.nvmlDeviceGetPowerUsage(h) == 150_000
+    with pytest.raises(ValueError, match="cap_response_s"):
+        FakeNvml.from_capture(FIXTURES / "gtx-8card.xml", clock=clock, cap_response_s=-1)
 
 
 def test_nvlink_state_and_counters(clock: FakeClock) -> None:
@@ -675,6 +785,32 @@ def test_from_readings_answers_like_the_recorded_gpu(clock: FakeClock) -> None:
     events = nvml.nvmlEventSetCreate()
     nvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, events)
     assert [nvml.nvmlEventSetWait_v2(events, 10).eventData for _ in range(2)] == [79, 79]
+
+
+def test_recorded_instant_power_is_replayed_and_held_by_a_set_limit(clock: FakeClock) -> None:
+    def frame(average_w: float, instant_w: float) -> list[Reading]:
+        return [
+            _info(),
+            _reading("hyperagent_gpu_power_watts", average_w),
+            _reading("hyperagent_gpu_power_instant_watts", instant_w),
+            _reading("hyperagent_gpu_power_limit_watts", 700.0),
+            _reading("hyperagent_gpu_power_limit_min_watts", 200.0),
+            _reading("hyperagent_gpu_power_limit_max_watts", 700.0),
+        ]
+
+    nvml = FakeNvml.from_readings(frame(612.0, 655.5), clock=clock)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    gpu = pynvml.NVML_POWER_SCOPE_GPU
+    average = (pynvml.NVML_FI_DEV_POWER_AVERAGE, gpu)
+    instant = (pynvml.NVML_FI_DEV_POWER_INSTANT, gpu)
+    assert _fields(nvml, h, average, instant) == [612_000, 655_500]
+    nvml.update_from_readings(frame(590.0, 720.0))  # an instant spike over the limit, recorded
+    assert _fields(nvml, h, average, instant) == [590_000, 720_000]
+    nvml.nvmlDeviceSetPowerManagementLimit(h, 400_000)
+    assert _fields(nvml, h, average, instant) == [400_000, 400_000]
+    nvml.set_load(0, power_draw_w=300.0)
+    assert _fields(nvml, h, average, instant) == [300_000, 300_000]
 
 
 def test_update_from_readings_fails_absent_gpus_and_raises_new_xids(clock: FakeClock) -> None:
