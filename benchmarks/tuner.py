@@ -37,7 +37,11 @@ at 100 observations; and issue 14's: fewer median trials to 95% than plain sciki
 with and without the energy seed.
 
     python benchmarks/tuner.py [--seeds 10] [--trials 60] [--quick] [--jobs N] [--json FILE]
-                               [--noise 0.05 ...]
+                               [--noise 0.05 ...] [--reuse FILE]
+
+``--reuse FILE`` takes the baselines' runs from an earlier ``--json`` of the same landscapes,
+seeds and budget (every method is seeded, so they would come out the same) and measures only
+hyperagent's tuner: plain scikit-optimize alone takes about 30 s of CPU per search.
 """
 
 from __future__ import annotations
@@ -563,6 +567,29 @@ def _against_skopt(report: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return verdicts
 
 
+def _reused(
+    path: Path, chosen: tuple[Landscape, ...], seeds: int, trials: int
+) -> dict[tuple[Landscape, str], list[Run]]:
+    """The baselines' runs recorded in an earlier ``--json`` for these landscapes."""
+    earlier = json.loads(path.read_text())
+    if earlier["trials"] != trials or earlier["seeds"] != seeds:
+        raise SystemExit(
+            f"{path}: {earlier['seeds']} seeds of {earlier['trials']} trials, "
+            f"not {seeds} of {trials}"
+        )
+    by_name = {entry["landscape"]: entry["methods"] for entry in earlier["landscapes"]}
+    runs: dict[tuple[Landscape, str], list[Run]] = {}
+    for landscape in chosen:
+        for method, figures in by_name.get(landscape.name, {}).items():
+            if method in ("hyperagent", ABLATION):
+                continue
+            runs[(landscape, method)] = [
+                Run(reached, regret)
+                for reached, regret in zip(figures["reached_at"], figures["regret"], strict=True)
+            ]
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=None, help="seeds per landscape (10)")
@@ -580,6 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=list(NOISES),
         help="noise levels (sigma of the lognormal factor; 0.02 0.05)",
+    )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="take the baselines' runs from this earlier --json (same seeds and budget)",
     )
     args = parser.parse_args(argv)
     seeds = args.seeds if args.seeds is not None else (5 if args.quick else 10)
@@ -600,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(seeds)
         if method != ABLATION or ls.objective == "energy"
     ]
-    runs: dict[tuple[Landscape, str], list[Run]] = {}
+    runs = _reused(args.reuse, chosen, seeds, trials) if args.reuse else {}
+    tasks = [task for task in tasks if (task[0], task[1]) not in runs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for landscape, method, _, run in pool.map(_task, tasks, chunksize=1):
             runs.setdefault((landscape, method), []).append(run)
