@@ -1,4 +1,4 @@
-"""How fast hyperagent's Tuner finds good settings on the simulated job, against three baselines.
+"""How fast hyperagent's Tuner finds good settings on the simulated job, against four baselines.
 
 Landscapes: four simulated jobs (4, 16 and 128 nodes; 0.35B, 1.3B and 7B parameters; NCCL or
 Open MPI spaces with the power cap, 1,386 points each), each for the throughput and the energy
@@ -20,8 +20,12 @@ Methods:
   (algorithm, then bucket, chunk, power cap, each in increasing order), keep the best
   measurement, go on to the next knob; repeat the cycle around the new best until the budget
   is spent (a point already measured is not measured again).
-- with ``--no-energy-seed``, also ``hyperagent, no energy seed``: the Tuner without the energy
-  objective's low-power seed, to show what that prior is worth.
+- ``scikit-optimize``: plain ``skopt.Optimizer`` with its defaults (a Gaussian process,
+  gp_hedge, 10 random initial points) over the same knobs (log2 of the bucket and chunk sizes
+  and the power cap's grid index as integers, the algorithm categorical).
+- ``hyperagent, no energy seed``: on the energy landscapes, the Tuner without the energy
+  objective's low-power seed (the prior that the simulator's power curve flatters); on the
+  throughput landscapes it is the same search as ``hyperagent`` and shares its runs.
 
 The baselines' pick is their best measurement. Reaching 95% of the optimum is judged on the
 noiseless value of the evaluated settings against the exhaustive optimum; a run that never
@@ -29,10 +33,16 @@ reaches it counts as budget + 1 (shown as ">budget"). Final regret is
 ``1 - value(pick) / optimum``, noiseless. Also times one ask+tell (wall clock and CPU time) at
 25, 50 and 100 observations, and checks issue 4's "done when" on the 5%-noise landscapes: median
 trials to 95% at most 20 and at least 2x fewer than random search; one ask+tell at most 100 ms
-at 100 observations.
+at 100 observations; and issue 14's: fewer median trials to 95% than plain scikit-optimize,
+with and without the energy seed.
 
     python benchmarks/tuner.py [--seeds 10] [--trials 60] [--quick] [--jobs N] [--json FILE]
-                               [--no-energy-seed]
+                               [--noise 0.05 ...] [--reuse FILE [--fresh-tuner]]
+
+``--reuse FILE`` takes the runs an earlier ``--json`` recorded for the same landscapes and
+budget, seed by seed (every method is seeded: a seed's run comes out the same), and measures
+only the seeds it lacks; with ``--fresh-tuner`` hyperagent's tuner is measured anew on every
+seed (after a change to it). Plain scikit-optimize alone takes about 30 s of CPU per search.
 """
 
 from __future__ import annotations
@@ -40,11 +50,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import random
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +65,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from skopt import Optimizer
+from skopt.space import Categorical, Dimension, Integer
 
 from hyperagent.sim import JobModel
 from hyperagent.tuner.optimizer import Tuner
@@ -120,7 +134,7 @@ class Landscape:
         return self.model.score(settings, self.objective)
 
 
-def landscapes(quick: bool) -> tuple[Landscape, ...]:
+def landscapes(quick: bool, noises: tuple[float, ...] = NOISES) -> tuple[Landscape, ...]:
     """Quick: the 4-node job at 5% noise, both objectives; else every job x objective x noise."""
     if quick:
         return tuple(Landscape(JOBS[0], objective, DONE_WHEN_NOISE) for objective in OBJECTIVES)
@@ -128,7 +142,7 @@ def landscapes(quick: bool) -> tuple[Landscape, ...]:
         Landscape(job, objective, noise)
         for job in JOBS
         for objective in OBJECTIVES
-        for noise in NOISES
+        for noise in noises
     )
 
 
@@ -187,6 +201,65 @@ def hyperagent_run(landscape: Landscape, seed: int, trials: int, energy_seed: bo
 
 def hyperagent_without_energy_seed_run(landscape: Landscape, seed: int, trials: int) -> Run:
     return hyperagent_run(landscape, seed, trials, energy_seed=False)
+
+
+def skopt_dimensions(space: SearchSpace) -> list[Dimension]:
+    """The space as a plain scikit-optimize user would write it: an integer per numeric knob
+    (log2 of the bucket and chunk sizes, the power cap's index on its grid), the algorithm
+    categorical; a knob with one value left out."""
+    dimensions: list[Dimension] = []
+    for knob in space.knobs:
+        values = space.values(knob)
+        if len(values) < 2:
+            continue
+        if knob == "allreduce":
+            dimensions.append(Categorical(list(values), name=knob))
+        elif knob == "power_cap_w":
+            dimensions.append(Integer(0, len(values) - 1, name=knob))
+        else:
+            low, high = int(math.log2(values[0])), int(math.log2(values[-1]))
+            dimensions.append(Integer(low, high, name=knob))
+    return dimensions
+
+
+def skopt_run(landscape: Landscape, seed: int, trials: int) -> Run:
+    """scikit-optimize's ``Optimizer`` with its defaults (a GP, gp_hedge, 10 random initial
+    points), minimising the negated score; its pick is its best measurement. A repeated
+    proposal is measured again, as a user's loop would."""
+    space = landscape.space
+    dimensions = skopt_dimensions(space)
+    fixed = {k: space.values(k)[0] for k in space.knobs if len(space.values(k)) < 2}
+
+    def settings_of(point: list[Any]) -> Settings:
+        settings: Settings = dict(fixed)
+        for dimension, value in zip(dimensions, point, strict=True):
+            knob = dimension.name
+            if knob == "power_cap_w":
+                settings[knob] = space.values(knob)[int(value)]
+            elif knob == "allreduce":
+                settings[knob] = str(value)
+            else:
+                settings[knob] = 2 ** int(value)
+        return {k: settings[k] for k in space.knobs}
+
+    optimizer = Optimizer(dimensions, random_state=seed)
+    rng = random.Random(1000 + seed)
+    target = TARGET * optimum(landscape)[1]
+    reached = None
+    best: tuple[Settings, float] | None = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "objective has been evaluated at point"
+        for trial in range(1, trials + 1):
+            point = optimizer.ask()
+            settings = settings_of(point)
+            score = landscape.measure(settings, rng)
+            optimizer.tell(point, -score)
+            if best is None or score > best[1]:
+                best = (settings, score)
+            if reached is None and landscape.value(settings) >= target:
+                reached = trial
+    assert best is not None
+    return Run(reached, _regret(landscape, best[0]))
 
 
 def random_run(landscape: Landscape, seed: int, trials: int) -> Run:
@@ -266,9 +339,11 @@ METHODS: dict[str, Callable[[Landscape, int, int], Run]] = {
     "random": random_run,
     "grid": grid_run,
     "one-at-a-time": one_at_a_time_run,
+    "scikit-optimize": skopt_run,
 }
 ABLATION = "hyperagent, no energy seed"
 ALL_METHODS = {**METHODS, ABLATION: hyperagent_without_energy_seed_run}
+SKOPT = "scikit-optimize"
 
 
 def _task(args: tuple[Landscape, str, int, int]) -> tuple[Landscape, str, int, Run]:
@@ -463,7 +538,55 @@ def _done_when(
         "speedup_ok": all(v["faster_than_random"] for v in verdicts),
         "ask_tell_ms_at_100": at_100,
         "ask_tell_ok": at_100 <= DONE_WHEN_MS,
+        "against_skopt": (against := _against_skopt(report)),
+        "skopt_ok": all(v["fewer_trials"] for v in against),
     }
+
+
+def _against_skopt(report: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 14's criterion on the 5%-noise landscapes: hyperagent's median trials to the
+    target below plain scikit-optimize's, and on the energy landscapes also without the
+    energy seed."""
+    verdicts = []
+    for entry in report:
+        if entry["noise"] != DONE_WHEN_NOISE:
+            continue
+        methods = entry["methods"]
+        theirs = methods[SKOPT]["median_trials"]
+        ours = ["hyperagent"] + ([ABLATION] if entry["objective"] == "energy" else [])
+        for method in ours:
+            median = methods[method]["median_trials"]
+            verdicts.append(
+                {
+                    "landscape": entry["landscape"],
+                    "method": method,
+                    "median_trials": median,
+                    "skopt_median_trials": theirs,
+                    "fewer_trials": median < theirs,
+                }
+            )
+    return verdicts
+
+
+def _reused(
+    path: Path, chosen: tuple[Landscape, ...], seeds: int, trials: int, fresh_tuner: bool
+) -> dict[tuple[Landscape, str], list[Run]]:
+    """The runs of seeds 0, 1, ... (at most ``seeds``) an earlier ``--json`` recorded for
+    these landscapes; hyperagent's own left out with ``fresh_tuner``."""
+    earlier = json.loads(path.read_text())
+    if earlier["trials"] != trials:
+        raise SystemExit(f"{path}: a budget of {earlier['trials']} trials, not {trials}")
+    by_name = {entry["landscape"]: entry["methods"] for entry in earlier["landscapes"]}
+    runs: dict[tuple[Landscape, str], list[Run]] = {}
+    for landscape in chosen:
+        for method, figures in by_name.get(landscape.name, {}).items():
+            if fresh_tuner and method in ("hyperagent", ABLATION):
+                continue
+            if method == ABLATION and landscape.objective != "energy":
+                continue  # hyperagent's own runs, shared
+            pairs = zip(figures["reached_at"], figures["regret"], strict=True)
+            runs[(landscape, method)] = [Run(reached, regret) for reached, regret in pairs][:seeds]
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,27 +601,50 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument(
-        "--no-energy-seed",
+        "--noise",
+        type=float,
+        nargs="+",
+        default=list(NOISES),
+        help="noise levels (sigma of the lognormal factor; 0.02 0.05)",
+    )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="take the runs of the seeds this earlier --json recorded (same budget)",
+    )
+    parser.add_argument(
+        "--fresh-tuner",
         action="store_true",
-        help="also run hyperagent without the energy objective's low-power seed (an ablation)",
+        help="with --reuse: measure hyperagent's tuner anew on every seed",
     )
     args = parser.parse_args(argv)
     seeds = args.seeds if args.seeds is not None else (5 if args.quick else 10)
     trials = args.trials
     if seeds < 1 or trials < 1 or args.jobs < 1:
         parser.error("--seeds, --trials and --jobs must be positive")
-    chosen = landscapes(args.quick)
+    if any(not 0 <= noise < 1 for noise in args.noise):
+        parser.error("--noise: each level must be in [0, 1)")
+    chosen = landscapes(args.quick, tuple(args.noise))
 
-    console = Console(width=170)
+    console = Console(width=200)
     started = time.perf_counter()
-    methods = [*METHODS, ABLATION] if args.no_energy_seed else list(METHODS)
+    methods = [*METHODS, ABLATION]
     tasks = [
-        (ls, method, seed, trials) for ls in chosen for method in methods for seed in range(seeds)
+        (ls, method, seed, trials)
+        for method in (SKOPT, *(m for m in methods if m != SKOPT))  # the slowest first
+        for ls in chosen
+        for seed in range(seeds)
+        if method != ABLATION or ls.objective == "energy"
     ]
-    runs: dict[tuple[Landscape, str], list[Run]] = {}
+    runs = _reused(args.reuse, chosen, seeds, trials, args.fresh_tuner) if args.reuse else {}
+    tasks = [task for task in tasks if task[2] >= len(runs.get((task[0], task[1]), ()))]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for landscape, method, _, run in pool.map(_task, tasks, chunksize=1):
             runs.setdefault((landscape, method), []).append(run)
+    for ls in chosen:
+        if ls.objective != "energy":  # without the energy objective there is no energy seed
+            runs[(ls, ABLATION)] = runs[(ls, "hyperagent")]
 
     report = [_landscape_figures(ls, runs, methods, trials) for ls in chosen]
     console.print(_trials_table(report, seeds, trials))
@@ -529,6 +675,13 @@ def main(argv: list[str] | None = None) -> int:
         f"done-when {mark:6} one ask+tell at 100 observations: "
         f"{done_when['ask_tell_ms_at_100']:.0f} ms median wall (<= {DONE_WHEN_MS:g} ms)"
     )
+    for v in done_when["against_skopt"]:
+        mark = "ok" if v["fewer_trials"] else "MISSED"
+        console.print(
+            f"done-when {mark:6} {v['landscape']}: {v['method']} median"
+            f" {_trials_cell(v['median_trials'], trials)} trials, plain scikit-optimize"
+            f" {_trials_cell(v['skopt_median_trials'], trials)} (fewer)"
+        )
     elapsed = time.perf_counter() - started
     console.print(f"total {elapsed:.0f} s with {args.jobs} worker(s)")
     if args.json is not None:

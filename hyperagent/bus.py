@@ -2,7 +2,8 @@
 
 Sampling never waits for the broker: ``publish`` only enqueues. Telemetry (QoS 0) beyond the
 bound is dropped oldest-first and counted; reports, acks and settings (QoS 1) go through a
-spool (on disk when given a directory) and leave it only once the broker took them, in order.
+spool (on disk when given a directory, written off the event loop) and leave it only once
+the broker took them, in order, each after the durable writes submitted before it.
 A gated link holds them back until ``open_gate``: an agent opens it when the coordinator says
 it is online, so nothing it sends while the coordinator is away falls on the floor.
 """
@@ -21,6 +22,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -443,8 +445,21 @@ class MqttLink:
                 task.result()  # the MqttError that ended the session
 
     async def _send_loop(self, client: aiomqtt.Client) -> None:
+        loop = asyncio.get_running_loop()
+        awaited: Future[None] | None = None
+
+        def wake(_: Future[None]) -> None:  # on the writer thread
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake.set)
+
         while True:
             spooled = self.spool.first() if self._gate_open else None
+            if spooled is not None and spooled.stored is not None and not spooled.stored.done():
+                # its file is still being written: telemetry may go meanwhile, it wakes us
+                if awaited is not spooled.stored:
+                    awaited = spooled.stored
+                    awaited.add_done_callback(wake)
+                spooled = None
             if spooled is None and not self._telemetry:
                 if not self.spool:
                     self._idle.set()

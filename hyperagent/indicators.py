@@ -68,12 +68,23 @@ def communication_compute_ratio(comm_s: float, compute_s: float) -> float | None
 
 
 def estimated_ccr(
-    transferred_bytes: float, link_bytes_per_s: float, gpu_busy_s: float
+    port_traffic: Sequence[tuple[float, float]], gpu_busy_s: Sequence[float]
 ) -> float | None:
-    """CCR estimated from traffic: time the bytes need at link rate over GPU busy time."""
-    if link_bytes_per_s <= 0 or gpu_busy_s <= 0:
+    """CCR estimated from traffic, per GPU and per active port: the mean over the ports that
+    carried traffic of the seconds their bytes need at link rate, over the mean GPU busy time.
+
+    ``port_traffic`` holds each port's (bytes sent in the window, link rate in bytes/s);
+    ``gpu_busy_s`` each GPU's busy seconds (utilisation times the window). No active port is
+    a CCR of 0; None without ports with a known rate, or without busy GPUs.
+    """
+    rated = [(sent, rate) for sent, rate in port_traffic if rate > 0]
+    if not rated or not gpu_busy_s:
         return None
-    return (transferred_bytes / link_bytes_per_s) / gpu_busy_s
+    compute_s = sum(gpu_busy_s) / len(gpu_busy_s)
+    if compute_s <= 0:
+        return None
+    link_s = [sent / rate for sent, rate in rated if sent > 0]
+    return (sum(link_s) / len(link_s)) / compute_s if link_s else 0.0
 
 
 def memory_pressure(gpu: float | None, host: float | None) -> float | None:
@@ -212,6 +223,28 @@ def _memory_pressure(current: Snapshot, previous: Snapshot | None) -> tuple[floa
     return memory_pressure(estimated_gpu_memory_pressure(gpu_memory), host), "estimated"
 
 
+def _port_traffic(current: Snapshot, previous: Snapshot) -> list[tuple[float, float]]:
+    """(bytes sent since ``previous``, link rate) of each RDMA port with both readings; a port
+    whose counter went backwards (a reset) is left out."""
+    rates = {
+        _port_key(r): r.value for r in current.named("hyperagent_rdma_port_rate_bytes_per_second")
+    }
+    before = {
+        _port_key(r): r.value
+        for r in previous.named("hyperagent_rdma_port_data_transmitted_bytes_total")
+    }
+    traffic = []
+    for reading in current.named("hyperagent_rdma_port_data_transmitted_bytes_total"):
+        key = _port_key(reading)
+        if key in rates and key in before and reading.value >= before[key]:
+            traffic.append((reading.value - before[key], rates[key]))
+    return traffic
+
+
+def _port_key(reading: Reading) -> tuple[str | None, str | None]:
+    return reading.labels.get("device"), reading.labels.get("port")
+
+
 def derive(
     current: Snapshot, previous: Snapshot | None, coefficients: Mapping[str, float]
 ) -> list[Reading]:
@@ -236,11 +269,13 @@ def derive(
     if comm is not None and compute:
         put("hyperagent_ccr_ratio", communication_compute_ratio(comm, compute), method="reported")
     elif previous is not None:
-        sent = _delta(current, previous, "hyperagent_rdma_port_data_transmitted_bytes_total")
-        rate = current.total("hyperagent_rdma_port_rate_bytes_per_second")
-        busy = sum(u for _, u in units) * (current.ts - previous.ts)
-        if sent is not None and rate:
-            put("hyperagent_ccr_ratio", estimated_ccr(sent, rate, busy), method="estimated")
+        window_s = current.ts - previous.ts
+        busy = [u * window_s for _, u in units]
+        put(
+            "hyperagent_ccr_ratio",
+            estimated_ccr(_port_traffic(current, previous), busy),
+            method="estimated",
+        )
     energy = _delta(current, previous, "hyperagent_gpu_energy_joules_total")
     samples = _delta(current, previous, "hyperagent_job_samples_total")
     if energy is not None and samples:

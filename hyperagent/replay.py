@@ -16,8 +16,11 @@ labels once rather than 86,400 times::
 Version 1 recordings (each reading as ``[name, labels, value, kind]`` on every line) load too.
 
 Replay follows a clock (wall time scaled by ``speed``, or a virtual clock in tests): the frame
-shown is the last one whose recorded time has passed; after the last frame it stays there, so
-counters stop rather than reset.
+shown is the last one whose recorded time has passed. At the end the recording plays again
+from its first frame, which takes the last frame's place: every recorded interval is played
+once per loop, and counters carry on from where the loop left them (each grows by what it grew
+over the recording, per loop), so energy keeps pace with the power shown and no counter resets.
+A recording of one frame holds it.
 """
 
 from __future__ import annotations
@@ -276,8 +279,57 @@ class Recorder:
         self.frames += 1
 
 
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _series_key(reading: Reading) -> SeriesKey:
+    return reading.name, tuple(sorted(reading.labels.items()))
+
+
+def _counters(readings: Iterable[Reading]) -> dict[SeriesKey, float]:
+    return {
+        _series_key(r): r.value
+        for r in readings
+        if r.kind is Kind.COUNTER and math.isfinite(r.value)
+    }
+
+
+class _LoopedSources(Mapping[str, list[Reading]]):
+    """A frame's readings in a later loop: each counter raised by its growth per loop."""
+
+    __slots__ = ("_growth", "_loops", "_sources")
+
+    def __init__(
+        self,
+        sources: Mapping[str, list[Reading]],
+        growth: Mapping[str, Mapping[SeriesKey, float]],
+        loops: int,
+    ) -> None:
+        self._sources, self._growth, self._loops = sources, growth, loops
+
+    def __getitem__(self, name: str) -> list[Reading]:
+        readings = self._sources[name]
+        growth = self._growth.get(name)
+        if not growth:
+            return readings
+        out = []
+        for r in readings:
+            step = growth.get(_series_key(r)) if r.kind is Kind.COUNTER else None
+            if step:
+                r = Reading(r.name, r.value + step * self._loops, r.labels, r.kind, r.unit)
+            out.append(r)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+
 class Player:
-    """Which frame of a recording is current, by a clock scaled by ``speed``."""
+    """Which frame of a recording is current, by a clock scaled by ``speed``; plays the
+    recording in a loop (see the module's docstring)."""
 
     def __init__(
         self,
@@ -290,6 +342,8 @@ class Player:
         self.speed = speed
         self._start = clock()
         self._times = [f.ts for f in recording.frames]
+        self._growth: dict[str, dict[SeriesKey, float]] | None = None
+        self._shown: tuple[int, int, Frame] | None = None
 
     @property
     def position_s(self) -> float:
@@ -297,13 +351,52 @@ class Player:
         return (self.clock() - self._start) * self.speed
 
     @property
-    def finished(self) -> bool:
-        return self.position_s >= self.recording.duration_s
+    def loops(self) -> int:
+        """How many times the recording has been played to its end."""
+        duration = self.recording.duration_s
+        return int(self.position_s // duration) if duration > 0 else 0
 
     def frame(self) -> Frame:
-        at = self._times[0] + self.position_s
+        """The current frame; in a later loop, its time and counters moved on by one
+        recording's duration and growth per loop."""
+        duration = self.recording.duration_s
+        position = self.position_s
+        loops = int(position // duration) if duration > 0 else 0
+        at = self._times[0] + position - loops * duration
         index = max(bisect.bisect_right(self._times, at) - 1, 0)
-        return self.recording.frames[index]
+        if index == len(self._times) - 1 and duration > 0:
+            index, loops = 0, loops + 1  # the end of one loop is the start of the next
+        frame = self.recording.frames[index]
+        if loops == 0:
+            return frame
+        shown = self._shown
+        if shown is not None and shown[0] == index and shown[1] == loops:
+            return shown[2]
+        looped = Frame(
+            frame.ts + loops * duration,
+            _LoopedSources(frame.sources, self._counter_growth(), loops),
+        )
+        self._shown = (index, loops, looped)
+        return looped
+
+    def _counter_growth(self) -> dict[str, dict[SeriesKey, float]]:
+        """Per source, what each counter grew by from the first frame to the last that hold
+        the source (never negative: a counter reset inside the recording adds nothing)."""
+        if self._growth is None:
+            frames = self.recording.frames
+            self._growth = {}
+            for name in self.recording.source_names:
+                first = next(f for f in frames if name in f.sources)
+                last = next(f for f in reversed(frames) if name in f.sources)
+                before = _counters(first.sources[name])
+                growth = {
+                    key: value - before[key]
+                    for key, value in _counters(last.sources[name]).items()
+                    if key in before and value > before[key]
+                }
+                if growth:
+                    self._growth[name] = growth
+        return self._growth
 
 
 class RecordedSource:

@@ -31,6 +31,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from hyperagent import durable
 from hyperagent.errors import HyperagentError
 from hyperagent.tuner.space import KNOBS
 
@@ -184,7 +185,9 @@ def _apply(state: _Round, entry: object) -> None:
 
 def read_journal(path: Path) -> tuple[str, list[Trial], dict[str, Any] | None, int | None]:
     """(job, trials, final entry or None, in-flight trial index or None) of the journal's last
-    round. Raises ReportError naming the file, and the line for a bad entry."""
+    round, with the entries this process appended written first. Raises ReportError naming the
+    file, and the line for a bad entry."""
+    durable.wait()
     try:
         data = path.read_bytes()
     except FileNotFoundError:

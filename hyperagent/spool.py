@@ -1,20 +1,26 @@
 """A bounded, ordered queue of outgoing messages that survives broker outages and restarts.
 
 Each message is one file (a JSON header line, then the payload bytes), written atomically and
-fsynced before ``append`` returns, and deleted once the broker took it. At start-up the files
-left by an earlier run are queued again, oldest first. Over the bound the oldest is dropped
-and counted. Without a directory the queue lives in memory only.
+fsynced on the process's writer thread (:mod:`hyperagent.durable`), so ``append`` never waits
+for the disk; the message's ``stored`` future is done once its file (and every durable write
+submitted before it) is on disk, and only then may it leave. It is deleted once the broker took
+it. At start-up the files left by an earlier run are queued again, oldest first. Over the
+bound the oldest is dropped and counted. Without a directory the queue lives in memory only,
+its messages still waiting for the durable writes submitted before them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+
+from hyperagent import durable
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,8 @@ class Spooled:
     payload: bytes
     qos: int
     retain: bool
+    stored: Future[None] | None = field(default=None, compare=False, repr=False)
+    """Done once the message may leave (its file is on disk); None: it already was."""
 
 
 class Spool:
@@ -41,6 +49,7 @@ class Spool:
         self._next = 0
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
+            durable.wait()  # what this process still has to write there comes first
             self._load(directory)
 
     def _load(self, directory: Path) -> None:
@@ -73,20 +82,17 @@ class Spool:
         return self.directory / f"{seq:020d}{SUFFIX}"
 
     def append(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
-        item = Spooled(self._next, topic, payload, qos, retain)
+        """Queue a message; its file is written on the writer thread (see ``Spooled.stored``)."""
+        seq = self._next
         self._next += 1
         if self.directory is not None:
             header = orjson.dumps({"topic": topic, "qos": qos, "retain": retain})
-            path = self._path(item.seq)
-            partial = path.with_suffix(".tmp")
-            try:
-                with partial.open("wb") as f:
-                    f.write(header + b"\n" + payload)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(partial, path)
-            except OSError as e:
-                log.error("cannot spool a message to %s (kept in memory only): %s", path, e)
+            stored = durable.submit(
+                functools.partial(_store, self._path(seq), header + b"\n" + payload)
+            )
+        else:
+            stored = durable.barrier()
+        item = Spooled(seq, topic, payload, qos, retain, stored)
         self.pending.append(item)
         while len(self.pending) > self.limit:
             self._forget(self.pending.popleft())
@@ -103,4 +109,18 @@ class Spool:
 
     def _forget(self, item: Spooled) -> None:
         if self.directory is not None:
-            self._path(item.seq).unlink(missing_ok=True)
+            durable.submit(functools.partial(_remove, self._path(item.seq)))
+
+
+def _store(path: Path, data: bytes) -> None:
+    try:
+        durable.write_file(path, data)
+    except OSError as e:
+        log.error("cannot spool a message to %s (kept in memory only): %s", path, e)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.error("cannot remove the spooled message %s: %s", path, e)

@@ -55,8 +55,14 @@ def test_quantum_dispersion_is_coefficient_of_variation() -> None:
 def test_ccr_memory_pressure_energy() -> None:
     assert communication_compute_ratio(0.3, 1.0) == pytest.approx(0.3)
     assert communication_compute_ratio(1.0, 0.0) is None
-    # 12.5 GB at 12.5 GB/s = 1 s of link time against 4 s of GPU busy time
-    assert estimated_ccr(12.5e9, 12.5e9, 4.0) == pytest.approx(0.25)
+    # one port: 12.5 GB at 12.5 GB/s = 1 s of link time; two GPUs busy 4 s each
+    assert estimated_ccr([(12.5e9, 12.5e9)], [4.0, 4.0]) == pytest.approx(0.25)
+    # two active ports (2 s and 1 s at link rate, mean 1.5 s), an idle one left out; GPUs 3 s, 1 s
+    ports = [(25e9, 12.5e9), (12.5e9, 12.5e9), (0.0, 12.5e9)]
+    assert estimated_ccr(ports, [3.0, 1.0]) == pytest.approx(1.5 / 2.0)
+    assert estimated_ccr([(0.0, 12.5e9)], [4.0]) == 0.0  # no traffic at all
+    assert estimated_ccr([(1e9, 0.0)], [4.0]) is None  # no known link rate
+    assert estimated_ccr([(1e9, 12.5e9)], [0.0, 0.0]) is None  # nothing computed
     assert memory_pressure(0.5, 0.875) == pytest.approx(0.875)
     assert memory_pressure(None, 0.25) == pytest.approx(0.25)
     assert memory_pressure(None, None) is None
@@ -219,6 +225,58 @@ def test_derive_from_snapshots() -> None:
         "hyperagent_ccr_ratio" not in first and "hyperagent_energy_per_sample_joules" not in first
     )
     assert "hyperagent_qu_ratio" in first
+
+
+def _rdma_snapshot(
+    ts: float, sent: dict[str, float], utilisation: list[float], rate: float = 25e9
+) -> Snapshot:
+    """GPUs at ``utilisation`` and mlx5 ports that have sent ``sent`` bytes so far, each
+    with a ``rate`` bytes/s link; no job reports."""
+    readings = []
+    for gpu, util in enumerate(utilisation):
+        labels = {"gpu": str(gpu), "uuid": f"GPU-{gpu}"}
+        readings += [
+            Reading("hyperagent_gpu_info", 1, {**labels, "model": "NVIDIA H100 80GB HBM3"}),
+            Reading("hyperagent_gpu_utilization_ratio", util, labels),
+        ]
+    for device, total in sent.items():
+        labels = {"device": device, "port": "1"}
+        readings += [
+            Reading("hyperagent_rdma_port_rate_bytes_per_second", rate, labels),
+            Reading(
+                "hyperagent_rdma_port_data_transmitted_bytes_total", total, labels, Kind.COUNTER
+            ),
+        ]
+    return Snapshot(ts, "n", tuple(readings))
+
+
+def _estimated(after: Snapshot, before: Snapshot) -> float | None:
+    return Snapshot(0.0, "n", tuple(derive(after, before, TABLE))).value(
+        "hyperagent_ccr_ratio", method="estimated"
+    )
+
+
+def test_derive_estimates_ccr_per_gpu_and_per_active_port() -> None:
+    idle_ports = {f"mlx5_{i}": 1e12 for i in range(1, 8)}
+    before = _rdma_snapshot(100.0, {"mlx5_0": 0.0, **idle_ports}, [1.0] * 8)
+    # 10 s window: mlx5_0 sent 125 GB at 25 GB/s = 5 s of link time, half the window; the
+    # other seven ports sent nothing. Eight GPUs fully busy: 10 s each. CCR = 5 / 10.
+    after = _rdma_snapshot(110.0, {"mlx5_0": 125e9, **idle_ports}, [1.0] * 8)
+    assert _estimated(after, before) == pytest.approx(0.5)
+    # Two ports at 25 GB/s busy 2 s and 6 s (mean 4 s); GPUs at 100%, 50%, 50%, 0%: mean 5 s.
+    before = _rdma_snapshot(0.0, {"a": 1e9, "b": 2e9, "c": 3e9}, [1.0, 0.5, 0.5, 0.0])
+    after = _rdma_snapshot(10.0, {"a": 51e9, "b": 152e9, "c": 3e9}, [1.0, 0.5, 0.5, 0.0])
+    assert _estimated(after, before) == pytest.approx(4.0 / 5.0)
+    # a counter that went backwards (a reset) leaves its port out of the window
+    reset = _rdma_snapshot(10.0, {"a": 51e9, "b": 1e9, "c": 3e9}, [1.0, 0.5, 0.5, 0.0])
+    assert _estimated(reset, before) == pytest.approx(2.0 / 5.0)
+    # no traffic: CCR 0; idle GPUs or no ports: no estimate
+    quiet = _rdma_snapshot(10.0, {"a": 1e9, "b": 2e9, "c": 3e9}, [1.0, 0.5, 0.5, 0.0])
+    assert _estimated(quiet, before) == 0.0
+    idle = _rdma_snapshot(10.0, {"a": 51e9}, [0.0, 0.0])
+    assert _estimated(idle, _rdma_snapshot(0.0, {"a": 1e9}, [0.0, 0.0])) is None
+    portless = _rdma_snapshot(10.0, {}, [1.0])
+    assert _estimated(portless, _rdma_snapshot(0.0, {}, [1.0])) is None
 
 
 def test_an_extended_snapshot_answers_like_one_built_whole() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import subprocess
 import sys
@@ -62,10 +63,19 @@ def test_recording_roundtrip_and_player(tmp_path: Path) -> None:
     player = Player(recording, clock, speed=2.0)
     assert player.frame().ts == 100.0
     clock.now = 0.6  # 1.2 recorded seconds
-    assert player.frame().ts == 101.0 and not player.finished
-    clock.now = 50
-    assert player.frame().ts == 102.0 and player.finished  # holds the last frame
-    assert player.frame().sources["nvml"][0].kind is Kind.COUNTER
+    assert player.frame().ts == 101.0 and player.loops == 0
+    assert player.frame() is recording.frames[1]
+    # 2 s loops: at 101 recorded seconds, 50 loops done, 1 s into the next; the first frame
+    # stands in for the last, so energy stays continuous and gains 20 J per loop
+    clock.now = 50.5
+    looped = player.frame()
+    assert player.loops == 50 and looped.ts == 201.0
+    (energy,) = looped.sources["nvml"]
+    assert energy.kind is Kind.COUNTER and energy.value == 10.0 + 50 * 20.0
+    assert looped.sources["host"][0].value == pytest.approx(0.1)  # gauges as recorded
+    assert player.frame() is looped  # the same frame until the next one is due
+    clock.now = 51.0
+    assert player.frame().ts == 202.0 and player.frame().sources["nvml"][0].value == 51 * 20.0
 
 
 def test_labels_are_written_once_and_nan_survives(tmp_path: Path) -> None:
@@ -186,6 +196,15 @@ def test_record_then_replay_serves_the_same_metrics(tmp_path: Path) -> None:
         (r.name, tuple(sorted(r.labels.items()))): r.value
         for r in recording.frames[-1].sources["nvml"]
     }
+    first = {
+        (r.name, tuple(sorted(r.labels.items()))): r.value
+        for r in recording.frames[0].sources["nvml"]
+    }
+    counters = {
+        (r.name, tuple(sorted(r.labels.items())))
+        for r in recording.frames[-1].sources["nvml"]
+        if r.kind is Kind.COUNTER
+    }
     assert sum(name == "hyperagent_gpu_power_watts" for name, _ in last) == 8
 
     port = free_port()
@@ -207,7 +226,7 @@ def test_record_then_replay_serves_the_same_metrics(tmp_path: Path) -> None:
     )
     try:
         wait_for_port(port, 30)
-        time.sleep(recording.duration_s + 0.5)  # past the end: the last frame holds
+        time.sleep(recording.duration_s + 0.5)  # past the end: the recording loops
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
     finally:
@@ -216,8 +235,14 @@ def test_record_then_replay_serves_the_same_metrics(tmp_path: Path) -> None:
     served = samples(text, "hyperagent_gpu_")
     served = {k: v for k, v in served.items() if k[0] != "hyperagent_gpu_quantum_coefficient"}
     assert served.keys() == last.keys()
-    # the same values; time-integrated counters agree to float precision (integrated anew)
-    assert served == pytest.approx(last, rel=1e-9)
+    # the captured GPUs' gauges are the same in every frame: served as recorded; counters go
+    # on from where the recording ended, growing as they grew over it
+    gauges = {k: v for k, v in served.items() if k not in counters}
+    assert gauges == pytest.approx({k: last[k] for k in gauges}, rel=1e-9)
+    grown = {k for k in counters if last[k] > first[k]}
+    assert any(name == "hyperagent_gpu_energy_joules_total" for name, _ in grown)
+    assert all(served[k] >= last[k] for k in grown)
+    assert {k: served[k] for k in counters - grown} == {k: last[k] for k in counters - grown}
     assert 'hyperagent_source_up{source="nvml",target="recording"} 1.0' in text
 
 
@@ -291,3 +316,42 @@ async def test_recorded_gpus_replay_as_recorded_unless_power_caps_apply(
         assert {r.name for r in recorded} <= {r.name for r in served}
         assert (capped.value("hyperagent_gpu_power_limit_watts") or 0) == 400.0
         assert (capped.value("hyperagent_gpu_power_watts") or 1e9) <= 400.0
+
+
+@pytest.mark.parametrize("power_cap", [False, True])
+async def test_a_recording_past_its_end_loops_with_energy_keeping_pace_with_power(
+    tmp_path: Path, power_cap: bool
+) -> None:
+    """The H200 recording lasts 39 s at about 690 W: long after its end, the energy counter
+    still grows by the power shown times the time passed, across the loops' seams."""
+    from hyperagent.agent import Agent
+    from hyperagent.config import build_config
+    from hyperagent.sources import capture_sources
+
+    clock = Clock()
+    config = build_config(
+        {
+            "mqtt": {"enabled": False},
+            "agent": {"metrics_address": "", "state_dir": str(tmp_path)},
+            "actuation": {"power_cap": power_cap},
+        }
+    )
+    directory = REPO / "fixtures" / "replay" / "h200-bf16-matmul"
+    sources, hardware = capture_sources(directory, config, clock)
+    agent = Agent(config, hardware, sources=sources)
+    await agent.runner.start()
+    seen: list[tuple[float, float, float]] = []
+    try:
+        for second in (30.0, 45.0, 80.0, 117.5, 200.0):
+            clock.now = second
+            snapshot = await agent.collect_once()
+            energy = snapshot.value("hyperagent_gpu_energy_joules_total")
+            power = snapshot.value("hyperagent_gpu_power_watts")
+            assert energy is not None and power is not None
+            seen.append((second, energy, power))
+    finally:
+        await agent.runner.close()
+    for (before, energy_before, _), (after, energy_after, _) in itertools.pairwise(seen):
+        watts = (energy_after - energy_before) / (after - before)
+        assert 660 < watts < 720, f"{watts:.0f} W from {before:g} s to {after:g} s"
+    assert all(660 < power < 720 for _, _, power in seen)

@@ -9,6 +9,7 @@ from typing import Any
 import matplotlib.image
 import pytest
 
+from hyperagent import durable
 from hyperagent.report import ReportError, describe_settings, read_journal, render_report
 from hyperagent.tuner.journal import Journal
 
@@ -63,6 +64,7 @@ def write_journal(
     if final is not None:
         journal.append({"type": "published", "version": 99, "trial": None, **final})
         journal.append({"type": "final", "version": 99, **final})
+    durable.wait()  # on disk, for the tests that read or edit the file themselves
     return journal
 
 

@@ -1,7 +1,10 @@
 """The tuning journal: every published settings version and every finished trial, on disk.
 
-Append-only JSON lines, one file per job, fsynced per entry: a coordinator killed at any
-point restarts from it without repeating or losing a trial. Entries::
+Append-only JSON lines, one file per job, each entry flushed and fsynced on the process's writer
+thread (:mod:`hyperagent.durable`), in the order appended, so the event loop never waits for
+the disk; a message published after an entry leaves only once that entry is on disk, so a
+coordinator killed at any point restarts from it without repeating or losing a trial.
+Entries::
 
     {"type": "start", "job": ..., "fingerprint": ..., "ts": ...}
     {"type": "published", "version": 7, "trial": 5, "settings": {...}, "ts": ...}
@@ -14,16 +17,21 @@ A ``published`` entry with a trial index but no ``trial`` entry is a trial in fl
 
 from __future__ import annotations
 
-import os
+import functools
+import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from hyperagent import durable
 from hyperagent.errors import HyperagentError
+
+log = logging.getLogger(__name__)
 
 
 class JournalError(HyperagentError):
@@ -48,10 +56,14 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._failed: JournalError | None = None
 
     def load(self) -> JournalState:
-        """Replay the file (a missing file is an empty journal). A torn last line, from a
-        crash mid-write, is cut off; any other bad line is an error naming it."""
+        """Replay the file (a missing file is an empty journal), once the entries appended so
+        far are written. A torn last line, from a crash mid-write, is cut off; any other bad
+        line is an error naming it, as is an earlier entry that could not be written."""
+        durable.wait()
+        self._raise_failed()
         state = JournalState()
         try:
             data = self.path.read_bytes()
@@ -103,14 +115,26 @@ class Journal:
         else:
             raise ValueError(f"unknown entry type {kind!r}")
 
-    def append(self, entry: Mapping[str, Any]) -> None:
-        """Write one entry durably (flushed and fsynced before returning)."""
+    def append(self, entry: Mapping[str, Any]) -> Future[None]:
+        """Queue one entry for the writer thread, which appends, flushes and fsyncs it after
+        every durable write submitted before it; returns that write's future (raising
+        JournalError if it failed). Messages spooled after this call leave once it is done. An
+        entry that could not be written is logged, and raised as JournalError by the next
+        ``append`` or ``load``: nothing after it is journaled."""
+        self._raise_failed()
         line = orjson.dumps({**entry, "ts": time.time()}) + b"\n"
+        return durable.submit(functools.partial(self._write, line))
+
+    def _write(self, line: bytes) -> None:
+        if self._failed is not None:
+            raise self._failed
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("ab") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+            durable.append_line(self.path, line)
         except OSError as e:
-            raise JournalError(f"{self.path}: {e.strerror}") from e
+            self._failed = JournalError(f"{self.path}: {e.strerror}")
+            log.error("journal entry not written: %s", self._failed)
+            raise self._failed from e
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            raise JournalError(f"{self._failed} (an earlier entry could not be written)")

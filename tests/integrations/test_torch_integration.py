@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,21 @@ def _torch_installed() -> None:
             f"PyTorch is missing ({TORCH_MISSING}): .venv/bin/pip install torch==2.13.0 "
             "(bash .ci/run does)"
         )
+
+
+async def until(condition: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """The first truthy value of ``condition()``, polled while the loop serves the job
+    socket; fails after ``timeout_s`` (generous: the CI machine is shared)."""
+    async with asyncio.timeout(timeout_s):
+        while not (value := condition()):
+            await asyncio.sleep(0.005)
+    return value
+
+
+def reporting(source: JobSource) -> bool:
+    """Whether a reporter of the job said hello to ``source``."""
+    totals = source.jobs.get(JOB)
+    return totals is not None and bool(totals.reporters)
 
 
 def settings(version: int, bucket_mb: int, chunk_kb: int) -> JobSettings:
@@ -140,9 +156,9 @@ async def test_one_rank_applies_settings_reports_its_version_and_stops(
     x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
     try:
         with TunedDDP(model, job=JOB, socket_path=source.socket_path) as tuned:
-            await asyncio.sleep(0.05)  # the reporter's hello reaches the source
+            await until(lambda: reporting(source))
+            # a unix datagram is in the receiver's queue once sendto returns
             assert source.send_settings(JOB, settings(1, 2, 64)) == 1
-            await asyncio.sleep(0.05)
             assert tuned.step_begin() == settings(1, 2, 64)
             first_ddp = tuned.ddp
             with pytest.raises(RuntimeError, match="twice"):
@@ -157,7 +173,6 @@ async def test_one_rank_applies_settings_reports_its_version_and_stops(
                 tuned.step_end(samples=8)
 
             assert source.send_settings(JOB, settings(2, 2, 1024)) == 1  # chunk only
-            await asyncio.sleep(0.05)
             assert tuned.step_begin() is not None
             assert tuned.ddp is first_ddp and tuned.chunk_bytes == 1024 * 1024
             F.cross_entropy(tuned(x), y).backward()
@@ -168,7 +183,7 @@ async def test_one_rank_applies_settings_reports_its_version_and_stops(
             assert tuned.step_begin() is None and tuned.stopping
             with pytest.raises(RuntimeError, match="stop"):
                 tuned.step_begin()
-        await asyncio.sleep(0.05)
+        await until(lambda: len(seen) >= 2)
     finally:
         await source.close()
     assert [(s.version, s.samples, s.loss) for s in seen] == [(1, 8, 1.5), (2, 8, 1.0)]
@@ -181,10 +196,10 @@ async def test_a_reporter_passed_in_keeps_its_polled_settings_for_the_agreement(
     await source.start()
     try:
         with JobReporter(JOB, rank=0, socket_path=source.socket_path) as reporter:
-            await asyncio.sleep(0.05)
-            source.send_settings(JOB, settings(4, 1, 64))
-            await asyncio.sleep(0.05)
-            assert reporter.poll_settings() is not None and reporter.version == 4
+            await until(lambda: reporting(source))
+            assert source.send_settings(JOB, settings(4, 1, 64)) == 1
+            assert await until(reporter.poll_settings) == settings(4, 1, 64)
+            assert reporter.version == 4
             tuned = TunedDDP(build_model(0), reporter=reporter)
             assert reporter.version == 0 and tuned.received_versions == (4,)
             tuned.step_begin()

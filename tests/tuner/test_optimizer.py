@@ -236,3 +236,31 @@ def test_a_noisy_measurement_is_trusted_less() -> None:
 
     assert tuned(noise=None)["bucket_mb"] == 256
     assert tuned(noise=30.0)["bucket_mb"] == 32
+
+
+def test_the_tuner_api_imports_from_the_package_and_skopt_only_with_the_tuner() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import hyperagent.agent\n"
+        "from hyperagent.tuner import SearchSpace\n"
+        "from hyperagent.tuner.trial import score\n"
+        "assert 'skopt' not in sys.modules, 'the agent side loaded scikit-optimize'\n"
+        "from hyperagent.tuner import Tuner\n"
+        "assert 'skopt' in sys.modules\n"
+        "space = SearchSpace.default('nccl', nodes=4)\n"
+        "print(space.contains(Tuner(space, seed=1).ask()))\n"
+        "try:\n"
+        "    from hyperagent.tuner import Tunr\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "True"
+    assert "cannot import name 'Tunr' from 'hyperagent.tuner'" in lines[1]
