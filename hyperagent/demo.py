@@ -36,6 +36,8 @@ DEMO_CAPTURE = "gtx-8card.xml"
 JOB = "demo-job"
 JOB_DEFAULTS = {"bucket_mb": 25, "chunk_kb": 4096, "allreduce": "ring"}
 """What the simulated job runs before any setting arrives: PyTorch DDP's 25 MB buckets."""
+JOB_KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
+"""What the simulated job applies at a step boundary, announced when it attaches."""
 
 
 def demo_capture() -> Path:
@@ -241,7 +243,9 @@ async def simulated_cluster(
             clock = VirtualClock()
             nvml = FakeNvml.from_capture(capture, clock=clock)
             agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=key)
-            reporter = JobReporter(JOB, rank=0, socket_path=config.sources.job.socket)
+            reporter = JobReporter(
+                JOB, rank=0, socket_path=config.sources.job.socket, knobs=JOB_KNOBS
+            )
             sim_nodes.append(SimulatedNode(name, nvml, clock, agent, reporter))
         coordinator_config: Config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)
