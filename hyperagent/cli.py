@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="simulated",
         help="simulated nodes, or two real PyTorch DDP ranks (gloo) on this machine",
     )
-    demo.add_argument("--trials", type=int, help="trial budget (30 simulated, 12 torch-ddp)")
+    demo.add_argument("--trials", type=int, help="trial budget (30 simulated, 10 torch-ddp)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--objective", choices=["throughput", "energy"], default="throughput")
     demo.add_argument(

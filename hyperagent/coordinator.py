@@ -582,7 +582,15 @@ class Coordinator:
         settle_s = p.settle_s
         if state.current.get("power_cap_w") != settings.get("power_cap_w"):
             settle_s = max(settle_s, 3 * POWER_AVERAGING_WINDOW_S)
-        return MeasurementPlan(p.settle_steps, settle_s, p.measure_steps, p.measure_s, p.windows)
+        return MeasurementPlan(
+            p.settle_steps,
+            settle_s,
+            p.measure_steps,
+            p.measure_s,
+            p.windows,
+            p.target_rel_se,
+            p.max_windows,
+        )
 
     def _score(self, state: JobState, reports: list[dict[str, Any]]) -> float | None:
         cfg = state.config
@@ -819,8 +827,9 @@ class Coordinator:
         assert state.best is not None
         baseline = next((t for t in state.trials if t.index == 0), None)
         start = baseline.settings if baseline is not None else state.space.defaults()
-        best = state.best[0]
+        best = (state.tuner.best or state.best)[0]
         if best == start:
+            state.best = (start, state.baseline or state.best[1])
             return
         order = [start, best, best, start] * CONFIRM_ROUNDS
         for settings in order[: 2 * CONFIRM_ROUNDS]:

@@ -1,13 +1,16 @@
 """A real closed loop on this machine: PyTorch DDP ranks tuned by an agent and the coordinator.
 
-Two gloo ranks on 127.0.0.1 (subprocesses running this module) train a 1.8M-parameter MLP
-under :class:`hyperagent.integrations.torch.TunedDDP`. They share one node, so one Agent
-(no GPU: ``Hardware(nvml=None)``, the job channel its only source) relays their step reports and
-hands them settings. The coordinator tunes ``bucket_mb`` and ``chunk_kb`` for throughput over MQTT
-with a measurement plan sized for steps of tens of milliseconds. Its first trial is PyTorch's
+Two gloo ranks on 127.0.0.1 (subprocesses running this module) train an 11M-parameter MLP under
+:class:`hyperagent.integrations.torch.TunedDDP`: 42 MiB of gradients, three buckets at DDP's
+default, so both the bucket and the chunk size change how the gradients travel. The ranks share
+one node, so one Agent (no GPU: ``Hardware(nvml=None)``, the job channel its only source)
+relays their step reports and hands them settings. The coordinator tunes ``bucket_mb`` and
+``chunk_kb`` (the knobs TunedDDP announces) for throughput over MQTT; each trial measures in
+windows until its score is known to 2% or 8 windows are done. Its first trial is PyTorch's
 default in the space: 25 MiB buckets snapped to 32, and 32 MiB chunks, as large as the bucket,
-so each bucket is one allreduce (no chunking). After tuning, the default and the best settings
-are measured again, alternately, so the reported gain is not the luckiest trial's draw.
+so each bucket is one allreduce (no chunking). After tuning, the coordinator measures the
+defaults and the best trial's settings again, interleaved, and keeps the best only when its
+gain's 95% interval lies above zero; otherwise it says that no setting was better.
 
 Run a rank by hand with ``python -m hyperagent.demo_torch --rank 0 --world-size 2 ...``; the
 daemons' modules are imported only by :func:`run_torch_demo`, so a rank starts quickly.
@@ -46,12 +49,27 @@ if TYPE_CHECKING:
 JOB = "torch-ddp"
 NODE = "node-0"
 WORLD_SIZE = 2
-DEFAULT_TRIALS = 12
+DEFAULT_TRIALS = 10
 START_SETTINGS = {"bucket_mb": 25, "chunk_kb": 32768}
 """PyTorch's default as the space has it: 25 MiB snaps to 32; a 32 MiB chunk is the whole bucket."""
-PLAN = {"settle_steps": 10, "settle_s": 0.3, "measure_steps": 40, "measure_s": 1.0, "windows": 4}
-LAYERS = (256, 1024, 1024, 512, 10)
-BATCH = 64
+PLAN = {
+    "settle_steps": 3,
+    "settle_s": 0.5,
+    "measure_steps": 12,
+    "measure_s": 1.2,
+    "windows": 4,
+    "target_rel_se": 0.02,
+    "max_windows": 8,
+}
+"""Windows of at least 3 steps and 0.3 s; 4 to 8 of them, until the score is known to 2%."""
+LAYERS = (1024, 1536, 1536, 1536, 1536, 1536, 10)
+"""11M parameters: 42 MiB of fp32 gradients, in 3 buckets at DDP's default (the first of
+1 MiB, then 25 MiB), one at 256 MiB and 43 at 1 MiB."""
+BATCH = 8
+PARAMETERS = sum(a * b + b for a, b in itertools.pairwise(LAYERS))
+MODEL_DESCRIPTION = (
+    f"{PARAMETERS / 1e6:.1f}M-parameter MLP ({PARAMETERS * 4 / 2**20:.0f} MiB of gradients)"
+)
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 GLOO_TIMEOUT_S = 60.0
@@ -428,7 +446,7 @@ async def _while_ranks_run(
 
 
 def build_model(seed: int) -> nn.Module:
-    """The demo's MLP (1.84M parameters), initialised from ``seed``."""
+    """The demo's MLP (:data:`PARAMETERS`), initialised from ``seed``."""
     import torch
     from torch import nn
 

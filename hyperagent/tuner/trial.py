@@ -31,7 +31,8 @@ class MeasurementPlan:
     Each window lasts at least ``measure_steps / windows`` steps and ``measure_s / windows``
     seconds of every rank. After ``windows`` windows, measuring goes on one window at a time
     until the windows' standard error is at most ``target_rel_se`` of their mean, or
-    ``max_windows`` windows (0: ``MAX_WINDOWS_FACTOR`` x ``windows``) are done.
+    ``max_windows`` windows (0: ``MAX_WINDOWS_FACTOR`` x ``windows``) are done. A plan of one
+    window has no spread to go by: it stops after that window.
     """
 
     settle_steps: int = 10
@@ -164,7 +165,7 @@ class TrialMeasurement:
         rank.windows.append([])
         closed = self.completed_windows
         if closed >= self.plan.windows and (
-            closed >= self.plan.window_cap or self._precise(closed)
+            closed >= self.plan.window_cap or self.plan.windows < 2 or self._precise(closed)
         ):
             self._windows = closed
             self.phase = Phase.DONE

@@ -31,7 +31,7 @@ try:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from hyperagent.demo_torch import build_model, launch_ranks, stop_ranks
+    from hyperagent.demo_torch import LAYERS, build_model, launch_ranks, stop_ranks
     from hyperagent.integrations.torch import (
         DdpKnobs,
         TunedDDP,
@@ -137,10 +137,12 @@ async def test_one_rank_applies_settings_reports_its_version_and_stops(
     source.listeners.append(seen.append)
     model = build_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
+    x, y = torch.randn(8, LAYERS[0]), torch.randint(0, 10, (8,))
     try:
         with TunedDDP(model, job=JOB, socket_path=source.socket_path) as tuned:
             await asyncio.sleep(0.05)  # the reporter's hello reaches the source
+            # TunedDDP applies bucket and chunk live, not the AllReduce algorithm, and says so
+            assert source.jobs[JOB].knobs() == ("bucket_mb", "chunk_kb")
             assert source.send_settings(JOB, settings(1, 2, 64)) == 1
             await asyncio.sleep(0.05)
             assert tuned.step_begin() == settings(1, 2, 64)
@@ -290,7 +292,7 @@ def gradient_worker(rank: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     original = build_model(0)
     data = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(32, 256, generator=data), torch.randint(0, 10, (32,), generator=data)
+    x, y = torch.randn(32, LAYERS[0], generator=data), torch.randint(0, 10, (32,), generator=data)
 
     def gradients(wrapped: Any, model: torch.nn.Module) -> list[torch.Tensor]:
         F.cross_entropy(wrapped(x), y).backward()
