@@ -823,14 +823,19 @@ class Coordinator:
     async def _confirm(self, state: JobState) -> None:
         """Measure the baseline and the best settings again, interleaved (``CONFIRM_ROUNDS``
         each), and keep the best only when its gain's interval lies above zero; otherwise the
-        baseline stays, reported as no worse than anything tried."""
+        baseline stays, reported as no worse than anything tried. When the baseline itself
+        scored best, the best of the other settings is measured against it."""
         assert state.best is not None
         baseline = next((t for t in state.trials if t.index == 0), None)
         start = baseline.settings if baseline is not None else state.space.defaults()
         best = (state.tuner.best or state.best)[0]
         if best == start:
+            # the start measured best once, not interleaved: test the runner-up against it
+            others = [t for t in state.trials if t.status == "ok" and t.settings != start]
             state.best = (start, state.baseline or state.best[1])
-            return
+            if not others:
+                return
+            best = max(others, key=lambda t: t.score or 0.0).settings
         order = [start, best, best, start] * CONFIRM_ROUNDS
         for settings in order[: 2 * CONFIRM_ROUNDS]:
             index = len(state.trials) + len(state.confirmations)

@@ -310,7 +310,7 @@ class TorchDemoResult:
         candidate = self.candidate
         if candidate is None:
             lines.append(
-                "no setting was better: PyTorch's defaults measured best of "
+                "no setting was better: no other setting measured without failing in "
                 f"{len(self.state.trials)} trials"
             )
         elif confirmed is None:
@@ -329,8 +329,8 @@ class TorchDemoResult:
                 lines.append(f"confirmed gain over PyTorch's defaults: {confirmed.describe()}")
             else:
                 lines.append(
-                    f"no setting was better: the best trial's {describe(candidate)} measured "
-                    f"{confirmed.describe()} against the defaults; the defaults stay"
+                    f"no setting was better: the best candidate ({describe(candidate)}) "
+                    f"measured {confirmed.describe()} against the defaults; the defaults stay"
                 )
             lines.append(measured)
         steps = {rank: len(s) for rank, s in self.rank_steps.items()}
