@@ -385,8 +385,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         runs += f" and {len(state.confirmations)} confirmations"
     if state.confirmed is not None and not state.confirmed.better:
         console.print(
-            "[bold]no setting was better than the starting settings[/bold]: the best trial's "
-            f"settings measured {state.confirmed.describe()} against them when re-measured "
+            "[bold]no setting was better than the starting settings[/bold]: the best candidate "
+            f"measured {state.confirmed.describe()} against them when re-measured "
             f"interleaved; {runs}, the starting settings published as v{state.final_version}"
         )
     else:

@@ -113,7 +113,7 @@ class ReportSummary:
                 gain = f"gain {self.candidate_gain:+.1%} ({text})"
                 return f"{gain} over the starting settings, confirmed"
             return (
-                "no setting was better than the starting settings (the best trial's settings "
+                "no setting was better than the starting settings (the best candidate "
                 f"measured {self.candidate_gain:+.1%}, {text})"
             )
         if self.gain is None:
@@ -444,7 +444,8 @@ def _html(png: bytes, trials: Sequence[Trial], summary: ReportSummary) -> str:
     heads = ["trial", "version", "status", "score", *summary.knobs, "seconds"]
     rows = []
     for t in sorted(trials, key=lambda t: t.index):
-        cells = [t.index, t.version, t.status, t.score, *(t.settings.get(k) for k in summary.knobs)]
+        status = f"{t.status} (confirmation)" if t.confirmation else t.status
+        cells = [t.index, t.version, status, t.score, *(t.settings.get(k) for k in summary.knobs)]
         cells.append(t.seconds)
         row = "".join(f"<td>{_cell(c)}</td>" for c in cells)
         rows.append(f'<tr class="{t.outcome}">{row}</tr>')
