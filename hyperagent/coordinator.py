@@ -613,9 +613,10 @@ class Coordinator:
         settings: dict[str, Any],
         index: int,
         version: int | None = None,
+        abortable: bool = True,
     ) -> TrialRecord:
         """One trial: publish (unless resuming ``version``), wait for acks, wait for the
-        measurements (or abort early), score."""
+        measurements (or, when ``abortable``, abort early), score."""
         began = time.monotonic()
         cfg = state.config
         if version is None:
@@ -635,23 +636,23 @@ class Coordinator:
             elif not self._quorum(state):
                 record.status = "lost_nodes"
         if record.status == "ok":
-            await self._measure(state, record)
+            await self._measure(state, record, abortable)
         record.seconds = time.monotonic() - began
         state.trial_started = None
         return record
 
-    async def _measure(self, state: JobState, record: TrialRecord) -> None:
+    async def _measure(self, state: JobState, record: TrialRecord, abortable: bool) -> None:
         """Wait for the active nodes' measurements of the trial, or abort it early."""
         version = record.version
+
+        def abort() -> bool:
+            return abortable and self._should_abort(state, version)
+
         reports = await self._collect(
-            state,
-            state.reports,
-            version,
-            state.config.trial_timeout_s,
-            abort=lambda: self._should_abort(state, version),
+            state, state.reports, version, state.config.trial_timeout_s, abort=abort
         )
         active = state.active_nodes
-        if self._should_abort(state, version) and not set(active) <= set(reports):
+        if abort() and not set(active) <= set(reports):
             partials = state.partials[version]
             record.status = "aborted"
             record.reports = {n: partials[n] for n in active}
@@ -839,7 +840,7 @@ class Coordinator:
         order = [start, best, best, start] * CONFIRM_ROUNDS
         for settings in order[: 2 * CONFIRM_ROUNDS]:
             index = len(state.trials) + len(state.confirmations)
-            record = await self.run_trial(state, settings, index)
+            record = await self.run_trial(state, settings, index, abortable=False)
             record.confirmation = True
             state.journal.append(record.to_journal())
             state.confirmations.append(record)
