@@ -288,7 +288,8 @@ class SearchSpace:
 
         Sizes snap to the nearest power of two by log distance (25 MiB -> 32), power caps are
         clamped into the limits then rounded to the grid (a missing cap means the maximum), a
-        missing algorithm or one the backend lacks becomes ``ring``, and unknown keys, or knobs
+        missing algorithm or one the space lacks becomes ``ring`` (or the space's one pinned
+        algorithm), and unknown keys, or knobs
         this space does not have, are dropped. A missing bucket size (or chunk size, where the
         space has one), or a value that is not a number or an algorithm name, raises ValueError.
         """
