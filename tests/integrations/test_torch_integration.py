@@ -31,7 +31,7 @@ try:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from hyperagent.demo_torch import LAYERS, build_model, launch_ranks, stop_ranks
+    from hyperagent.demo_torch import BATCH, LAYERS, build_model, launch_ranks, stop_ranks
     from hyperagent.integrations.torch import (
         DdpKnobs,
         TunedDDP,
@@ -271,7 +271,7 @@ async def test_ranks_switch_settings_together_whenever_each_receives_them(tmp_pa
     for rank in range(2):
         reported = reports[rank]
         assert [s.version for s in reported] == versions[rank]
-        assert all(s.rank == rank and s.samples == 64 for s in reported)
+        assert all(s.rank == rank and s.samples == BATCH for s in reported)
         for s, logged in zip(reported, logs[rank], strict=True):
             assert s.step_s == pytest.approx(logged["step_s"])
             assert 0 <= s.comm_s <= s.step_s
