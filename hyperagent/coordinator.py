@@ -4,10 +4,13 @@ ask -> journal + publish signed settings v (retained) -> wait for every active n
 -> the agents settle and measure (partial reports after each window) -> wait for every active
 node's report of v, aborting early when the partial score falls below ``abort_below`` x the
 baseline -> score -> journal -> tell. A failed trial (missing ack, refusal, timeout, NaN loss,
-XID) rolls the job back to the last known good settings at once. Nodes that go offline or stop
-answering are excluded from scoring while they are away. After the trial budget or on
-convergence the best settings are measured once more, then published without a measurement
-plan; the coordinator keeps watching the job and re-tunes when its throughput drifts.
+XID) rolls the job back to the last known good settings at once. Nodes that go offline, stop
+answering, or whose job stops stepping (their agent says "stalled") are excluded from scoring
+while they are away. The search space follows the knobs the job's ranks announce (the others
+stay at their starting value). After the trial budget or on convergence the starting and the
+best settings are measured again, interleaved, and the best is kept only when its gain's
+interval lies above zero; the chosen settings are published without a measurement plan; the
+coordinator keeps watching the job and re-tunes when its throughput drifts.
 """
 
 from __future__ import annotations
