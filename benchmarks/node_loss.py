@@ -3,9 +3,10 @@
 BACKGROUND.md reports +15% task time with 20% of nodes failing at random against +300% for a
 naive scheme. Here: a 5-node job tuned for a fixed trial budget on the embedded broker, with
 one node (20%) lost after the second trial, in two ways: the node goes away (its agent says
-offline), and the node's training job hangs while its agent stays up (it must time out). For
-each: whether the tuning completed, its wall time against the undisturbed run, and the quality
-of the settings it chose.
+offline), and the node's training job hangs while its agent stays up (its agent sees the steps
+stop for several times their median interval, at least ``STALL_MIN_S``, and the node leaves the
+trial at once). For each: whether the tuning completed, its wall time against the undisturbed
+run, and the quality of the settings it chose.
 
     python benchmarks/node_loss.py [--seeds 3] [--trials 8]
 """
@@ -69,7 +70,7 @@ async def main(seeds: int, trials: int) -> None:
                 results[fault].append(await tune(url, seed, trials, fault))
     base = statistics.median(r["seconds"] for r in results["none"])
     print(
-        f"{NODES}-node simulated job, {trials} trials (+1 confirmation), {seeds} seeds; "
+        f"{NODES}-node simulated job, {trials} trials (+ confirmations), {seeds} seeds; "
         "one node (20%) lost after trial 2"
     )
     print(

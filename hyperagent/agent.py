@@ -6,8 +6,9 @@ import asyncio
 import logging
 import math
 import os
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,42 @@ from hyperagent.sources.job import JobSource
 from hyperagent.sources.nvml import ENERGY as GPU_ENERGY
 from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import DUE_FRACTION, SourceRunner
-from hyperagent.tuner.trial import MeasurementPlan, Phase, TrialMeasurement
+from hyperagent.tuner.trial import Measurement, MeasurementPlan, Phase, TrialMeasurement
 
 log = logging.getLogger(__name__)
 
 GPU_PROCESSES_INTERVAL_S = 5.0
 """How often NVML's running processes are matched against the job channel's peers."""
+
+STALL_STEPS = 8
+"""A job whose steps stop for this many times its median step interval has stalled ..."""
+
+STALL_MIN_S = 2.0
+"""... and for at least this long (a busy machine's hiccups are not a hang)."""
+
+STALL_CHECK_S = 0.1
+"""How often running trials are checked for a stalled job."""
+
+
+@dataclass
+class _StepClock:
+    """When one job's steps arrive on this node (monotonic wall time), per rank."""
+
+    last: dict[int, float] = field(default_factory=dict)
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+
+    def tick(self, rank: int, now: float) -> None:
+        previous = self.last.get(rank)
+        if previous is not None:
+            self.intervals.append(now - previous)
+        self.last[rank] = now
+
+    def stalled(self, now: float) -> bool:
+        """No rank stepped for ``STALL_STEPS`` median intervals (and ``STALL_MIN_S``)."""
+        if len(self.intervals) < 4 or not self.last:
+            return False
+        limit = max(STALL_STEPS * statistics.median(self.intervals), STALL_MIN_S)
+        return now - max(self.last.values()) > limit
 
 
 @dataclass
@@ -109,6 +140,7 @@ class Agent:
         self._load_applied()
         self._trials: dict[str, _Trial] = {}
         self._trial_events: asyncio.Queue[tuple[_Trial, Phase]] = asyncio.Queue()
+        self._step_clocks: dict[str, _StepClock] = {}
         self._logged_rejections: set[str] = set()
         self.collections = 0
         self._telemetry_at = -math.inf
@@ -219,6 +251,7 @@ class Agent:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._collect_loop(), name="collect")
                 tasks.create_task(self._trial_loop(), name="trials")
+                tasks.create_task(self._stall_loop(), name="stalls")
                 tasks.create_task(self.notifier.watchdog(self._alive), name="watchdog")
                 if self.link is not None:
                     tasks.create_task(self.link.run(), name="mqtt")
@@ -291,12 +324,13 @@ class Agent:
         )
         if self.link is not None and telemetry_due:
             self._telemetry_at = self.last_collection
-            jobs = {}
+            jobs: dict[str, Any] = {}
             if self.job_source is not None:
-                jobs = {
-                    j: {"samples": t.samples, "step_s": t.step_s}
-                    for j, t in self.job_source.jobs.items()
-                }
+                for j, t in self.job_source.jobs.items():
+                    jobs[j] = {"samples": t.samples, "step_s": t.step_s}
+                    knobs = t.knobs()
+                    if knobs is not None:
+                        jobs[j]["knobs"] = list(knobs)
             self.link.publish(
                 self.topics.telemetry(self.node), telemetry_payload(snapshot, indicators, jobs)
             )
@@ -502,6 +536,10 @@ class Agent:
                 job, JobSettings(version, job_knobs, message.get("backend", {}))
             )
             applied["job_reporters"] = delivered
+            totals = self.job_source.jobs.get(job)
+            knobs = totals.knobs() if totals is not None else None
+            if knobs is not None:
+                applied["knobs"] = list(knobs)
             if delivered < attached:
                 problem = f"settings v{version} reached {delivered} of {attached} ranks"
                 self._reject("undelivered", problem)
@@ -551,12 +589,32 @@ class Agent:
                 "ok": ok,
                 "error": error,
                 "applied": applied or {},
+                "stalled": self.job_stalled(job),
                 "ts": time.time(),
             }
         )
         self.link.publish(self.topics.ack(job, self.node), payload, qos=1)
 
+    def job_stalled(self, job: str) -> bool:
+        """The job's ranks reported steps here, then stopped (see ``_StepClock.stalled``)."""
+        clock = self._step_clocks.get(job)
+        return clock is not None and clock.stalled(time.monotonic())
+
+    async def _stall_loop(self) -> None:
+        """A running trial whose job stopped stepping ends at once: the node reports itself
+        stalled (its partial windows discarded) and measures again at the next trial."""
+        while True:
+            await asyncio.sleep(STALL_CHECK_S)
+            for job, trial in list(self._trials.items()):
+                if self.job_stalled(job):
+                    log.warning(
+                        "the steps of %s stopped during v%d; leaving the trial", job, trial.version
+                    )
+                    del self._trials[job]
+                    self._publish_report(trial, None, stalled=True)
+
     def _on_step(self, step: StepReport) -> None:
+        self._step_clocks.setdefault(step.job, _StepClock()).tick(step.rank, time.monotonic())
         trial = self._trials.get(step.job)
         if trial is None:
             return
@@ -595,13 +653,18 @@ class Agent:
             return 0.0
         return self.snapshot.total("hyperagent_gpu_xid_errors_total") or 0.0
 
-    def _publish_report(self, trial: _Trial, energy_j: float | None, partial: bool = False) -> None:
+    def _publish_report(
+        self, trial: _Trial, energy_j: float | None, partial: bool = False, stalled: bool = False
+    ) -> None:
         """The node's measurement of a trial; ``partial`` ones go out after each window so the
-        coordinator can abort a bad trial early."""
+        coordinator can abort a bad trial early; a ``stalled`` one says the job stopped
+        stepping, with no measurement."""
         if self.link is None:
             return
         measurement = trial.measurement
         result = measurement.so_far() if partial else measurement.result()
+        if stalled:
+            result = Measurement(0, 0.0, 0.0, [], 0, False)
         xid = 0.0 if partial else self._xid_total() - trial.xid_start
         payload = bus.encode(
             {
@@ -618,11 +681,12 @@ class Agent:
                 "nonfinite_loss": result.nonfinite_loss,
                 "xid_errors": max(xid, 0.0),
                 "partial": partial,
+                "stalled": stalled,
                 "ts": time.time(),
             }
         )
         self.link.publish(self.topics.report(trial.job, self.node), payload, qos=1)
-        if not partial:
+        if not partial and not stalled:
             self.stats.reports_sent += 1
 
 

@@ -215,10 +215,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ReportError as e:
         print(f"hyperagent report: {e}", file=sys.stderr)
         return 1
-    gain = (
-        f", gain {summary.gain:+.1%} over the starting settings" if summary.gain is not None else ""
-    )
-    print(f"{out}: {summary.trials} trials{gain}")
+    print(f"{out}: {summary.trials} trials, {summary.outcome()}")
     return 0
 
 
@@ -253,6 +250,15 @@ def _describe(settings: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _trial_label(state: Any, record: Any) -> str:
+    """``  3/30`` for a trial of the budget, ``confirm 2/4`` for a re-measurement after it."""
+    if record.confirmation:
+        from hyperagent.coordinator import CONFIRM_ROUNDS
+
+        return f"confirm {len(state.confirmations)}/{2 * CONFIRM_ROUNDS}"
+    return f"{record.index + 1:>3}/{state.config.trials}"
+
+
 def _on_broker(args: argparse.Namespace, console: Any, demo: Any) -> Any:
     """Run ``demo(url)`` on ``--broker``, or on an embedded broker started for it."""
     from hyperagent.demo import embedded_broker
@@ -267,7 +273,12 @@ def _on_broker(args: argparse.Namespace, console: Any, demo: Any) -> Any:
 def cmd_demo_torch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hyperagent.demo_torch import DEFAULT_TRIALS, require_torch, run_torch_demo
+    from hyperagent.demo_torch import (
+        DEFAULT_TRIALS,
+        MODEL_DESCRIPTION,
+        require_torch,
+        run_torch_demo,
+    )
 
     trials = args.trials or DEFAULT_TRIALS
     if not 1 <= trials <= 500:
@@ -278,8 +289,8 @@ def cmd_demo_torch(args: argparse.Namespace) -> int:
         s = record.settings
         score = f"{record.score:.1f}" if record.score is not None else "-"
         console.print(
-            f"{record.index + 1:>3}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
-            f"chunk {s['chunk_kb']:>5} KiB  {record.status:<8} {score:>8} samples/s"
+            f"{_trial_label(state, record)}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB"
+            f"  chunk {s['chunk_kb']:>5} KiB  {record.status:<8} {score:>8} samples/s"
         )
 
     async def demo(url: str) -> Any:
@@ -289,7 +300,7 @@ def cmd_demo_torch(args: argparse.Namespace) -> int:
         require_torch()
         console.print(
             "hyperagent demo: 2 PyTorch DDP ranks (gloo on 127.0.0.1), "
-            f"1.8M-parameter MLP, objective throughput (samples/s), {trials} trials"
+            f"{MODEL_DESCRIPTION}, objective throughput (samples/s), {trials} trials"
         )
         result = _on_broker(args, console, demo)
     except HyperagentError as e:
@@ -332,8 +343,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         gain = f"{state.gain:+.1%}" if state.gain is not None else "-"
         score = f"{record.score:.1f}" if record.score is not None else record.status
         s = {"bucket_mb": "-", "chunk_kb": "-", **record.settings}
+        if record.confirmation:
+            best, gain = "-", "confirming"
         progress.console.print(
-            f"{record.index + 1:>3}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
+            f"{_trial_label(state, record)}  v{record.version:<3} bucket {s['bucket_mb']:>3} MiB  "
             f"chunk {s['chunk_kb']:>5} KiB  {s.get('allreduce', ''):<16.16} "
             f"{s.get('power_cap_w', '-')!s:>4} W  {score:>8}"
         )
@@ -367,11 +380,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(
         f"best settings:     {_describe(result.best_settings)}: {state.best[1]:.1f} {unit}"
     )
-    console.print(
-        f"[bold green]gain over the starting settings: {state.gain:+.1%}[/bold green] "
-        f"measured ({result.simulated_gain:+.1%} on the noiseless model), "
-        f"{len(state.trials)} trials, published as settings v{state.final_version}"
-    )
+    runs = f"{len(state.trials)} trials"
+    if state.confirmations:
+        runs += f" and {len(state.confirmations)} confirmations"
+    if state.confirmed is not None and not state.confirmed.better:
+        console.print(
+            "[bold]no setting was better than the starting settings[/bold]: the best candidate "
+            f"measured {state.confirmed.describe()} against them when re-measured "
+            f"interleaved; {runs}, the starting settings published as v{state.final_version}"
+        )
+    else:
+        interval = f" ({state.confirmed.interval()})" if state.confirmed is not None else ""
+        console.print(
+            f"[bold green]gain over the starting settings: {state.gain:+.1%}[/bold green]"
+            f"{interval} measured ({result.simulated_gain:+.1%} on the noiseless model), "
+            f"{runs}, published as settings v{state.final_version}"
+        )
     if args.workload == "simulated":
         console.print(f"a picture of the tuning: {args.report}")
     return 0
@@ -444,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="simulated",
         help="simulated nodes, or two real PyTorch DDP ranks (gloo) on this machine",
     )
-    demo.add_argument("--trials", type=int, help="trial budget (30 simulated, 12 torch-ddp)")
+    demo.add_argument("--trials", type=int, help="trial budget (30 simulated, 10 torch-ddp)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--objective", choices=["throughput", "energy"], default="throughput")
     demo.add_argument(

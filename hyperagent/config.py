@@ -322,6 +322,11 @@ class TrialPlanSection(_Model):
     measure_steps: Annotated[int, Field(ge=1)] = 40
     measure_s: Annotated[float, Field(ge=0)] = 5.0
     windows: Annotated[int, Field(ge=1, le=64)] = 4
+    target_rel_se: Annotated[float, Field(ge=0, le=1)] = 0.02
+    """After ``windows`` windows, measure on until the score's standard error is this fraction
+    of it ..."""
+    max_windows: Annotated[int, Field(ge=0, le=1024)] = 0
+    """... or this many windows are done (0: four times ``windows``)."""
 
 
 class JobTuningSection(_Model):

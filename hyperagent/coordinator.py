@@ -4,10 +4,13 @@ ask -> journal + publish signed settings v (retained) -> wait for every active n
 -> the agents settle and measure (partial reports after each window) -> wait for every active
 node's report of v, aborting early when the partial score falls below ``abort_below`` x the
 baseline -> score -> journal -> tell. A failed trial (missing ack, refusal, timeout, NaN loss,
-XID) rolls the job back to the last known good settings at once. Nodes that go offline or stop
-answering are excluded from scoring while they are away. After the trial budget or on
-convergence the best settings are measured once more, then published without a measurement
-plan; the coordinator keeps watching the job and re-tunes when its throughput drifts.
+XID) rolls the job back to the last known good settings at once. Nodes that go offline, stop
+answering, or whose job stops stepping (their agent says "stalled") are excluded from scoring
+while they are away. The search space follows the knobs the job's ranks announce (the others
+stay at their starting value). After the trial budget or on convergence the starting and the
+best settings are measured again, interleaved, and the best is kept only when its gain's
+interval lies above zero; the chosen settings are published without a measurement plan; the
+coordinator keeps watching the job and re-tunes when its throughput drifts.
 """
 
 from __future__ import annotations
@@ -31,12 +34,27 @@ from hyperagent.readings import Kind, Reading
 from hyperagent.tuner.journal import Journal, JournalState
 from hyperagent.tuner.optimizer import Tuner
 from hyperagent.tuner.space import SearchSpace
-from hyperagent.tuner.trial import MeasurementPlan, score, score_noise
+from hyperagent.tuner.trial import (
+    Gain,
+    MeasurementPlan,
+    compare,
+    score,
+    score_noise,
+    trial_samples,
+)
 
 log = logging.getLogger(__name__)
 
 POWER_AVERAGING_WINDOW_S = 1.0
 """NVML averages board power over about a second; a power change settles for 3x that."""
+
+CONFIRM_ROUNDS = 2
+"""After tuning, the baseline and the best settings are each measured this many times more,
+interleaved (baseline, best, best, baseline, ...), and compared on those measurements."""
+
+JOB_KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
+"""Knobs the job itself applies (the power cap is the agent's); a job that announces which of
+them it applies has the others pinned at their starting value."""
 
 CLOCK_TICK_S = 0.5
 """Trial deadlines count only time connected to the broker, checked this often."""
@@ -78,6 +96,9 @@ class TrialRecord:
     seconds: float = 0.0
     noise: float | None = None
     """Standard error of the score, from the spread of the measurement windows."""
+    confirmation: bool = False
+    """A re-measurement after tuning (the baseline or the best, interleaved), not a trial of
+    the budget."""
 
     def to_journal(self) -> dict[str, Any]:
         reports = {
@@ -94,6 +115,7 @@ class TrialRecord:
             "reports": reports,
             "seconds": self.seconds,
             "noise": self.noise,
+            **({"confirmation": True} if self.confirmation else {}),
         }
 
     @classmethod
@@ -107,6 +129,7 @@ class TrialRecord:
             entry.get("reports", {}),
             entry.get("seconds", 0.0),
             entry.get("noise"),
+            bool(entry.get("confirmation", False)),
         )
 
 
@@ -120,6 +143,10 @@ class JobState:
     journal: Journal
     version: int = 0
     trials: list[TrialRecord] = field(default_factory=list)
+    confirmations: list[TrialRecord] = field(default_factory=list)
+    """The baseline and the best settings measured again after tuning, interleaved."""
+    confirmed: Gain | None = None
+    """The best settings' gain over the baseline from the confirmations; None without them."""
     baseline: float | None = None
     best: tuple[dict[str, Any], float] | None = None
     final_version: int | None = None
@@ -142,6 +169,8 @@ class JobState:
     progress: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """node -> (samples, step seconds, wall time) of the last telemetry, for drift."""
     drifting_since: float | None = None
+    knobs: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
+    """node -> the knobs its job's ranks said they apply (None: they did not say)."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     _members: tuple[tuple[str, ...], frozenset[str]] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -162,10 +191,21 @@ class JobState:
 
     @property
     def gain(self) -> float | None:
-        """Best score over the baseline (the starting settings), minus one."""
+        """Best score over the baseline (the starting settings), minus one: once confirmed,
+        both measured the same way (0 when no setting was better than the baseline)."""
+        if self.confirmed is not None:
+            return self.confirmed.value if self.confirmed.better else 0.0
         if self.best is None or not self.baseline:
             return None
         return self.best[1] / self.baseline - 1
+
+    @property
+    def announced_knobs(self) -> tuple[str, ...] | None:
+        """The knobs the job applies on every node whose ranks said (None: none said)."""
+        said = [k for k in self.knobs.values() if k is not None]
+        if not said:
+            return None
+        return tuple(k for k in said[0] if all(k in other for other in said[1:]))
 
     def record(self, trial: TrialRecord, penalty: float | None) -> None:
         """Account a finished trial in the tuner and the running best."""
@@ -342,12 +382,35 @@ class Coordinator:
         state = self.jobs.get(message["job"])
         if state is None or not state.has_node(message["node"]):
             return
+        node = message["node"]
         if kind == "ack":
             table = state.acks
+            knobs = (message.get("applied") or {}).get("knobs")
+            if isinstance(knobs, list) and all(isinstance(k, str) for k in knobs):
+                state.knobs[node] = tuple(knobs)
         else:
             table = state.partials if message.get("partial") else state.reports
-        node = message["node"]
-        readmit = {"ack": ("silent",), "report": ("silent", "no measurement")}[kind]
+        if message.get("stalled") is True:
+            # its job stopped stepping while its agent is online: out of the trial at once,
+            # its partial windows discarded; back at its next ack or report of a stepping job
+            if state.lost.get(node) != "stalled":
+                log.warning(
+                    "%s: node %s's job stopped stepping (v%d); excluded from scoring",
+                    state.config.id,
+                    node,
+                    message["version"],
+                )
+            state.lost[node] = "stalled"
+            async with state.changed:
+                state.partials.get(message["version"], {}).pop(node, None)
+                if kind == "ack":
+                    table.setdefault(message["version"], {})[node] = message
+                state.changed.notify_all()
+            return
+        readmit = {
+            "ack": ("silent", "stalled"),
+            "report": ("silent", "no measurement", "stalled"),
+        }[kind]
         if state.lost.get(node) in readmit:
             del state.lost[node]
             log.info("%s: node %s answers again", state.config.id, node)
@@ -401,6 +464,9 @@ class Coordinator:
             samples, step_s = totals.get("samples"), totals.get("step_s")
             if isinstance(samples, int | float) and isinstance(step_s, int | float):
                 state.progress[node] = (float(samples), float(step_s), float(message["ts"]))
+            knobs = totals.get("knobs")
+            if isinstance(knobs, list) and all(isinstance(k, str) for k in knobs):
+                state.knobs[node] = tuple(knobs)
 
     # -- metrics -------------------------------------------------------------------------
 
@@ -519,7 +585,15 @@ class Coordinator:
         settle_s = p.settle_s
         if state.current.get("power_cap_w") != settings.get("power_cap_w"):
             settle_s = max(settle_s, 3 * POWER_AVERAGING_WINDOW_S)
-        return MeasurementPlan(p.settle_steps, settle_s, p.measure_steps, p.measure_s, p.windows)
+        return MeasurementPlan(
+            p.settle_steps,
+            settle_s,
+            p.measure_steps,
+            p.measure_s,
+            p.windows,
+            p.target_rel_se,
+            p.max_windows,
+        )
 
     def _score(self, state: JobState, reports: list[dict[str, Any]]) -> float | None:
         cfg = state.config
@@ -542,9 +616,10 @@ class Coordinator:
         settings: dict[str, Any],
         index: int,
         version: int | None = None,
+        abortable: bool = True,
     ) -> TrialRecord:
         """One trial: publish (unless resuming ``version``), wait for acks, wait for the
-        measurements (or abort early), score."""
+        measurements (or, when ``abortable``, abort early), score."""
         began = time.monotonic()
         cfg = state.config
         if version is None:
@@ -564,23 +639,23 @@ class Coordinator:
             elif not self._quorum(state):
                 record.status = "lost_nodes"
         if record.status == "ok":
-            await self._measure(state, record)
+            await self._measure(state, record, abortable)
         record.seconds = time.monotonic() - began
         state.trial_started = None
         return record
 
-    async def _measure(self, state: JobState, record: TrialRecord) -> None:
+    async def _measure(self, state: JobState, record: TrialRecord, abortable: bool) -> None:
         """Wait for the active nodes' measurements of the trial, or abort it early."""
         version = record.version
+
+        def abort() -> bool:
+            return abortable and self._should_abort(state, version)
+
         reports = await self._collect(
-            state,
-            state.reports,
-            version,
-            state.config.trial_timeout_s,
-            abort=lambda: self._should_abort(state, version),
+            state, state.reports, version, state.config.trial_timeout_s, abort=abort
         )
         active = state.active_nodes
-        if self._should_abort(state, version) and not set(active) <= set(reports):
+        if abort() and not set(active) <= set(reports):
             partials = state.partials[version]
             record.status = "aborted"
             record.reports = {n: partials[n] for n in active}
@@ -627,6 +702,9 @@ class Coordinator:
         state.version = max(state.version, journal.version)
         for entry in journal.trials:
             trial = TrialRecord.from_journal(entry)
+            if trial.confirmation:
+                state.confirmations.append(trial)
+                continue
             penalty = self._penalty(state)
             state.record(trial, penalty)
         if journal.trials:
@@ -692,6 +770,7 @@ class Coordinator:
                 record = await self.run_trial(state, settings, index)
                 in_flight = None
             else:
+                self._follow_knobs(state)
                 settings = state.tuner.ask()
                 record = await self.run_trial(state, settings, len(state.trials))
             state.journal.append(record.to_journal())
@@ -709,17 +788,102 @@ class Coordinator:
                 log.info("%s converged after %d trials", cfg.id, len(state.trials))
                 break
         if cfg.confirm_best and state.best is not None:
-            best_settings = state.best[0]
-            record = await self.run_trial(state, best_settings, len(state.trials))
-            state.journal.append(record.to_journal())
-            state.record(record, self._penalty(state))
-            if self.on_trial:
-                self.on_trial(state, record)
-            confirmed = state.tuner.best
-            if confirmed is not None:
-                state.best = (confirmed[0], confirmed[1])
+            await self._confirm(state)
         final = state.best[0] if state.best else (state.last_good or state.trials[0].settings)
         await self._finish(state, final, announce=True)
+
+    def _follow_knobs(self, state: JobState) -> None:
+        """Narrow the search space to the knobs the job's ranks announced (the others stay
+        at their starting value); the tuner starts over on the new space with the trials
+        that lie in it."""
+        announced = state.announced_knobs
+        if announced is None:
+            return
+        cfg = state.config
+        full = SearchSpace.default(
+            cfg.backend, len(cfg.nodes), cfg.power_limits_w, gradient_dtype=cfg.gradient_dtype
+        )
+        start = full.snap(state.trials[0].settings) if state.trials else self._warm_start(state)
+        pinned = [k for k in JOB_KNOBS if k not in announced and len(full.values(k)) > 1]
+        space = full.pin(start, pinned)
+        if space == state.space:
+            return
+        log.info(
+            "%s: the job applies %s; tuning those, with %s kept at %s",
+            cfg.id,
+            ", ".join(announced) or "no knob",
+            ", ".join(pinned) or "nothing",
+            {k: start[k] for k in pinned},
+        )
+        tuner = Tuner(space, seed=cfg.seed, start=space.snap(start), objective=cfg.objective)
+        for trial in state.trials:
+            if trial.score is not None and space.contains(trial.settings):
+                noise = trial.noise if trial.status == "ok" else None
+                tuner.tell(trial.settings, trial.score, noise=noise)
+        state.space, state.tuner = space, tuner
+        if state.best is not None and not space.contains(state.best[0]):
+            state.best = tuner.best
+
+    async def _confirm(self, state: JobState) -> None:
+        """Measure the baseline and the best settings again, interleaved (``CONFIRM_ROUNDS``
+        each), and keep the best only when its gain's interval lies above zero; otherwise the
+        baseline stays, reported as no worse than anything tried. When the baseline itself
+        scored best, the best of the other settings is measured against it."""
+        assert state.best is not None
+        baseline = next((t for t in state.trials if t.index == 0), None)
+        start = baseline.settings if baseline is not None else state.space.defaults()
+        best = (state.tuner.best or state.best)[0]
+        if best == start:
+            # the start measured best once, not interleaved: test the runner-up against it
+            others = [t for t in state.trials if t.status == "ok" and t.settings != start]
+            state.best = (start, state.baseline or state.best[1])
+            if not others:
+                return
+            best = max(others, key=lambda t: t.score or 0.0).settings
+        order = [start, best, best, start] * CONFIRM_ROUNDS
+        for settings in order[: 2 * CONFIRM_ROUNDS]:
+            index = len(state.trials) + len(state.confirmations)
+            record = await self.run_trial(state, settings, index, abortable=False)
+            record.confirmation = True
+            state.journal.append(record.to_journal())
+            state.confirmations.append(record)
+            self.update_metrics()
+            if self.on_trial:
+                self.on_trial(state, record)
+            if record.status in ROLLBACK_ON:
+                await self._rollback(state, f"confirmation {record.index} {record.status}")
+                if not self._quorum(state):
+                    await self._wait_for_quorum(state)
+        gain = self.confirmed_gain(state, start, best)
+        state.confirmed = gain
+        if gain is None:
+            log.warning("%s: the confirmations measured too little to compare", state.config.id)
+            return
+        state.baseline = gain.baseline
+        if gain.better:
+            state.best = (best, gain.best)
+            log.info("%s: %s over the baseline, confirmed", state.config.id, gain.describe())
+        else:
+            state.best = (start, gain.baseline)
+            log.info(
+                "%s: no setting was better than the baseline (best candidate %s)",
+                state.config.id,
+                gain.describe(),
+            )
+
+    def confirmed_gain(
+        self, state: JobState, start: dict[str, Any], best: dict[str, Any]
+    ) -> Gain | None:
+        """The best settings against the baseline from the confirmations that measured them."""
+        cfg = state.config
+        samples: dict[str, list[float]] = {"start": [], "best": []}
+        for record in state.confirmations:
+            if record.status != "ok" or record.settings not in (start, best):
+                continue
+            which = "start" if record.settings == start else "best"
+            reports = list(record.reports.values())
+            samples[which] += trial_samples(reports, cfg.objective, len(cfg.nodes))
+        return compare(samples["start"], samples["best"])
 
     async def _wait_for_quorum(self, state: JobState) -> None:
         log.warning("%s: fewer than half the nodes answer; pausing the tuning", state.config.id)
@@ -731,6 +895,7 @@ class Coordinator:
         cfg = state.config
         state.final_version, _ = await self._publish_acked(state, final, None, None)
         score_ = state.best[1] if state.best else None
+        confirmed = state.confirmed
         state.journal.append(
             {
                 "type": "final",
@@ -738,6 +903,16 @@ class Coordinator:
                 "settings": final,
                 "score": score_,
                 "baseline": state.baseline,
+                **(
+                    {
+                        "gain": confirmed.value,
+                        "gain_low": confirmed.low,
+                        "gain_high": confirmed.high,
+                        "better": confirmed.better,
+                    }
+                    if confirmed is not None
+                    else {}
+                ),
             }
         )
         state.done = True
@@ -823,6 +998,7 @@ class Coordinator:
             objective=state.config.objective,
         )
         state.trials, state.best, state.baseline = [], None, None
+        state.confirmations, state.confirmed = [], None
         state.done, state.drifting_since = False, None
         state.journal.append({"type": "start", "fingerprint": fingerprint(state.config)})
         await self._trials(state)

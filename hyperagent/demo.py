@@ -36,6 +36,8 @@ DEMO_CAPTURE = "gtx-8card.xml"
 JOB = "demo-job"
 JOB_DEFAULTS = {"bucket_mb": 25, "chunk_kb": 4096, "allreduce": "ring"}
 """What the simulated job runs before any setting arrives: PyTorch DDP's 25 MB buckets."""
+JOB_KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
+"""What the simulated job applies at a step boundary, announced when it attaches."""
 
 
 def demo_capture() -> Path:
@@ -205,8 +207,10 @@ async def simulated_cluster(
     job_overrides: Mapping[str, Any] | None = None,
     coordinator_dir: Path | None = None,
     on_trial: Callable[[JobState, TrialRecord], None] | None = None,
+    job_knobs: tuple[str, ...] | None = JOB_KNOBS,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
-    """Agents and simulated ranks running in the background, and a coordinator ready to run."""
+    """Agents and simulated ranks running in the background, and a coordinator ready to run.
+    The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say)."""
     key = key or os.urandom(32)
     capture = demo_capture()
     probe = FakeNvml.from_capture(capture)
@@ -241,7 +245,9 @@ async def simulated_cluster(
             clock = VirtualClock()
             nvml = FakeNvml.from_capture(capture, clock=clock)
             agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=key)
-            reporter = JobReporter(JOB, rank=0, socket_path=config.sources.job.socket)
+            reporter = JobReporter(
+                JOB, rank=0, socket_path=config.sources.job.socket, knobs=job_knobs
+            )
             sim_nodes.append(SimulatedNode(name, nvml, clock, agent, reporter))
         coordinator_config: Config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)

@@ -1,13 +1,16 @@
 """A real closed loop on this machine: PyTorch DDP ranks tuned by an agent and the coordinator.
 
-Two gloo ranks on 127.0.0.1 (subprocesses running this module) train a 1.8M-parameter MLP
-under :class:`hyperagent.integrations.torch.TunedDDP`. They share one node, so one Agent
-(no GPU: ``Hardware(nvml=None)``, the job channel its only source) relays their step reports and
-hands them settings. The coordinator tunes ``bucket_mb`` and ``chunk_kb`` for throughput over MQTT
-with a measurement plan sized for steps of tens of milliseconds. Its first trial is PyTorch's
+Two gloo ranks on 127.0.0.1 (subprocesses running this module) train an 11M-parameter MLP under
+:class:`hyperagent.integrations.torch.TunedDDP`: 42 MiB of gradients, three buckets at DDP's
+default, so both the bucket and the chunk size change how the gradients travel. The ranks share
+one node, so one Agent (no GPU: ``Hardware(nvml=None)``, the job channel its only source)
+relays their step reports and hands them settings. The coordinator tunes ``bucket_mb`` and
+``chunk_kb`` (the knobs TunedDDP announces) for throughput over MQTT; each trial measures in
+windows until its score is known to 2% or 8 windows are done. Its first trial is PyTorch's
 default in the space: 25 MiB buckets snapped to 32, and 32 MiB chunks, as large as the bucket,
-so each bucket is one allreduce (no chunking). After tuning, the default and the best settings
-are measured again, alternately, so the reported gain is not the luckiest trial's draw.
+so each bucket is one allreduce (no chunking). After tuning, the coordinator measures the
+defaults and the best trial's settings again, interleaved, and keeps the best only when its
+gain's 95% interval lies above zero; otherwise it says that no setting was better.
 
 Run a rank by hand with ``python -m hyperagent.demo_torch --rank 0 --world-size 2 ...``; the
 daemons' modules are imported only by :func:`run_torch_demo`, so a rank starts quickly.
@@ -41,18 +44,32 @@ from hyperagent.job import StepReport
 if TYPE_CHECKING:
     from torch import nn
 
-    from hyperagent.coordinator import Coordinator, JobState, TrialRecord
+    from hyperagent.coordinator import JobState, TrialRecord
 
 JOB = "torch-ddp"
 NODE = "node-0"
 WORLD_SIZE = 2
-DEFAULT_TRIALS = 12
-DEFAULT_CONFIRM_ROUNDS = 2
+DEFAULT_TRIALS = 10
 START_SETTINGS = {"bucket_mb": 25, "chunk_kb": 32768}
 """PyTorch's default as the space has it: 25 MiB snaps to 32; a 32 MiB chunk is the whole bucket."""
-PLAN = {"settle_steps": 10, "settle_s": 0.3, "measure_steps": 40, "measure_s": 1.0, "windows": 4}
-LAYERS = (256, 1024, 1024, 512, 10)
-BATCH = 64
+PLAN = {
+    "settle_steps": 3,
+    "settle_s": 0.5,
+    "measure_steps": 12,
+    "measure_s": 1.2,
+    "windows": 4,
+    "target_rel_se": 0.02,
+    "max_windows": 8,
+}
+"""Windows of at least 3 steps and 0.3 s; 4 to 8 of them, until the score is known to 2%."""
+LAYERS = (1024, 1536, 1536, 1536, 1536, 1536, 10)
+"""11M parameters: 42 MiB of fp32 gradients, in 3 buckets at DDP's default (the first of
+1 MiB, then 25 MiB), one at 256 MiB and 43 at 1 MiB."""
+BATCH = 8
+PARAMETERS = sum(a * b + b for a, b in itertools.pairwise(LAYERS))
+MODEL_DESCRIPTION = (
+    f"{PARAMETERS / 1e6:.1f}M-parameter MLP ({PARAMETERS * 4 / 2**20:.0f} MiB of gradients)"
+)
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 GLOO_TIMEOUT_S = 60.0
@@ -225,11 +242,9 @@ def torch_cluster_config(broker_url: str, trials: int, seed: int, workdir: Path)
 
 @dataclass
 class TorchDemoResult:
-    """What the demo measured: the tuning, the confirmation trials and every rank's steps."""
+    """What the demo measured: the tuning, its confirmations and every rank's steps."""
 
     state: JobState
-    confirmations: list[TrialRecord]
-    """Default and best settings measured again, alternately, after tuning."""
     rank_steps: dict[int, list[dict[str, Any]]]
     """rank -> one record per step: version, bucket_cap_mb, chunk_bytes, times, loss."""
     pids: list[int]
@@ -240,42 +255,33 @@ class TorchDemoResult:
     """Until both ranks reported a step (importing torch and wrapping DDP dominate)."""
 
     @property
+    def confirmations(self) -> list[TrialRecord]:
+        """PyTorch's defaults and the best trial's settings measured again, interleaved."""
+        return self.state.confirmations
+
+    @property
     def start_settings(self) -> dict[str, Any]:
         """The first trial's settings: PyTorch's defaults in the space."""
         return self.state.trials[0].settings
 
     @property
     def best_settings(self) -> dict[str, Any]:
+        """The settings the tuning ended with: the defaults unless something was confirmed
+        better."""
         return self.state.best[0] if self.state.best else self.start_settings
 
     @property
-    def tuner_gain(self) -> float | None:
-        """The coordinator's figure: best trial over the first trial, minus one."""
-        return self.state.gain
-
-    def confirmed_scores(self, settings: dict[str, Any]) -> list[float]:
-        """Scores of the confirmation trials that ran ``settings``, in order."""
-        return [
-            r.score for r in self.confirmations if r.settings == settings and r.score is not None
-        ]
-
-    @property
-    def confirmed_gain(self) -> float | None:
-        """Median re-measured throughput of the best settings over the defaults', minus one."""
-        best = self.confirmed_scores(self.best_settings)
-        default = self.confirmed_scores(self.start_settings)
-        if not best or not default:
-            return None
-        return statistics.median(best) / statistics.median(default) - 1
+    def candidate(self) -> dict[str, Any] | None:
+        """The best trial's settings, confirmed or not (None when the defaults stayed best)."""
+        for record in self.confirmations:
+            if record.settings != self.start_settings:
+                return record.settings
+        return None
 
     @property
     def gain(self) -> float | None:
-        """The measured gain over PyTorch's defaults: 0 when the defaults stayed best, else the
-        confirmed gain when re-measured, else the tuner's."""
-        if self.best_settings == self.start_settings:
-            return 0.0
-        confirmed = self.confirmed_gain
-        return confirmed if confirmed is not None else self.tuner_gain
+        """The confirmed gain over PyTorch's defaults (0 when no setting was better)."""
+        return self.state.gain
 
     @property
     def versions_by_rank(self) -> dict[int, list[int]]:
@@ -294,32 +300,39 @@ class TorchDemoResult:
         return len(runs) == WORLD_SIZE and all(run == runs[0] for run in runs) and bool(runs[0])
 
     def summary(self) -> list[str]:
-        """Printable lines: default and best settings with their scores, gains, steps."""
+        """Printable lines: the defaults, the outcome with its interval, steps and times."""
 
         def describe(s: dict[str, Any]) -> str:
             return f"bucket {s['bucket_mb']} MiB, chunk {s['chunk_kb']} KiB"
 
-        lines = [
-            f"PyTorch defaults: {describe(self.start_settings)}: "
-            f"{self.state.baseline or 0:.1f} samples/s",
-        ]
-        if self.state.best:
+        lines = [f"PyTorch defaults: {describe(self.start_settings)}"]
+        confirmed = self.state.confirmed
+        candidate = self.candidate
+        if candidate is None:
             lines.append(
-                f"best settings:    {describe(self.best_settings)}: "
-                f"{self.state.best[1]:.1f} samples/s"
+                "no setting was better: no other setting measured without failing in "
+                f"{len(self.state.trials)} trials"
             )
-        if self.tuner_gain is not None:
-            lines.append(f"tuner's gain (best trial over first): {self.tuner_gain:+.1%}")
-        if self.best_settings == self.start_settings:
-            lines.append("PyTorch's defaults stayed best: gain +0.0%")
-        elif self.confirmed_gain is not None:
-            default = self.confirmed_scores(self.start_settings)
-            best = self.confirmed_scores(self.best_settings)
+        elif confirmed is None:
             lines.append(
-                f"confirmed gain over PyTorch's defaults: {self.confirmed_gain:+.1%} (medians of "
-                f"re-measurements, alternately: defaults {', '.join(f'{v:.0f}' for v in default)}"
-                f"; best {', '.join(f'{v:.0f}' for v in best)} samples/s)"
+                f"no setting was better: the confirmations of {describe(candidate)} against "
+                "the defaults measured too little to compare; the defaults stay"
             )
+        else:
+            counts = f"{confirmed.samples[0]} and {confirmed.samples[1]} windows"
+            measured = (
+                f"defaults {confirmed.baseline:.1f}, best {confirmed.best:.1f} samples/s "
+                f"(interleaved re-measurements, {counts})"
+            )
+            if confirmed.better:
+                lines.append(f"best settings:    {describe(candidate)}")
+                lines.append(f"confirmed gain over PyTorch's defaults: {confirmed.describe()}")
+            else:
+                lines.append(
+                    f"no setting was better: the best candidate ({describe(candidate)}) "
+                    f"measured {confirmed.describe()} against the defaults; the defaults stay"
+                )
+            lines.append(measured)
         steps = {rank: len(s) for rank, s in self.rank_steps.items()}
         lines.append(
             f"{sum(steps.values())} steps on {len(steps)} ranks, same settings version at every "
@@ -328,8 +341,9 @@ class TorchDemoResult:
         trials = [*self.state.trials, *self.confirmations]
         lines.append(
             f"{self.seconds:.0f} s in all: ranks stepping after {self.startup_s:.0f} s, "
-            f"{len(trials)} trials of {statistics.median(t.seconds for t in trials):.1f} s "
-            f"(median), median step {self.median_step_s * 1000:.0f} ms"
+            f"{len(self.state.trials)} trials and {len(self.confirmations)} confirmations of "
+            f"{statistics.median(t.seconds for t in trials):.1f} s (median), "
+            f"median step {self.median_step_s * 1000:.0f} ms"
         )
         return lines
 
@@ -340,13 +354,13 @@ async def run_torch_demo(
     seed: int = 0,
     on_trial: TrialCallback | None = None,
     *,
-    confirm_rounds: int = DEFAULT_CONFIRM_ROUNDS,
     key: bytes | None = None,
 ) -> TorchDemoResult:
     """Tune two real DDP ranks end to end over the broker at ``broker_url``.
 
-    ``on_trial`` sees each tuning trial; ``confirm_rounds`` re-measures the defaults and the
-    best settings that many times each afterwards. Every process is stopped before returning.
+    ``on_trial`` sees each trial and each confirmation (the coordinator measures the defaults
+    and the best settings again, interleaved, after tuning). Every process is stopped before
+    returning.
     """
     from hyperagent.agent import Agent
     from hyperagent.config import build_config
@@ -355,8 +369,8 @@ async def run_torch_demo(
     from hyperagent.sources.job import JobSource
 
     require_torch()
-    if trials < 1 or confirm_rounds < 0:
-        raise ValueError("trials must be >= 1 and confirm_rounds >= 0")
+    if trials < 1:
+        raise ValueError("trials must be >= 1")
     began = time.monotonic()
     key = key or os.urandom(32)
     with tempfile.TemporaryDirectory(prefix="hyperagent-torch-") as tmp:
@@ -375,7 +389,6 @@ async def run_torch_demo(
         coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)
         state = coordinator.jobs[JOB]
         ranks: list[RankProcess] = []
-        confirmations: list[TrialRecord] = []
         failure: Exception | None = None
         startup_s = math.nan
         async with asyncio.TaskGroup() as tasks:
@@ -391,9 +404,7 @@ async def run_torch_demo(
                 )
                 await wait_until_stepping(ranks, watch.stepping, STARTUP_TIMEOUT_S)
                 startup_s = time.monotonic() - began
-                confirmations = await _while_ranks_run(
-                    ranks, _tune_and_confirm(coordinator, state, confirm_rounds)
-                )
+                await _while_ranks_run(ranks, coordinator.tune(state))
                 await link.flush(timeout_s=5)
             except Exception as e:
                 failure = e
@@ -406,7 +417,6 @@ async def run_torch_demo(
         rank_steps = {r.rank: await asyncio.to_thread(r.steps) for r in ranks}
     return TorchDemoResult(
         state=state,
-        confirmations=confirmations,
         rank_steps=rank_steps,
         pids=[r.process.pid for r in ranks],
         returncodes=[r.process.returncode for r in ranks],
@@ -415,25 +425,9 @@ async def run_torch_demo(
     )
 
 
-async def _tune_and_confirm(
-    coordinator: Coordinator, state: JobState, rounds: int
-) -> list[TrialRecord]:
-    await coordinator.tune(state)
-    default = state.trials[0].settings
-    best = state.best[0] if state.best else default
-    records: list[TrialRecord] = []
-    if best == default:
-        return records
-    for _ in range(rounds):
-        for settings in (default, best):
-            index = len(state.trials) + len(records)
-            records.append(await coordinator.run_trial(state, settings, index))
-    return records
-
-
 async def _while_ranks_run(
-    ranks: Sequence[RankProcess], work: Coroutine[Any, Any, list[TrialRecord]]
-) -> list[TrialRecord]:
+    ranks: Sequence[RankProcess], work: Coroutine[Any, Any, JobState]
+) -> JobState:
     """Await ``work``; if a rank exits first, cancel it and raise HyperagentError."""
     task = asyncio.create_task(work, name="tune")
     exits = [asyncio.create_task(r.process.wait(), name=f"rank-{r.rank}-exit") for r in ranks]
@@ -447,12 +441,12 @@ async def _while_ranks_run(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         _raise_if_exited(ranks)
-    result: list[TrialRecord] = task.result()
+    result: JobState = task.result()
     return result
 
 
 def build_model(seed: int) -> nn.Module:
-    """The demo's MLP (1.84M parameters), initialised from ``seed``."""
+    """The demo's MLP (:data:`PARAMETERS`), initialised from ``seed``."""
     import torch
     from torch import nn
 

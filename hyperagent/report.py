@@ -34,6 +34,7 @@ from matplotlib.lines import Line2D
 from hyperagent import durable
 from hyperagent.errors import HyperagentError
 from hyperagent.tuner.space import KNOBS
+from hyperagent.tuner.trial import interval_text
 
 SCORED_STATUSES = ("ok", "aborted")
 STATUS_COLOURS = {"ok": "tab:blue", "aborted": "tab:orange", "failed": "tab:red"}
@@ -65,6 +66,8 @@ class Trial:
     score: float | None
     status: str
     seconds: float | None
+    confirmation: bool = False
+    """A re-measurement of the baseline or the best settings after the trial budget."""
 
     @property
     def outcome(self) -> str:
@@ -91,10 +94,32 @@ class ReportSummary:
     chosen: dict[str, Any] | None
     """The final settings, or while tuning runs the best measured ones."""
     gain: float | None
-    """``best / baseline - 1``; None without both."""
+    """``best / baseline - 1``; None without both. Once confirmed, both were measured the same
+    way (interleaved re-measurements), and it is 0 when no setting was better."""
     knobs: tuple[str, ...] = field(default=())
     in_flight: int | None = None
     """The index of a trial published but not finished yet."""
+    confirmations: int = 0
+    """Re-measurements of the baseline and the best settings after the trial budget."""
+    interval: tuple[float, float] | None = None
+    """The confirmed gain's interval (the best trial's, also when it was no better)."""
+    candidate_gain: float | None = None
+    """The best trial's confirmed gain, also when its interval reached zero or below."""
+
+    def outcome(self) -> str:
+        """The gain in words: with its interval once confirmed, or that no setting was better."""
+        if self.interval is not None and self.candidate_gain is not None:
+            text = interval_text(*self.interval)
+            if self.interval[0] > 0:
+                gain = f"gain {self.candidate_gain:+.1%} ({text})"
+                return f"{gain} over the starting settings, confirmed"
+            return (
+                "no setting was better than the starting settings (the best candidate "
+                f"measured {self.candidate_gain:+.1%}, {text})"
+            )
+        if self.gain is None:
+            return "no gain yet (no baseline)"
+        return f"gain {self.gain:+.1%} over the starting settings, not confirmed"
 
 
 @dataclass
@@ -151,6 +176,7 @@ def _trial(entry: Mapping[str, Any]) -> Trial:
         score=_number(entry, "score", optional=True),
         status=status,
         seconds=_number(entry, "seconds", optional=True),
+        confirmation=entry.get("confirmation") is True,
     )
 
 
@@ -178,6 +204,8 @@ def _apply(state: _Round, entry: object) -> None:
         _settings(entry)
         _number(entry, "score", optional=True)
         _number(entry, "baseline", optional=True)
+        for key in ("gain", "gain_low", "gain_high"):
+            _number(entry, key, optional=True)
         state.final, state.in_flight = dict(entry), None
     else:
         raise ValueError(f"unknown entry type {kind!r}")
@@ -223,7 +251,9 @@ def _summarise(
 ) -> ReportSummary:
     first = next((t for t in trials if t.index == 0), None)
     baseline = first.score if first is not None and first.status == "ok" else None
-    measured = [t for t in trials if t.status == "ok" and t.score is not None]
+    measured = [
+        t for t in trials if t.status == "ok" and t.score is not None and not t.confirmation
+    ]
     top = max(measured, key=lambda t: t.score or 0.0) if measured else None
     if final is not None:
         if final.get("baseline") is not None:
@@ -234,13 +264,17 @@ def _summarise(
         best = top.score if top is not None else None
         chosen = dict(top.settings) if top is not None else None
     gain = best / baseline - 1 if best is not None and baseline else None
+    interval, candidate = None, None
+    if final is not None and final.get("gain_low") is not None:
+        interval = (float(final["gain_low"]), float(final["gain_high"]))
+        candidate = float(final["gain"])
     present = {k for t in trials for k in t.settings}
     knobs = tuple(k for k in KNOBS if k in present) + tuple(sorted(present - set(KNOBS)))
     return ReportSummary(
         journal=journal,
         out=out,
         job=job,
-        trials=len(trials),
+        trials=sum(not t.confirmation for t in trials),
         statuses=dict(sorted(Counter(t.status for t in trials).items())),
         finished=final is not None,
         baseline=baseline,
@@ -249,6 +283,9 @@ def _summarise(
         gain=gain,
         knobs=knobs,
         in_flight=in_flight,
+        confirmations=sum(t.confirmation for t in trials),
+        interval=interval,
+        candidate_gain=candidate,
     )
 
 
@@ -282,9 +319,8 @@ def _title(summary: ReportSummary) -> str:
     if summary.chosen is None:
         return f"{head}\nno successful trial yet"
     word = "chosen" if summary.finished else "best so far"
-    gain = f"{summary.gain:+.1%} over the baseline" if summary.gain is not None else "no baseline"
     best = f"{summary.best:.4g}" if summary.best is not None else "-"
-    return f"{head}\n{word}: {describe_settings(summary.chosen)}, score {best} ({gain})"
+    return f"{head}\n{word}: {describe_settings(summary.chosen)}, score {best}\n{summary.outcome()}"
 
 
 def _draw_scores(ax: Axes, trials: Sequence[Trial], summary: ReportSummary) -> None:
@@ -411,7 +447,8 @@ def _html(png: bytes, trials: Sequence[Trial], summary: ReportSummary) -> str:
     heads = ["trial", "version", "status", "score", *summary.knobs, "seconds"]
     rows = []
     for t in sorted(trials, key=lambda t: t.index):
-        cells = [t.index, t.version, t.status, t.score, *(t.settings.get(k) for k in summary.knobs)]
+        status = f"{t.status} (confirmation)" if t.confirmation else t.status
+        cells = [t.index, t.version, status, t.score, *(t.settings.get(k) for k in summary.knobs)]
         cells.append(t.seconds)
         row = "".join(f"<td>{_cell(c)}</td>" for c in cells)
         rows.append(f'<tr class="{t.outcome}">{row}</tr>')

@@ -83,3 +83,56 @@ def test_job_membership_follows_the_jobs_config(tmp_path: Path) -> None:
     assert state.has_node("n1") and not state.has_node("n2")
     state.config = state.config.model_copy(update={"nodes": ("n2",)})
     assert state.has_node("n2") and not state.has_node("n1")
+
+
+def test_the_knobs_jobs_announce_narrow_the_space(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path, ["n0", "n1"])
+    state = coordinator.jobs["j"]
+    assert state.space.allreduce == ("ring", "tree")
+
+    async def feed() -> None:
+        for node, knobs in (
+            ("n0", ["bucket_mb", "chunk_kb", "allreduce"]),
+            ("n1", ["chunk_kb", "bucket_mb"]),
+            ("n1", "everything"),  # not a list: ignored, n1's earlier word stands
+        ):
+            jobs = {"j": {"samples": 1, "step_s": 1.0, "knobs": knobs}}
+            await coordinator._on_telemetry(TOPICS.telemetry(node), _telemetry(node, jobs))
+
+    asyncio.run(feed())
+    assert state.knobs == {
+        "n0": ("bucket_mb", "chunk_kb", "allreduce"),
+        "n1": ("chunk_kb", "bucket_mb"),
+    }
+    assert state.announced_knobs == ("bucket_mb", "chunk_kb")  # what every node applies
+    coordinator._follow_knobs(state)
+    assert state.space.allreduce == ("ring",) and len(state.space.chunk_kb) == 11
+    assert state.space.contains(state.tuner.ask())
+
+
+def test_confirmations_resume_apart_from_the_trials(tmp_path: Path) -> None:
+    from hyperagent.coordinator import TrialRecord
+    from hyperagent.tuner.journal import JournalState
+
+    coordinator = _coordinator(tmp_path, ["n0"])
+    state = coordinator.jobs["j"]
+    start = state.space.defaults()
+    other = {**start, "bucket_mb": 64}
+
+    def record(index: int, settings: dict, windows: list[float], confirmation: bool) -> dict:
+        report = {"throughput": sum(windows) / len(windows), "windows": windows}
+        trial = TrialRecord(index, index + 1, settings, report["throughput"], "ok")
+        trial.reports, trial.confirmation = {"n0": report}, confirmation
+        return trial.to_journal()
+
+    entries = [
+        record(0, start, [100.0, 100.0], False),
+        record(1, other, [120.0, 120.0], False),
+        record(2, start, [99.0, 101.0, 100.0, 100.0], True),
+        record(3, other, [109.0, 111.0, 110.0, 110.0], True),
+    ]
+    coordinator._resume(state, JournalState(trials=entries))
+    assert [t.index for t in state.trials] == [0, 1]
+    assert [t.index for t in state.confirmations] == [2, 3]
+    gain = coordinator.confirmed_gain(state, start, other)
+    assert gain is not None and gain.better and abs(gain.value - 0.1) < 1e-9

@@ -112,6 +112,58 @@ async def test_a_lost_node_is_excluded_and_the_tuning_completes(mosquitto: Mosqu
     assert abs(state.best[1] - model.throughput(state.best[0])) < 0.1 * state.best[1]
 
 
+async def test_a_node_whose_job_hangs_leaves_the_trial_at_once_and_rejoins(
+    mosquitto: Mosquitto,
+) -> None:
+    def hang(state: JobState, record: Any) -> None:
+        if record.index == 0:
+            nodes[2].stalled = True  # its agent stays online; its training steps stop
+        elif record.index == 2:
+            nodes[2].stalled = False  # and start again
+
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=3,
+        trials=4,
+        seed=4,
+        speedup=100,
+        on_trial=hang,
+        job_overrides={"confirm_best": False, "trial_timeout_s": 120, "abort_below": 0},
+    ) as (coordinator, nodes, _):
+        async with asyncio.timeout(100):  # a trial waiting out its timeout would not finish
+            await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+    assert [t.status for t in state.trials] == ["ok"] * 4
+    everyone = {"node-0", "node-1", "node-2"}
+    assert set(state.trials[0].reports) == everyone
+    # the hung node left trial 1 (no partial window of it counts) and stayed out of trial 2
+    assert set(state.trials[1].reports) == set(state.trials[2].reports) == {"node-0", "node-1"}
+    assert all(r["steps"] > 0 and not r.get("stalled") for r in state.trials[1].reports.values())
+    assert state.acks[state.trials[2].version]["node-2"]["stalled"] is True
+    # it steps again: back in trial 3
+    assert set(state.trials[3].reports) == everyone and "node-2" not in state.lost
+
+
+async def test_the_space_follows_the_knobs_the_job_announces(mosquitto: Mosquitto) -> None:
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=6,
+        seed=1,
+        speedup=100,
+        job_knobs=("bucket_mb", "chunk_kb"),  # like TunedDDP: no live AllReduce switch
+        job_overrides={"confirm_best": False, "start": {"allreduce": "tree"}},
+    ) as (coordinator, _, _):
+        await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+    assert state.knobs == {"node-0": ("bucket_mb", "chunk_kb"), "node-1": ("bucket_mb", "chunk_kb")}
+    ack = state.acks[state.trials[-1].version]["node-0"]
+    assert ack["applied"]["knobs"] == ["bucket_mb", "chunk_kb"]
+    assert state.space.allreduce == ("tree",)  # kept where it started
+    assert {t.settings["allreduce"] for t in state.trials} == {"tree"}
+    assert len({(t.settings["bucket_mb"], t.settings["chunk_kb"]) for t in state.trials}) > 1
+
+
 def test_a_silent_node_means_no_ack_and_a_rollback(mosquitto: Mosquitto, tmp_path: Path) -> None:
     key = tmp_path / "settings.key"
     key.write_bytes(os.urandom(32).hex().encode())

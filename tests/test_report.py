@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import base64
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -120,7 +122,7 @@ def test_html_embeds_the_png_and_tables_every_trial(tmp_path: Path) -> None:
     ]
     assert "<td>nonfinite_loss</td>" in rows[6][1]
     assert "<td>910</td><td>128</td><td>8192</td><td>250</td><td>ring</td>" in rows[5][1]
-    assert "+13.1% over the baseline" in page
+    assert "gain +13.1% over the starting settings, not confirmed" in page
     assert "chosen: bucket 128 MiB, chunk 8192 KiB, cap 250 W, ring" in page
     assert "http" not in page.replace("<!DOCTYPE html>", "")  # nothing fetched from elsewhere
     assert summary.trials == len(rows)
@@ -317,3 +319,71 @@ def test_report_command_draws_a_journal(tmp_path: Path) -> None:
         timeout=120,
     )
     assert missing.returncode == 1 and "absent.jsonl" in missing.stderr
+
+
+def write_confirmed(path: Path, gain: float, low: float, high: float) -> Journal:
+    """TRIALS, then the start and the best re-measured interleaved, and the final entry as the
+    coordinator writes it after the confirmations."""
+    journal = write_journal(path)
+    best = TRIALS[5][0]
+    for offset, settings in enumerate([START, best, best, START]):
+        index = len(TRIALS) + offset
+        journal.append(
+            {"type": "published", "version": index + 1, "trial": index, "settings": settings}
+        )
+        journal.append(
+            {
+                "type": "trial",
+                "index": index,
+                "version": index + 1,
+                "settings": settings,
+                "score": 800.0 if settings == START else 800.0 * (1 + gain),
+                "status": "ok",
+                "reports": {},
+                "seconds": 9.0,
+                "confirmation": True,
+            }
+        )
+    better = low > 0
+    journal.append(
+        {
+            "type": "final",
+            "version": 20,
+            "settings": best if better else START,
+            "score": 800.0 * (1 + gain) if better else 800.0,
+            "baseline": 800.0,
+            "gain": gain,
+            "gain_low": low,
+            "gain_high": high,
+            "better": better,
+        }
+    )
+    return journal
+
+
+def test_the_report_gives_the_confirmed_gain_with_its_interval(tmp_path: Path) -> None:
+    journal = write_confirmed(tmp_path / "job.jsonl", 0.05, 0.02, 0.08)
+    summary = render_report(journal.path, tmp_path / "job.png")
+    assert summary.trials == len(TRIALS) and summary.confirmations == 4  # not trials 9..12
+    assert summary.gain == pytest.approx(0.05)
+    assert summary.outcome() == (
+        "gain +5.0% (95% interval +2.0% .. +8.0%) over the starting settings, confirmed"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "report", str(journal.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"{len(TRIALS)} trials, gain +5.0% (95% interval +2.0% .. +8.0%)" in result.stdout
+
+
+def test_a_gain_whose_interval_reaches_zero_is_reported_as_no_better(tmp_path: Path) -> None:
+    journal = write_confirmed(tmp_path / "job.jsonl", 0.01, -0.02, 0.04)
+    summary = render_report(journal.path, tmp_path / "job.png")
+    assert summary.gain == 0.0 and summary.chosen == START
+    assert summary.outcome() == (
+        "no setting was better than the starting settings (the best candidate "
+        "measured +1.0%, 95% interval -2.0% .. +4.0%)"
+    )

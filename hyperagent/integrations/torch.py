@@ -74,6 +74,10 @@ DEFAULT_HISTORY = 8
 """Received settings versions each rank remembers until all ranks have them."""
 MAX_BYTES = 1 << 40
 _ABSENT = -1
+APPLIED_KNOBS = ("bucket_mb", "chunk_kb")
+"""What TunedDDP applies live and announces when it attaches. Not the AllReduce algorithm:
+NCCL reads ``NCCL_ALGO`` only when a communicator is created, and TunedDDP keeps its process
+group, so the coordinator leaves the algorithm out of a TunedDDP job's search space."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +266,9 @@ class TunedDDP:
             raise ValueError(f"history must be at least 1, got {history}")
         self.rank = dist.get_rank()
         self._owns_reporter = reporter is None
-        self.reporter = reporter or JobReporter(str(job), rank=self.rank, socket_path=socket_path)
+        self.reporter = reporter or JobReporter(
+            str(job), rank=self.rank, socket_path=socket_path, knobs=APPLIED_KNOBS
+        )
         self._owns_control = control_group is None
         self._control = control_group or dist.new_group(backend="gloo")
         self._history = history

@@ -11,10 +11,11 @@ Python values.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import numbers
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,8 +185,13 @@ class SearchSpace:
         known = set(NCCL_EXTRA_ALGORITHMS).union(*ALGORITHMS.values())
         if len(set(self.allreduce)) != len(self.allreduce) or not set(self.allreduce) <= known:
             raise ValueError(f"allreduce: unknown or repeated algorithms in {self.allreduce}")
-        if _has_allreduce(self.backend) and "ring" not in self.allreduce:
-            raise ValueError("allreduce: every backend space with algorithms includes 'ring'")
+        if _has_allreduce(self.backend) and not self.allreduce:
+            raise ValueError(f"allreduce: backend {self.backend!r} needs at least one algorithm")
+        if len(self.allreduce) > 1 and "ring" not in self.allreduce:
+            raise ValueError(
+                "allreduce: a space that chooses among algorithms includes 'ring'"
+                " (one algorithm alone is a pinned knob)"
+            )
         if not _has_allreduce(self.backend) and self.allreduce:
             raise ValueError(
                 f"allreduce: backend {self.backend!r} has no algorithm choice;"
@@ -234,6 +240,12 @@ class SearchSpace:
             gradient_dtype=gradient_dtype,
         )
 
+    def pin(self, settings: Mapping[str, object], knobs: Iterable[str]) -> SearchSpace:
+        """This space with each of ``knobs`` held at its value in ``settings`` (snapped)."""
+        point = self.snap(settings)
+        fixed = {k: (point[k],) for k in knobs if self.values(k)}
+        return dataclasses.replace(self, **fixed)  # type: ignore[arg-type]
+
     @property
     def knobs(self) -> tuple[str, ...]:
         """The knob names settings of this space carry, in a fixed order."""
@@ -276,7 +288,8 @@ class SearchSpace:
 
         Sizes snap to the nearest power of two by log distance (25 MiB -> 32), power caps are
         clamped into the limits then rounded to the grid (a missing cap means the maximum), a
-        missing algorithm or one the backend lacks becomes ``ring``, and unknown keys, or knobs
+        missing algorithm or one the space lacks becomes ``ring`` (or the space's one pinned
+        algorithm), and unknown keys, or knobs
         this space does not have, are dropped. A missing bucket size (or chunk size, where the
         space has one), or a value that is not a number or an algorithm name, raises ValueError.
         """
@@ -299,7 +312,8 @@ class SearchSpace:
             known = {a for algorithms in ALGORITHMS.values() for a in algorithms}
             if name not in known | set(NCCL_EXTRA_ALGORITHMS):
                 raise ValueError(f"allreduce: unknown algorithm {name!r}")
-            snapped["allreduce"] = name if name in self.allreduce else "ring"
+            fallback = "ring" if "ring" in self.allreduce else self.allreduce[0]
+            snapped["allreduce"] = name if name in self.allreduce else fallback
         return snapped
 
     def defaults(self) -> Settings:

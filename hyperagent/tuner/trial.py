@@ -16,16 +16,45 @@ from typing import Any
 
 from hyperagent.job import StepReport
 
+TARGET_REL_SE = 0.02
+"""A measurement stops once its score's standard error is this fraction of the score ..."""
+
+MAX_WINDOWS_FACTOR = 4
+"""... or once it has this many times the plan's minimum number of windows."""
+
 
 @dataclass(frozen=True)
 class MeasurementPlan:
-    """Settle until both step and time minimums pass, then measure likewise, in windows."""
+    """Settle until both step and time minimums pass, then measure in windows until the score
+    is known well enough to rank.
+
+    Each window lasts at least ``measure_steps / windows`` steps and ``measure_s / windows``
+    seconds of every rank. After ``windows`` windows, measuring goes on one window at a time
+    until the windows' standard error is at most ``target_rel_se`` of their mean, or
+    ``max_windows`` windows (0: ``MAX_WINDOWS_FACTOR`` x ``windows``) are done. A plan of one
+    window has no spread to go by: it stops after that window.
+    """
 
     settle_steps: int = 10
     settle_s: float = 3.0
     measure_steps: int = 40
     measure_s: float = 5.0
     windows: int = 4
+    target_rel_se: float = TARGET_REL_SE
+    max_windows: int = 0
+
+    @property
+    def window_cap(self) -> int:
+        """The most windows one measurement takes."""
+        return max(self.windows, self.max_windows or MAX_WINDOWS_FACTOR * self.windows)
+
+    @property
+    def window_steps(self) -> int:
+        return max(1, -(-max(self.measure_steps, self.windows) // self.windows))
+
+    @property
+    def window_s(self) -> float:
+        return self.measure_s / self.windows
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,10 +69,18 @@ class MeasurementPlan:
                 measure_steps=int(data["measure_steps"]),
                 measure_s=float(data["measure_s"]),
                 windows=int(data["windows"]),
+                target_rel_se=float(data.get("target_rel_se", TARGET_REL_SE)),
+                max_windows=int(data.get("max_windows", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad measurement plan: {e}") from None
-        if plan.measure_steps < 1 or plan.windows < 1 or plan.settle_steps < 0:
+        if (
+            plan.measure_steps < 1
+            or plan.windows < 1
+            or plan.settle_steps < 0
+            or plan.max_windows < 0
+            or not plan.target_rel_se >= 0
+        ):
             raise ValueError("bad measurement plan: counts out of range")
         return plan
 
@@ -71,11 +108,20 @@ class Measurement:
 class _Rank:
     settle_steps: int = 0
     settle_s: float = 0.0
-    measured: list[StepReport] = field(default_factory=list)
+    windows: list[list[StepReport]] = field(default_factory=lambda: [[]])
+    """Measured steps in windows; the last one is still open."""
+
+    @property
+    def measured(self) -> list[StepReport]:
+        return [s for window in self.windows for s in window]
 
     @property
     def measured_s(self) -> float:
-        return sum(s.step_s for s in self.measured)
+        return sum(s.step_s for window in self.windows for s in window)
+
+    @property
+    def closed(self) -> int:
+        return len(self.windows) - 1
 
 
 class TrialMeasurement:
@@ -87,6 +133,8 @@ class TrialMeasurement:
         self.phase = Phase.SETTLING
         self.nonfinite_loss = False
         self._ranks: dict[int, _Rank] = {}
+        self._windows = 0
+        """Windows of the finished measurement (0 until DONE)."""
 
     def add(self, step: StepReport) -> Phase | None:
         """Account one step; returns the new phase when this step changed it."""
@@ -107,61 +155,71 @@ class TrialMeasurement:
                 self.phase = Phase.MEASURING
                 return self.phase
             return None
-        rank.measured.append(step)
-        if all(
-            len(r.measured) >= max(self.plan.measure_steps, self.plan.windows)
-            and r.measured_s >= self.plan.measure_s
-            for r in self._ranks.values()
+        window = rank.windows[-1]
+        window.append(step)
+        if (
+            len(window) < self.plan.window_steps
+            or sum(s.step_s for s in window) < self.plan.window_s
         ):
+            return None
+        rank.windows.append([])
+        closed = self.completed_windows
+        if closed >= self.plan.windows and (
+            closed >= self.plan.window_cap or self.plan.windows < 2 or self._precise(closed)
+        ):
+            self._windows = closed
             self.phase = Phase.DONE
             return self.phase
         return None
+
+    def _precise(self, windows: int) -> bool:
+        values = self._window_throughputs(windows)
+        mean = statistics.fmean(values)
+        if len(values) < 2 or mean <= 0:
+            return False
+        return statistics.stdev(values) / math.sqrt(len(values)) <= self.plan.target_rel_se * mean
+
+    def _window_throughputs(self, windows: int) -> list[float]:
+        out = [0.0] * windows
+        for rank in self._ranks.values():
+            for w, chunk in enumerate(rank.windows[:windows]):
+                chunk_s = sum(s.step_s for s in chunk)
+                if chunk_s > 0:
+                    out[w] += sum(s.samples for s in chunk) / chunk_s
+        return out
 
     @property
     def completed_windows(self) -> int:
         """Measurement windows every rank has finished (for partial reports)."""
         if self.phase is Phase.SETTLING or not self._ranks:
             return 0
-        size = max(1, -(-max(self.plan.measure_steps, self.plan.windows) // self.plan.windows))
-        return min(self.plan.windows, min(len(r.measured) for r in self._ranks.values()) // size)
+        return min(r.closed for r in self._ranks.values())
 
     def so_far(self) -> Measurement:
         """The measured steps so far as one window (for partial reports)."""
-        samples = sum(s.samples for r in self._ranks.values() for s in r.measured)
+        measured = {n: r.measured for n, r in self._ranks.items()}
+        samples = sum(s.samples for steps in measured.values() for s in steps)
         seconds = max((r.measured_s for r in self._ranks.values()), default=0.0)
         throughput = sum(
-            sum(s.samples for s in r.measured) / r.measured_s
-            for r in self._ranks.values()
-            if r.measured_s > 0
+            sum(s.samples for s in steps) / total
+            for steps in measured.values()
+            if (total := sum(s.step_s for s in steps)) > 0
         )
-        steps = sum(len(r.measured) for r in self._ranks.values())
+        steps = sum(len(s) for s in measured.values())
         return Measurement(samples, seconds, throughput, [throughput], steps, self.nonfinite_loss)
 
     def result(self) -> Measurement:
-        """The measurement so far (complete once phase is DONE)."""
-        windows = [0.0] * self.plan.windows
+        """The measurement: its finished windows (once phase is DONE: all of them)."""
+        windows = self._windows or self.completed_windows
         samples, seconds, steps = 0, 0.0, 0
         for rank in self._ranks.values():
             measured = rank.measured
             samples += sum(s.samples for s in measured)
             seconds = max(seconds, rank.measured_s)
             steps += len(measured)
-            for w, chunk in enumerate(_split(measured, self.plan.windows)):
-                chunk_s = sum(s.step_s for s in chunk)
-                if chunk_s > 0:
-                    windows[w] += sum(s.samples for s in chunk) / chunk_s
-        throughput = statistics.median(windows) if steps else 0.0
-        return Measurement(samples, seconds, throughput, windows, steps, self.nonfinite_loss)
-
-
-def _split(steps: Sequence[StepReport], parts: int) -> list[Sequence[StepReport]]:
-    size, extra = divmod(len(steps), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(steps[start:end])
-        start = end
-    return out
+        values = self._window_throughputs(windows)
+        throughput = statistics.median(values) if values else 0.0
+        return Measurement(samples, seconds, throughput, values, steps, self.nonfinite_loss)
 
 
 def node_power_w(report: Mapping[str, Any]) -> float | None:
@@ -219,3 +277,75 @@ def score_noise(
             return None
         variance += statistics.variance(windows) / len(windows)
     return math.sqrt(variance) * (nodes or len(reports)) / len(reports)
+
+
+CONFIDENCE = 0.95
+"""The confidence level of a gain's interval."""
+
+
+@dataclass(frozen=True)
+class Gain:
+    """The best settings against the baseline, both measured the same way (interleaved
+    trials, the same measurement plan): ``best / baseline - 1`` with its interval."""
+
+    baseline: float
+    """Mean of the baseline's samples (windows, or trials for the energy objective)."""
+    best: float
+    value: float
+    low: float
+    high: float
+    samples: tuple[int, int]
+    """How many samples (baseline, best) the means are over."""
+
+    @property
+    def better(self) -> bool:
+        """The best settings beat the baseline: the whole interval is above zero."""
+        return self.low > 0
+
+    def interval(self) -> str:
+        """``95% interval +4.1% .. +20.5%``."""
+        return interval_text(self.low, self.high)
+
+    def describe(self) -> str:
+        """``+12.3% (95% interval +4.1% .. +20.5%)``."""
+        return f"{self.value:+.1%} ({self.interval()})"
+
+
+def interval_text(low: float, high: float) -> str:
+    """A gain's interval in words: ``95% interval +4.1% .. +20.5%``."""
+    return f"{CONFIDENCE:.0%} interval {low:+.1%} .. {high:+.1%}"
+
+
+def trial_samples(
+    reports: Sequence[Mapping[str, Any]], objective: str, nodes: int | None = None
+) -> list[float]:
+    """One trial's scores per measurement window (the nodes' window ``w`` together, scaled
+    like :func:`score`), for the throughput objective; else the trial's one score."""
+    if objective == "throughput" and reports:
+        windows = [[float(w) for w in r.get("windows") or []] for r in reports]
+        count = min(len(w) for w in windows)
+        if count >= 2:
+            scale = (nodes or len(reports)) / len(reports)
+            return [sum(w[i] for w in windows) * scale for i in range(count)]
+    value = score(reports, objective, nodes)
+    return [] if value is None else [value]
+
+
+def compare(baseline: Sequence[float], best: Sequence[float]) -> Gain | None:
+    """The gain of ``best`` over ``baseline`` from their samples, with a Welch t interval on
+    the ratio of the means (delta method); None with fewer than two samples on a side or a
+    baseline mean that is not positive."""
+    from scipy.stats import t as student_t  # type: ignore[import-untyped]
+
+    if len(baseline) < 2 or len(best) < 2:
+        return None
+    a, b = statistics.fmean(baseline), statistics.fmean(best)
+    if a <= 0:
+        return None
+    va, vb = statistics.variance(baseline) / len(baseline), statistics.variance(best) / len(best)
+    ratio = b / a
+    se = ratio * math.sqrt(va / a**2 + vb / max(b, 1e-300) ** 2) if b > 0 else math.sqrt(vb) / a
+    terms = (va**2 / (len(baseline) - 1)) + (vb**2 / (len(best) - 1))
+    dof = (va + vb) ** 2 / terms if terms > 0 else len(baseline) + len(best) - 2
+    half = float(student_t.ppf(0.5 + CONFIDENCE / 2, dof)) * se
+    return Gain(a, b, ratio - 1, ratio - 1 - half, ratio - 1 + half, (len(baseline), len(best)))

@@ -32,7 +32,7 @@ try:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from hyperagent.demo_torch import build_model, launch_ranks, stop_ranks
+    from hyperagent.demo_torch import BATCH, LAYERS, build_model, launch_ranks, stop_ranks
     from hyperagent.integrations.torch import (
         DdpKnobs,
         TunedDDP,
@@ -153,11 +153,12 @@ async def test_one_rank_applies_settings_reports_its_version_and_stops(
     source.listeners.append(seen.append)
     model = build_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
+    x, y = torch.randn(8, LAYERS[0]), torch.randint(0, 10, (8,))
     try:
         with TunedDDP(model, job=JOB, socket_path=source.socket_path) as tuned:
-            await until(lambda: reporting(source))
-            # a unix datagram is in the receiver's queue once sendto returns
+            await until(lambda: reporting(source))  # the reporter's hello reached the source
+            # TunedDDP applies bucket and chunk live, not the AllReduce algorithm, and says so
+            assert source.jobs[JOB].knobs() == ("bucket_mb", "chunk_kb")
             assert source.send_settings(JOB, settings(1, 2, 64)) == 1
             assert tuned.step_begin() == settings(1, 2, 64)
             first_ddp = tuned.ddp
@@ -284,7 +285,7 @@ async def test_ranks_switch_settings_together_whenever_each_receives_them(tmp_pa
     for rank in range(2):
         reported = reports[rank]
         assert [s.version for s in reported] == versions[rank]
-        assert all(s.rank == rank and s.samples == 64 for s in reported)
+        assert all(s.rank == rank and s.samples == BATCH for s in reported)
         for s, logged in zip(reported, logs[rank], strict=True):
             assert s.step_s == pytest.approx(logged["step_s"])
             assert 0 <= s.comm_s <= s.step_s
@@ -305,7 +306,7 @@ def gradient_worker(rank: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     original = build_model(0)
     data = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(32, 256, generator=data), torch.randint(0, 10, (32,), generator=data)
+    x, y = torch.randn(32, LAYERS[0], generator=data), torch.randint(0, 10, (32,), generator=data)
 
     def gradients(wrapped: Any, model: torch.nn.Module) -> list[torch.Tensor]:
         F.cross_entropy(wrapped(x), y).backward()

@@ -353,9 +353,24 @@ def test_constructor_validates_values() -> None:
     with pytest.raises(ValueError, match="allreduce"):
         SearchSpace(backend="nccl", nodes=4, allreduce=("ring", "butterfly"))
     with pytest.raises(ValueError, match="ring"):
-        SearchSpace(backend="nccl", nodes=4, allreduce=("tree",))
+        SearchSpace(backend="nccl", nodes=4, allreduce=("tree", "nvls"))
+    with pytest.raises(ValueError, match="at least one algorithm"):
+        SearchSpace(backend="nccl", nodes=4, allreduce=())
+    pinned = SearchSpace(backend="nccl", nodes=4, allreduce=("tree",))  # one algorithm: pinned
+    point = pinned.snap({"bucket_mb": 32, "chunk_kb": 64, "allreduce": "ring"})
+    assert point["allreduce"] == "tree"
     narrow = SearchSpace(backend="nccl", nodes=4, bucket_mb=(8, 32), power_cap_w=(150, 200))
     assert narrow.size == 2 * 11 * 2 * 1
+
+
+def test_pin_holds_knobs_a_job_cannot_apply_at_their_starting_value() -> None:
+    space = SearchSpace.default("nccl", nodes=4, power_limits_w=(100, 250))
+    start = {"bucket_mb": 25, "chunk_kb": 4096, "allreduce": "tree", "power_cap_w": 250}
+    pinned = space.pin(start, ["allreduce"])
+    assert pinned.allreduce == ("tree",) and pinned.bucket_mb == space.bucket_mb
+    assert pinned.size == space.size // 2
+    assert all(s["allreduce"] == "tree" for s in pinned.grid())
+    assert pinned.pin(start, ["bucket_mb", "chunk_kb"]).size == len(space.power_cap_w)
 
 
 def test_energy_objective_seeds_half_the_maximum_power_cap() -> None:
