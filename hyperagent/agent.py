@@ -523,6 +523,8 @@ class Agent:
             try:
                 caps = await asyncio.to_thread(self.actuator.apply, float(settings["power_cap_w"]))
                 applied["power_cap_w"] = [c.applied_w for c in caps]
+                if self.actuator.last_latency_s is not None and any(c.changed for c in caps):
+                    applied["power_cap_latency_s"] = round(self.actuator.last_latency_s, 4)
             except ActuationError as e:
                 problem = str(e)
         if problem is not None:

@@ -169,6 +169,8 @@ class JobState:
     progress: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """node -> (samples, step seconds, wall time) of the last telemetry, for drift."""
     drifting_since: float | None = None
+    cap_latency_s: float | None = None
+    """The slowest power-cap change a node measured (its acks' ``power_cap_latency_s``)."""
     knobs: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
     """node -> the knobs its job's ranks said they apply (None: they did not say)."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -385,6 +387,9 @@ class Coordinator:
         node = message["node"]
         if kind == "ack":
             table = state.acks
+            latency = (message.get("applied") or {}).get("power_cap_latency_s")
+            if isinstance(latency, int | float) and 0 <= latency < 60:
+                state.cap_latency_s = max(state.cap_latency_s or 0.0, float(latency))
             knobs = (message.get("applied") or {}).get("knobs")
             if isinstance(knobs, list) and all(isinstance(k, str) for k in knobs):
                 state.knobs[node] = tuple(knobs)
@@ -580,11 +585,20 @@ class Coordinator:
         self.link.publish(self.topics.settings(state.config.id), bus.encode(message), 1, True)
         return state.version
 
+    @staticmethod
+    def _cap_settle_s(state: JobState) -> float:
+        """How long a power-cap change settles: the slowest change the nodes measured (from
+        the set call until instant power was under the cap) plus NVML's averaging window;
+        3 averaging windows until a node has measured one."""
+        if state.cap_latency_s is None:
+            return 3 * POWER_AVERAGING_WINDOW_S
+        return state.cap_latency_s + POWER_AVERAGING_WINDOW_S
+
     def _plan(self, state: JobState, settings: dict[str, Any]) -> MeasurementPlan:
         p = state.config.plan
         settle_s = p.settle_s
         if state.current.get("power_cap_w") != settings.get("power_cap_w"):
-            settle_s = max(settle_s, 3 * POWER_AVERAGING_WINDOW_S)
+            settle_s = max(settle_s, self._cap_settle_s(state))
         return MeasurementPlan(
             p.settle_steps,
             settle_s,

@@ -136,3 +136,28 @@ def test_confirmations_resume_apart_from_the_trials(tmp_path: Path) -> None:
     assert [t.index for t in state.confirmations] == [2, 3]
     gain = coordinator.confirmed_gain(state, start, other)
     assert gain is not None and gain.better and abs(gain.value - 0.1) < 1e-9
+
+
+def test_a_cap_change_settles_for_the_latency_the_nodes_measured(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path, ["n0", "n1"])
+    state = coordinator.jobs["j"]
+    capped = {"bucket_mb": 25, "chunk_kb": 4096, "power_cap_w": 300, "allreduce": "ring"}
+    # nothing measured yet: three of NVML's 1 s averaging windows
+    assert coordinator._plan(state, capped).settle_s == 3.0
+
+    async def acks() -> None:
+        for node, latency in (("n0", 0.42), ("n1", 2.5), ("stranger", 9.0)):
+            ack = {
+                "job": "j",
+                "node": node,
+                "version": 1,
+                "ok": True,
+                "applied": {"power_cap_w": [300.0], "power_cap_latency_s": latency},
+            }
+            await coordinator._on_ack(TOPICS.ack("j", node), bus.encode(ack))
+
+    asyncio.run(acks())
+    # the slowest node's measured latency, plus the averaging window
+    assert coordinator._plan(state, capped).settle_s == 2.5 + 1.0
+    state.current = dict(capped)
+    assert coordinator._plan(state, capped).settle_s == state.config.plan.settle_s  # no change
