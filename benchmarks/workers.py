@@ -575,7 +575,7 @@ def powercap_worker(args: argparse.Namespace) -> None:
 
         nvml: Any = CountingNvml(pynvml)
     else:
-        from hyperagent.testing.fake_nvml import FakeNvml
+        from hyperagent.capture.fake_nvml import FakeNvml
 
         nvml = FakeNvml.from_capture(
             args.capture / "nvidia-smi.xml", cap_response_s=args.response_s

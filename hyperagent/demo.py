@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from hyperagent.agent import Agent
+from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
 from hyperagent.coordinator import Coordinator, JobState, TrialRecord, coordinator_link
 from hyperagent.job import JobReporter
 from hyperagent.sim import JobModel
 from hyperagent.sources import Hardware
-from hyperagent.testing.fake_nvml import FakeNvml
 
 log = logging.getLogger(__name__)
 

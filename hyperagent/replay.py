@@ -428,8 +428,8 @@ class RecordedNvmlSource:
     target = "recording"
 
     def __init__(self, player: Player) -> None:
+        from hyperagent.capture.fake_nvml import FakeNvml
         from hyperagent.sources.nvml import NvmlSource
-        from hyperagent.testing.fake_nvml import FakeNvml
 
         self.player = player
         first = next(f for f in player.recording.frames if "nvml" in f.sources)

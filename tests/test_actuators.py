@@ -8,8 +8,8 @@ import pynvml
 import pytest
 
 from hyperagent.actuators import PowerCapActuator
+from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.errors import NoPermission
-from hyperagent.testing.fake_nvml import FakeNvml
 
 
 def limits_w(nvml: FakeNvml) -> list[float]:
@@ -141,7 +141,7 @@ class NoInstantPower(FakeNvml):
 def test_without_instant_power_the_latency_is_unknown_and_nothing_waits(
     nvidia_smi_dir: Path,
 ) -> None:
-    from hyperagent.testing.nvidia_smi import parse_capture
+    from hyperagent.capture.nvidia_smi import parse_capture
 
     clock = Clock()
     gpus = parse_capture((nvidia_smi_dir / "gtx-1card.xml").read_text())

@@ -21,11 +21,11 @@ import pytest
 
 from hyperagent import bus
 from hyperagent.agent import Agent
+from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import build_config
 from hyperagent.job import JobReporter, JobSettings, encode_hello
 from hyperagent.readings import Reading
 from hyperagent.sources import Hardware
-from hyperagent.testing.fake_nvml import FakeNvml
 
 from conftest import REPO, free_port, wait_for_port
 

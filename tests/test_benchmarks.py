@@ -320,8 +320,8 @@ async def test_the_real_gpu_call_counter_counts_what_nvml_source_calls() -> None
         from workers import CountingNvml, nvml_read_calls
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    from hyperagent.capture.fake_nvml import FakeNvml
     from hyperagent.sources.nvml import NvmlSource
-    from hyperagent.testing.fake_nvml import FakeNvml
 
     fake = FakeNvml.from_capture(REPO / "fixtures" / "nvidia-smi" / "gtx-8card.xml")
     counting = CountingNvml(fake)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import DEFAULT_QUANTUM_COEFFICIENTS
 from hyperagent.exporter import MetricsServer, SnapshotCollector
 from hyperagent.indicators import derive
 from hyperagent.readings import Snapshot
 from hyperagent.sources.nvml import NvmlSource
-from hyperagent.testing.fake_nvml import FakeNvml
 
 GOLDEN = Path(__file__).parent / "golden"
 CAPTURES = [

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from hyperagent import bus
 from hyperagent.agent import Agent
+from hyperagent.capture.nvidia_smi import parse_capture
 from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator
 from hyperagent.errors import ConfigError, PayloadError, SourceError
@@ -27,7 +28,6 @@ from hyperagent.replay import RecordingError, load_recording
 from hyperagent.sources import Hardware, ipmi, pdu, rdma, rdma_ethtool, rdma_resources
 from hyperagent.sources.host import parse_numa_balancing
 from hyperagent.sources.job import JobSource, Peer
-from hyperagent.testing.nvidia_smi import parse_capture
 
 FUZZ = settings(
     max_examples=150,

@@ -30,7 +30,7 @@ class Hardware:
     """Where sources find the hardware: the real libraries, or fakes replaying captures."""
 
     nvml: Any
-    """The ``pynvml`` module, or an object with its API (hyperagent.testing.fake_nvml)."""
+    """The ``pynvml`` module, or an object with its API (hyperagent.capture.fake_nvml)."""
     replayed: bool = False
     """True for a capture directory: nothing of it is kept on this machine's disk."""
     capture_dir: Path | None = None
@@ -41,7 +41,7 @@ class Hardware:
     def from_config(cls, config: Config) -> Hardware:
         dump = config.sources.nvml.dump
         if dump is not None:
-            from hyperagent.testing.fake_nvml import FakeNvml
+            from hyperagent.capture.fake_nvml import FakeNvml
 
             try:
                 return cls(nvml=FakeNvml.from_capture(dump, writable=True))
@@ -194,7 +194,7 @@ def capture_sources(
     recorded time passes ``speed`` times as fast as it. Raises ConfigError naming ``--replay``
     when the directory holds nothing to replay.
     """
-    from hyperagent.testing.fake_nvml import FakeNvml
+    from hyperagent.capture.fake_nvml import FakeNvml
 
     enabled = config.sources
     named = enabled.model_fields_set

@@ -19,19 +19,19 @@ import pynvml
 import pytest
 from prometheus_client import generate_latest
 
-from hyperagent.errors import SourceError, SourceUnavailable
-from hyperagent.exporter import MetricsServer
-from hyperagent.readings import Kind, Reading
-from hyperagent.sources.nvml import HELP, NvmlSource, NvmlSourceError, mig_profile
-from hyperagent.sources.runner import SourceRunner
-from hyperagent.testing.fake_nvml import FakeNvml
-from hyperagent.testing.nvidia_smi import (
+from hyperagent.capture.fake_nvml import FakeNvml
+from hyperagent.capture.nvidia_smi import (
     GpuRecord,
     MigRecord,
     NvLinkRecord,
     RemappedRows,
     parse_capture,
 )
+from hyperagent.errors import SourceError, SourceUnavailable
+from hyperagent.exporter import MetricsServer
+from hyperagent.readings import Kind, Reading
+from hyperagent.sources.nvml import HELP, NvmlSource, NvmlSourceError, mig_profile
+from hyperagent.sources.runner import SourceRunner
 
 from conftest import FIXTURES
 

@@ -375,9 +375,9 @@ def test_a_garbage_counter_file_is_skipped_and_counted(tmp_path: Path) -> None:
 
 
 async def test_a_file_that_cannot_be_read_puts_the_source_down(tmp_path: Path) -> None:
+    from hyperagent.capture.fake_nvml import FakeNvml
     from hyperagent.sources.nvml import NvmlSource
     from hyperagent.sources.runner import SourceRunner
-    from hyperagent.testing.fake_nvml import FakeNvml
 
     root = copy_tree("rxe-qemu-e1000e", tmp_path)
     counter = root / "class" / "infiniband" / "rxe0" / "ports" / "1" / "hw_counters" / "send_err"

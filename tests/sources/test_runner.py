@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pynvml
 
+from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.errors import SourceUnavailable
 from hyperagent.readings import Reading
 from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import SourceRunner
-from hyperagent.testing.fake_nvml import FakeNvml
 
 
 class Hanging:

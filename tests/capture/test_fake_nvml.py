@@ -10,9 +10,9 @@ from typing import Any
 import pynvml
 import pytest
 
+from hyperagent.capture.fake_nvml import FakeNvml
+from hyperagent.capture.nvidia_smi import MIB, GpuRecord, MigRecord, NvLinkRecord
 from hyperagent.readings import Kind, Reading
-from hyperagent.testing.fake_nvml import FakeNvml
-from hyperagent.testing.nvidia_smi import MIB, GpuRecord, MigRecord, NvLinkRecord
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "nvidia-smi"
 

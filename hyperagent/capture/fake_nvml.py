@@ -20,15 +20,15 @@ from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
-from hyperagent.readings import Reading
-from hyperagent.sources import nvml as source
-from hyperagent.testing.nvidia_smi import (
+from hyperagent.capture.nvidia_smi import (
     GpuRecord,
     MigRecord,
     NvLinkRecord,
     RemappedRows,
     parse_capture,
 )
+from hyperagent.readings import Reading
+from hyperagent.sources import nvml as source
 
 
 class FakeNvmlHandle:

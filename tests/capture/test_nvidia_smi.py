@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hyperagent.testing.nvidia_smi import (
+from hyperagent.capture.nvidia_smi import (
     MIB,
     GpuRecord,
     MigRecord,
@@ -487,7 +487,7 @@ def test_csv_and_xml_report_the_same_memory_used_through_nvml() -> None:
     """The L40S capture's CSV with memory.reserved dropped gives NVML memory used (v1, reserve
     included) of total - free, as the full CSV does (within the 1 MiB nvidia-smi rounds each of
     its figures to)."""
-    from hyperagent.testing.fake_nvml import FakeNvml
+    from hyperagent.capture.fake_nvml import FakeNvml
 
     lines = (FIXTURES / L40S).read_text(encoding="utf-8").splitlines()
     start = lines.index("# load :: query-gpu (csv, what the exporter parses)")

@@ -1,1 +1,0 @@
-"""Fakes for hardware that is not here, replaying real captures."""
