@@ -392,6 +392,26 @@ async def test_which_job_runs_on_which_gpu(harness: Harness) -> None:
     await until(lambda: not attributed())
 
 
+async def test_nvml_processes_tell_which_job_runs_on_which_gpu(harness: Harness) -> None:
+    """The rank's pid (SO_PEERCRED) among a GPU's compute processes names its job there, even
+    when the rank declared nothing."""
+    harness.nvml.set_processes(5, [os.getpid()])  # this test process is the rank
+    reporter = JobReporter("j", rank=0, socket_path=harness.socket_path)
+    reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+
+    def attributed() -> dict[str, str]:
+        snapshot = harness.agent.snapshot
+        readings = snapshot.readings if snapshot else ()
+        return {
+            r.labels["gpu"]: r.labels["job_id"]
+            for r in readings
+            if r.name == "hyperagent_gpu_job_info"
+        }
+
+    await until(lambda: attributed() == {"5": "j"})
+    reporter.close()
+
+
 async def test_a_stopped_agent_says_offline(
     mosquitto,
     tmp_path: Path,

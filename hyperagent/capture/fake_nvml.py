@@ -92,6 +92,9 @@ class _Device:
     """The limit before the last set call, which still holds the draw until ``limit_from``."""
     limit_from: float = -math.inf
     """When (``clock``) the last set limit starts to hold the draw."""
+    processes: tuple[int, ...] = ()
+    """pids of the compute processes running on the device (none in a capture: its pids are
+    another machine's)."""
     instant_w: float | None = None
     """A recorded instant draw (agent recordings have one apart from the 1 s average); None:
     the instant draw is the draw."""
@@ -478,6 +481,11 @@ class FakeNvml:
         for event_set in listeners:
             event_set.pending.append(event)
 
+    def set_processes(self, index: int, pids: Iterable[int]) -> None:
+        """Make ``pids`` the compute processes running on device ``index``."""
+        with self._lock:
+            self._control(index).processes = tuple(pids)
+
     def fail(self, index: int, code: int) -> None:
         """Make every call on device `index` raise `pynvml.NVMLError(code)` until `recover`."""
         with self._lock:
@@ -827,6 +835,21 @@ class FakeNvml:
         """(correctable, uncorrectable, pending, failure) as pynvml returns them."""
         rows: RemappedRows = _supported(self._record(handle).remapped_rows)
         return (rows.correctable, rows.uncorrectable, int(rows.pending), int(rows.failure))
+
+    def nvmlDeviceGetComputeRunningProcesses(
+        self, handle: FakeNvmlHandle
+    ) -> list[pynvml.c_nvmlProcessInfo_t]:
+        """The compute processes on the device, as pynvml's structs (memory not tracked)."""
+        device = self._device(handle)
+        return [
+            pynvml.c_nvmlProcessInfo_t(
+                pid=pid,
+                usedGpuMemory=0,
+                gpuInstanceId=_NO_GPU_INSTANCE,
+                computeInstanceId=_NO_COMPUTE_INSTANCE,
+            )
+            for pid in device.processes
+        ]
 
     def nvmlDeviceGetPcieThroughput(self, handle: FakeNvmlHandle, counter: int) -> int:
         """PCIe throughput in KB/s (1 KB = 1024 B) for NVML_PCIE_UTIL_TX_BYTES or _RX_BYTES."""
