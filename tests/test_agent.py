@@ -22,7 +22,7 @@ import pytest
 from hyperagent import bus
 from hyperagent.agent import Agent
 from hyperagent.capture.fake_nvml import FakeNvml
-from hyperagent.config import build_config
+from hyperagent.config import Config, build_config
 from hyperagent.job import JobReporter, JobSettings, encode_hello
 from hyperagent.readings import Reading
 from hyperagent.sources import Hardware
@@ -73,18 +73,23 @@ class Harness:
             )
 
 
-@pytest.fixture
-async def harness(mosquitto, tmp_path: Path, nvidia_smi_dir: Path) -> AsyncIterator[Harness]:  # type: ignore[no-untyped-def]
-    config = build_config(
+def node_config(url: str, state: Path, **sections: Any) -> Config:
+    """Node n1 of cluster c on ``url``, its state and job socket under ``state``."""
+    return build_config(
         {
             "node": "n1",
             "cluster": "c",
-            "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
-            "agent": {"interval_s": 0.2, "metrics_address": "", "state_dir": str(tmp_path)},
-            "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
-            "actuation": {"max_power_w": 225},
+            "mqtt": {"url": url, "reconnect_min_s": 0.1},
+            "agent": {"interval_s": 0.2, "metrics_address": "", "state_dir": str(state)},
+            "sources": {"job": {"socket": str(state / "job.sock")}},
+            **sections,
         }
     )
+
+
+@pytest.fixture
+async def harness(mosquitto, tmp_path: Path, nvidia_smi_dir: Path) -> AsyncIterator[Harness]:  # type: ignore[no-untyped-def]
+    config = node_config(mosquitto.url, tmp_path, actuation={"max_power_w": 225})
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
     agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
     h = Harness(agent, nvml, mosquitto.port, tmp_path / "job.sock")
@@ -295,15 +300,7 @@ async def test_the_applied_version_survives_a_restart(
 ) -> None:
     """A restarted agent refuses an older version as stale (saying which it applies) and
     applies its own version again, caps included."""
-    config = build_config(
-        {
-            "node": "n1",
-            "cluster": "c",
-            "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
-            "agent": {"interval_s": 0.2, "metrics_address": "", "state_dir": str(tmp_path)},
-            "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
-        }
-    )
+    config = node_config(mosquitto.url, tmp_path)
     acks: list[dict[str, Any]] = []
 
     async def run_agent(nvml: FakeNvml) -> tuple[Harness, asyncio.Task[None]]:
