@@ -39,7 +39,7 @@ async def test_a_stuck_disk_holds_spooled_messages_not_the_loop(
         try:
             journal.append({"type": "published", "version": 1, "trial": 0, "settings": {}})
             link.publish(topics.settings("job"), b"settings v1", qos=1, retain=True)
-            link.publish(topics.report("job"), b"report", qos=1)
+            link.publish(topics.report("job", "n1"), b"report", qos=1)
             link.publish(topics.telemetry("node-a"), b"telemetry", qos=0)
             ticks = 0
             async with asyncio.timeout(30):
@@ -62,7 +62,7 @@ async def test_a_stuck_disk_holds_spooled_messages_not_the_loop(
                     break
         assert await link.flush(30)
     assert stuck.done()
-    assert seen[1:] == [(topics.settings("job"), True), (topics.report("job"), True)]
+    assert seen[1:] == [(topics.settings("job"), True), (topics.report("job", "n1"), True)]
     durable.wait()
     assert not list(spool_dir.glob("*.msg"))  # each file removed once the broker took it
     state = Journal(journal.path).load()
