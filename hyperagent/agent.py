@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import statistics
 import time
 from collections import Counter, deque
@@ -15,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from hyperagent import bus
+from hyperagent import bus, durable
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.config import Config
 from hyperagent.errors import ActuationError, PayloadError
@@ -131,9 +130,9 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.stats = AgentStats()
         self.applied_file = applied_file
-        self.applied_versions: dict[str, int] = {}
-        self.applied_settings: dict[str, dict[str, Any]] = {}
         self.applied_messages: dict[str, dict[str, Any]] = {}
+        """job -> the settings message applied last (version, settings, backend, issued_at,
+        trial), kept in ``applied_file``."""
         self.live_versions: dict[str, int] = {}
         """Versions applied to the hardware and the job by this process (after a restart, or
         after the power limits were restored, the applied version is applied again)."""
@@ -141,6 +140,8 @@ class Agent:
         self._trials: dict[str, _Trial] = {}
         self._trial_events: asyncio.Queue[tuple[_Trial, Phase]] = asyncio.Queue()
         self._step_clocks: dict[str, _StepClock] = {}
+        self._measuring = asyncio.Event()
+        """Set while a trial is measured (the stall check runs only then)."""
         self._logged_rejections: set[str] = set()
         self.collections = 0
         self._telemetry_at = -math.inf
@@ -199,27 +200,32 @@ class Agent:
             return
         for job, message in saved.items() if isinstance(saved, dict) else ():
             if isinstance(message, dict) and isinstance(message.get("version"), int):
-                self.applied_versions[job] = message["version"]
-                self.applied_settings[job] = dict(message.get("settings") or {})
+                if not isinstance(message.get("settings"), dict):
+                    message["settings"] = {}
                 self.applied_messages[job] = message
-        if self.applied_versions:
+        if self.applied_messages:
             log.info("settings applied before the restart: %s", self.applied_versions)
 
+    @property
+    def applied_versions(self) -> dict[str, int]:
+        """job -> the settings version applied last."""
+        return {job: m["version"] for job, m in self.applied_messages.items()}
+
     def _save_applied(self) -> None:
-        """Write the applied versions durably (temporary file, fsync, rename)."""
+        """Queue the applied messages for the writer thread (a fsynced file renamed over the
+        old one); acks spooled after this leave only once it is on disk."""
         if self.applied_file is None:
             return
-        path = self.applied_file
-        tmp = path.with_suffix(".tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tmp.open("wb") as out:
-                out.write(orjson.dumps(self.applied_messages))
-                out.flush()
-                os.fsync(out.fileno())
-            tmp.replace(path)
-        except OSError as e:
-            log.error("cannot save the applied settings to %s: %s", path, e)
+        path, data = self.applied_file, orjson.dumps(self.applied_messages)
+
+        def write() -> None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                durable.write_file(path, data)
+            except OSError as e:
+                log.error("cannot save the applied settings to %s: %s", path, e)
+
+        durable.submit(write)
 
     async def run(self) -> None:
         """Serve until cancelled; on the way out restore power limits and close sources.
@@ -489,9 +495,9 @@ class Agent:
             log.warning(
                 "coordinator offline: restored the original power limit of %d GPU(s)", restored
             )
-            capped = [j for j, s in self.applied_settings.items() if s.get("power_cap_w")]
-            for job in capped:
-                self.live_versions.pop(job, None)
+            for job, applied in self.applied_messages.items():
+                if applied["settings"].get("power_cap_w"):
+                    self.live_versions.pop(job, None)
         elif state == "online":
             for job, message in list(self.applied_messages.items()):
                 if self.live_versions.get(job) != message["version"]:
@@ -552,12 +558,10 @@ class Agent:
             if not message.get("plan"):
                 self._ack(job, version, ok=True, applied=applied)
             return
-        self.applied_versions[job] = version
-        self.applied_settings[job] = dict(settings)
         self.applied_messages[job] = {
             k: message.get(k) for k in ("version", "settings", "backend", "issued_at", "trial")
         }
-        await asyncio.to_thread(self._save_applied)
+        self._save_applied()
         self.stats.applied += 1
         plan_data = message.get("plan")
         if plan_data:
@@ -566,6 +570,7 @@ class Agent:
                 self._trials[job] = _Trial(
                     job, version, message.get("trial"), TrialMeasurement(version, plan)
                 )
+                self._measuring.set()
             except ValueError as e:
                 log.warning("settings v%d for %s: %s; not measuring", version, job, e)
         else:
@@ -606,6 +611,9 @@ class Agent:
         """A running trial whose job stopped stepping ends at once: the node reports itself
         stalled (its partial windows discarded) and measures again at the next trial."""
         while True:
+            if not self._trials:  # no wake-ups while nothing is measured
+                self._measuring.clear()
+                await self._measuring.wait()
             await asyncio.sleep(STALL_CHECK_S)
             for job, trial in list(self._trials.items()):
                 if self.job_stalled(job):

@@ -29,6 +29,7 @@ from hyperagent import bus
 from hyperagent.config import Config, JobTuningSection
 from hyperagent.errors import PayloadError
 from hyperagent.exporter import SnapshotCollector
+from hyperagent.job import KNOBS, common_knobs
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
 from hyperagent.tuner.journal import Journal, JournalState
@@ -52,15 +53,20 @@ CONFIRM_ROUNDS = 2
 """After tuning, the baseline and the best settings are each measured this many times more,
 interleaved (baseline, best, best, baseline, ...), and compared on those measurements."""
 
-JOB_KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
-"""Knobs the job itself applies (the power cap is the agent's); a job that announces which of
-them it applies has the others pinned at their starting value."""
 
 CLOCK_TICK_S = 0.5
 """Trial deadlines count only time connected to the broker, checked this often."""
 
 ROLLBACK_ON = frozenset({"no_ack", "refused", "timeout", "nonfinite_loss", "xid", "lost_nodes"})
 """Trial outcomes after which the job goes back to its last known good settings at once."""
+
+
+def announced(knobs: Any) -> tuple[str, ...] | None:
+    """The knobs an ack or a telemetry message says a node's job applies (None: not said,
+    or not a list of names)."""
+    if isinstance(knobs, list) and all(isinstance(k, str) for k in knobs):
+        return tuple(knobs)
+    return None
 
 
 def coordinator_link(config: Config) -> bus.MqttLink:
@@ -204,10 +210,7 @@ class JobState:
     @property
     def announced_knobs(self) -> tuple[str, ...] | None:
         """The knobs the job applies on every node whose ranks said (None: none said)."""
-        said = [k for k in self.knobs.values() if k is not None]
-        if not said:
-            return None
-        return tuple(k for k in said[0] if all(k in other for other in said[1:]))
+        return common_knobs(self.knobs.values())
 
     def record(self, trial: TrialRecord, penalty: float | None) -> None:
         """Account a finished trial in the tuner and the running best."""
@@ -390,9 +393,9 @@ class Coordinator:
             latency = (message.get("applied") or {}).get("power_cap_latency_s")
             if isinstance(latency, int | float) and 0 <= latency < 60:
                 state.cap_latency_s = max(state.cap_latency_s or 0.0, float(latency))
-            knobs = (message.get("applied") or {}).get("knobs")
-            if isinstance(knobs, list) and all(isinstance(k, str) for k in knobs):
-                state.knobs[node] = tuple(knobs)
+            knobs = announced((message.get("applied") or {}).get("knobs"))
+            if knobs is not None:
+                state.knobs[node] = knobs
         else:
             table = state.partials if message.get("partial") else state.reports
         if message.get("stalled") is True:
@@ -469,9 +472,9 @@ class Coordinator:
             samples, step_s = totals.get("samples"), totals.get("step_s")
             if isinstance(samples, int | float) and isinstance(step_s, int | float):
                 state.progress[node] = (float(samples), float(step_s), float(message["ts"]))
-            knobs = totals.get("knobs")
-            if isinstance(knobs, list) and all(isinstance(k, str) for k in knobs):
-                state.knobs[node] = tuple(knobs)
+            knobs = announced(totals.get("knobs"))
+            if knobs is not None:
+                state.knobs[node] = knobs
 
     # -- metrics -------------------------------------------------------------------------
 
@@ -818,7 +821,7 @@ class Coordinator:
             cfg.backend, len(cfg.nodes), cfg.power_limits_w, gradient_dtype=cfg.gradient_dtype
         )
         start = full.snap(state.trials[0].settings) if state.trials else self._warm_start(state)
-        pinned = [k for k in JOB_KNOBS if k not in announced and len(full.values(k)) > 1]
+        pinned = [k for k in KNOBS if k not in announced and len(full.values(k)) > 1]
         space = full.pin(start, pinned)
         if space == state.space:
             return

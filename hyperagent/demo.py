@@ -26,7 +26,7 @@ from hyperagent.agent import Agent
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
 from hyperagent.coordinator import Coordinator, JobState, TrialRecord, coordinator_link
-from hyperagent.job import JobReporter
+from hyperagent.job import KNOBS, JobReporter
 from hyperagent.sim import JobModel
 from hyperagent.sources import Hardware
 
@@ -36,7 +36,7 @@ DEMO_CAPTURE = "gtx-8card.xml"
 JOB = "demo-job"
 JOB_DEFAULTS = {"bucket_mb": 25, "chunk_kb": 4096, "allreduce": "ring"}
 """What the simulated job runs before any setting arrives: PyTorch DDP's 25 MB buckets."""
-JOB_KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
+JOB_KNOBS = KNOBS
 """What the simulated job applies at a step boundary, announced when it attaches."""
 
 

@@ -135,6 +135,14 @@ def encode_hello(
     return orjson.dumps(message)
 
 
+def common_knobs(announced: Iterable[Iterable[str] | None]) -> tuple[str, ...] | None:
+    """The knobs every announcer applies, in the first one's order (None: nobody said)."""
+    said = [tuple(k) for k in announced if k is not None]
+    if not said:
+        return None
+    return tuple(k for k in said[0] if all(k in other for other in said[1:]))
+
+
 def encode_refused(reason: str, detail: str) -> bytes:
     """The agent's answer to a peer it will not serve, just before it closes the connection."""
     return orjson.dumps(

@@ -15,7 +15,7 @@ import aiomqtt
 import orjson
 
 from hyperagent import bus
-from hyperagent.demo import JOB, simulated_cluster
+from hyperagent.demo import JOB, JOB_DEFAULTS, simulated_cluster
 
 from conftest import Mosquitto
 
@@ -126,7 +126,7 @@ async def test_a_coordinator_without_its_journal_learns_the_version_the_agents_a
         mosquitto.url, nodes=2, trials=2, seed=1, speedup=50, job_overrides={"abort_below": 0}
     ) as (coordinator, nodes, _):
         for node in nodes:
-            node.agent.applied_versions[JOB] = 40
+            node.agent.applied_messages[JOB] = {"version": 40, "settings": dict(JOB_DEFAULTS)}
         async with asyncio.timeout(120):
             await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]

@@ -159,10 +159,7 @@ class JobTotals:
 
     def knobs(self) -> tuple[str, ...] | None:
         """The knobs every connected rank applies (None when no rank said)."""
-        said = [p.knobs for p in self.ranks.values() if p.knobs is not None]
-        if not said:
-            return None
-        return tuple(k for k in said[0] if all(k in other for other in said[1:]))
+        return protocol.common_knobs(p.knobs for p in self.ranks.values())
 
 
 class JobSource:
@@ -218,9 +215,6 @@ class JobSource:
             path.unlink()  # left by a process that is gone
             return
         except OSError as e:
-            if e.errno in (111,):
-                path.unlink()
-                return
             raise SocketInUse(f"{path}: {e.strerror}; is another agent running?") from e
         finally:
             probe.close()

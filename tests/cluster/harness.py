@@ -706,7 +706,7 @@ def main() -> int:
     parser.add_argument("--torch-node", default=None, help="run TunedDDP ranks on this node")
     args = parser.parse_args()
     try:
-        with cluster(torch_node=args.torch_node) as c:
+        with contextlib.suppress(KeyboardInterrupt), cluster(torch_node=args.torch_node) as c:
             print(f"cluster up under {c.root}; logs in {c.logs}")
             print(
                 f"Prometheus: {c.hosts['prom'].address}:9090 inside netns {c.hosts['prom'].netns}"
@@ -719,8 +719,6 @@ def main() -> int:
     except Unavailable as e:
         print(e, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
