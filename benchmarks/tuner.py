@@ -8,8 +8,10 @@ coordinator would measure: the median of four noisy windows (``JobModel.score`` 
 
 Methods:
 
-- ``hyperagent``: :class:`hyperagent.tuner.optimizer.Tuner` told the landscape's objective, as the
-  coordinator tells it the job's; its pick is ``Tuner.best``.
+- ``hyperagent``: :class:`hyperagent.tuner.optimizer.Tuner` on the space the coordinator searches
+  for the landscape's objective (``SearchSpace.for_objective``: for throughput the power cap
+  stays at its highest value), told that objective as the coordinator tells it the job's; its
+  pick is ``Tuner.best``.
 - ``random``: points of the full grid drawn uniformly without replacement. Its median trials
   to the target is also computed exactly from the landscape (how many points are on target):
   ten seeds of such a draw scatter widely, so the "done when" ratio uses the exact median.
@@ -23,9 +25,9 @@ Methods:
 - ``scikit-optimize``: plain ``skopt.Optimizer`` with its defaults (a Gaussian process,
   gp_hedge, 10 random initial points) over the same knobs (log2 of the bucket and chunk sizes
   and the power cap's grid index as integers, the algorithm categorical).
-- ``hyperagent, no energy seed``: on the energy landscapes, the Tuner without the energy
-  objective's low-power seed (the prior that the simulator's power curve flatters); on the
-  throughput landscapes it is the same search as ``hyperagent`` and shares its runs.
+- ``hyperagent, no power priors``: the Tuner over the whole space (the power cap searched for
+  throughput too) and without the energy objective's low-power seed: the two priors on power
+  that the simulator's power curve flatters (it comes from the Zeus trace they rest on).
 
 The baselines' pick is their best measurement. Reaching 95% of the optimum is judged on the
 noiseless value of the evaluated settings against the exhaustive optimum; a run that never
@@ -34,7 +36,7 @@ reaches it counts as budget + 1 (shown as ">budget"). Final regret is
 25, 50 and 100 observations, and checks issue 4's "done when" on the 5%-noise landscapes: median
 trials to 95% at most 20 and at least 2x fewer than random search; one ask+tell at most 100 ms
 at 100 observations; and issue 14's: fewer median trials to 95% than plain scikit-optimize,
-with and without the energy seed.
+and on the energy landscapes also without the energy seed.
 
     python benchmarks/tuner.py [--seeds 10] [--trials 60] [--quick] [--jobs N] [--json FILE]
                                [--noise 0.05 ...] [--reuse FILE [--fresh-tuner]]
@@ -183,11 +185,14 @@ def _regret(landscape: Landscape, pick: Settings) -> float:
     return 1 - landscape.value(pick) / optimum(landscape)[1]
 
 
-def hyperagent_run(landscape: Landscape, seed: int, trials: int, energy_seed: bool = True) -> Run:
+def hyperagent_run(landscape: Landscape, seed: int, trials: int, priors: bool = True) -> Run:
     rng = random.Random(1000 + seed)
     target = TARGET * optimum(landscape)[1]
-    objective = landscape.objective if energy_seed else "throughput"
-    tuner = Tuner(landscape.space, seed=seed, objective=objective)
+    if priors:
+        space = landscape.space.for_objective(landscape.objective)
+        tuner = Tuner(space, seed=seed, objective=landscape.objective)
+    else:  # the whole space; told "throughput", the tuner has no energy seed
+        tuner = Tuner(landscape.space, seed=seed, objective="throughput")
     reached = None
     for trial in range(1, trials + 1):
         settings = tuner.ask()
@@ -199,8 +204,8 @@ def hyperagent_run(landscape: Landscape, seed: int, trials: int, energy_seed: bo
     return Run(reached, _regret(landscape, best[0]))
 
 
-def hyperagent_without_energy_seed_run(landscape: Landscape, seed: int, trials: int) -> Run:
-    return hyperagent_run(landscape, seed, trials, energy_seed=False)
+def hyperagent_without_power_priors_run(landscape: Landscape, seed: int, trials: int) -> Run:
+    return hyperagent_run(landscape, seed, trials, priors=False)
 
 
 def skopt_dimensions(space: SearchSpace) -> list[Dimension]:
@@ -341,8 +346,8 @@ METHODS: dict[str, Callable[[Landscape, int, int], Run]] = {
     "one-at-a-time": one_at_a_time_run,
     "scikit-optimize": skopt_run,
 }
-ABLATION = "hyperagent, no energy seed"
-ALL_METHODS = {**METHODS, ABLATION: hyperagent_without_energy_seed_run}
+ABLATION = "hyperagent, no power priors"
+ALL_METHODS = {**METHODS, ABLATION: hyperagent_without_power_priors_run}
 SKOPT = "scikit-optimize"
 
 
@@ -582,8 +587,6 @@ def _reused(
         for method, figures in by_name.get(landscape.name, {}).items():
             if fresh_tuner and method in ("hyperagent", ABLATION):
                 continue
-            if method == ABLATION and landscape.objective != "energy":
-                continue  # hyperagent's own runs, shared
             pairs = zip(figures["reached_at"], figures["regret"], strict=True)
             runs[(landscape, method)] = [Run(reached, regret) for reached, regret in pairs][:seeds]
     return runs
@@ -635,16 +638,12 @@ def main(argv: list[str] | None = None) -> int:
         for method in (SKOPT, *(m for m in methods if m != SKOPT))  # the slowest first
         for ls in chosen
         for seed in range(seeds)
-        if method != ABLATION or ls.objective == "energy"
     ]
     runs = _reused(args.reuse, chosen, seeds, trials, args.fresh_tuner) if args.reuse else {}
     tasks = [task for task in tasks if task[2] >= len(runs.get((task[0], task[1]), ()))]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for landscape, method, _, run in pool.map(_task, tasks, chunksize=1):
             runs.setdefault((landscape, method), []).append(run)
-    for ls in chosen:
-        if ls.objective != "energy":  # without the energy objective there is no energy seed
-            runs[(ls, ABLATION)] = runs[(ls, "hyperagent")]
 
     report = [_landscape_figures(ls, runs, methods, trials) for ls in chosen]
     console.print(_trials_table(report, seeds, trials))

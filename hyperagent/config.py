@@ -341,6 +341,9 @@ class JobTuningSection(_Model):
     power_budget_w: Annotated[float, Field(gt=0)] | None = None
     """Throughput under a power budget: trials whose GPUs average more than this per node are
     infeasible (a constraint, not a weighted sum)."""
+    search_power_cap: bool | None = None
+    """Search the power cap (needs ``power_limits_w``). Default: for the energy objective and
+    under ``power_budget_w``; for plain throughput the cap stays at the highest limit."""
     abort_below: Annotated[float, Field(ge=0, le=1)] = 0.7
     """Abort a trial as soon as its partial score is below this fraction of the baseline."""
     confirm_best: bool = True
@@ -368,6 +371,12 @@ class JobTuningSection(_Model):
         if value is not None and not 0 < value[0] <= value[1]:
             raise ValueError("expected [low, high] watts with 0 < low <= high")
         return value
+
+    @model_validator(mode="after")
+    def _power_search(self) -> JobTuningSection:
+        if self.search_power_cap and self.power_limits_w is None:
+            raise ValueError("search_power_cap = true needs power_limits_w = [low, high]")
+        return self
 
 
 class CoordinatorSection(_Model):

@@ -88,6 +88,14 @@ def fingerprint(job: JobTuningSection) -> str:
     return f"{job.backend}/{len(job.nodes)}n/{job.model_params_b or '?'}B/{job.gpu_model or '?'}"
 
 
+def job_space(job: JobTuningSection) -> SearchSpace:
+    """The space a job's tuning searches before its ranks announce the knobs they apply."""
+    full = SearchSpace.default(
+        job.backend, len(job.nodes), job.power_limits_w, gradient_dtype=job.gradient_dtype
+    )
+    return full.for_objective(job.objective, job.power_budget_w, job.search_power_cap)
+
+
 @dataclass
 class TrialRecord:
     """One finished trial of one job."""
@@ -300,9 +308,7 @@ class Coordinator:
         self.jobs: dict[str, JobState] = {}
         state_dir = config.coordinator.state_dir
         for job in config.coordinator.jobs:
-            space = SearchSpace.default(
-                job.backend, len(job.nodes), job.power_limits_w, gradient_dtype=job.gradient_dtype
-            )
+            space = job_space(job)
             journal = Journal(state_dir / f"{job.id}.jsonl")
             tuner = Tuner(space, seed=job.seed, objective=job.objective)
             state = JobState(job, space, tuner, journal)
@@ -760,6 +766,13 @@ class Coordinator:
         if cfg.mode == "recommend":
             return self._recommend(state, journal)
         await self.link.connected.wait()
+        if self._measured_elsewhere(state, journal):
+            log.warning(
+                "%s: the journal's settings lie outside the search space (objective, power"
+                " limits or search_power_cap changed); the tuning starts over",
+                cfg.id,
+            )
+            journal = JournalState(version=journal.version)
         if journal.final is not None and journal.fingerprint == fingerprint(cfg):
             self._resume(state, journal)
             state.best = (journal.final["settings"], journal.final["score"])
@@ -775,6 +788,14 @@ class Coordinator:
         self._resume(state, journal)
         await self._trials(state, journal.in_flight)
         return state
+
+    @staticmethod
+    def _measured_elsewhere(state: JobState, journal: JournalState) -> bool:
+        """Whether the journal holds settings outside the job's space (a config change)."""
+        entries = [*journal.trials, journal.in_flight or {}, journal.final or {}]
+        return any(
+            "settings" in entry and not state.space.contains(entry["settings"]) for entry in entries
+        )
 
     async def _trials(self, state: JobState, in_flight: dict[str, Any] | None = None) -> None:
         cfg = state.config
@@ -817,9 +838,7 @@ class Coordinator:
         if announced is None:
             return
         cfg = state.config
-        full = SearchSpace.default(
-            cfg.backend, len(cfg.nodes), cfg.power_limits_w, gradient_dtype=cfg.gradient_dtype
-        )
+        full = job_space(cfg)
         start = full.snap(state.trials[0].settings) if state.trials else self._warm_start(state)
         pinned = [k for k in KNOBS if k not in announced and len(full.values(k)) > 1]
         space = full.pin(start, pinned)

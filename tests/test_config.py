@@ -149,6 +149,14 @@ def test_mqtts_needs_a_ca_and_cert_and_key_go_together() -> None:
     assert config.mqtt.tls and config.mqtt.port == 8883
 
 
+def test_searching_the_power_cap_needs_its_limits() -> None:
+    job = {"id": "llama", "nodes": ["gpu-17"], "search_power_cap": True}
+    with pytest.raises(ConfigError, match="search_power_cap = true needs power_limits_w"):
+        build_config({"coordinator": {"jobs": [job]}})
+    job["power_limits_w"] = [150, 300]
+    assert build_config({"coordinator": {"jobs": [job]}}).coordinator.jobs[0].search_power_cap
+
+
 def test_a_key_other_users_can_read_is_refused(tmp_path: Path) -> None:
     key = tmp_path / "settings.key"
     key.write_text("k" * 64)

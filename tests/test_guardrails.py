@@ -42,11 +42,9 @@ def journal(state: JobState) -> list[dict[str, Any]]:
 
 
 async def test_a_bad_trial_is_aborted_early(mosquitto: Mosquitto) -> None:
-    async with simulated_cluster(mosquitto.url, nodes=2, trials=3, seed=0, speedup=100) as (
-        coordinator,
-        _,
-        model,
-    ):
+    async with simulated_cluster(
+        mosquitto.url, nodes=2, trials=3, speedup=100, job_overrides={"search_power_cap": True}
+    ) as (coordinator, _, model):
         state = coordinator.jobs[JOB]
         start = state.space.defaults()
         assert model.throughput(TERRIBLE) < 0.5 * model.throughput(start)
@@ -273,7 +271,15 @@ def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path
         "coordinator": {
             "state_dir": str(tmp_path / "c"),
             "metrics_address": "",
-            "jobs": [{"id": "j", "nodes": ["node-1"], "trials": 1, "power_limits_w": [100, 250]}],
+            "jobs": [
+                {
+                    "id": "j",
+                    "nodes": ["node-1"],
+                    "trials": 1,
+                    "power_limits_w": [100, 250],
+                    "search_power_cap": True,
+                }
+            ],
         },
     }
 

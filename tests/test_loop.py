@@ -32,6 +32,8 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
             assert [c.settings for c in state.confirmations] == [start, candidate, candidate, start]
             assert all(c.confirmation and c.status == "ok" for c in state.confirmations)
         assert {t.status for t in state.trials} <= {"ok", "aborted"}
+        # throughput without a power budget: no trial is spent on a lower power cap
+        assert {t.settings["power_cap_w"] for t in state.trials} == {250}
         for trial in [*state.trials, *state.confirmations]:
             acks = state.acks[trial.version]
             assert set(acks) == names and all(a["ok"] for a in acks.values())

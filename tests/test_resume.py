@@ -133,3 +133,49 @@ async def test_a_coordinator_without_its_journal_learns_the_version_the_agents_a
     assert [t.status for t in state.trials] == ["ok"] * 2
     assert [t.status for t in state.confirmations] == ["ok"] * 4  # the start and the other
     assert min(t.version for t in state.trials) > 40
+
+
+async def test_a_journal_from_another_search_space_starts_the_tuning_over(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    """Interrupted while tuning for energy, restarted for throughput: the trials at 150 W lie
+    outside the new space (the cap stays at its highest), so the tuning starts over."""
+    energy_trial = {"bucket_mb": 32, "chunk_kb": 4096, "allreduce": "ring", "power_cap_w": 150}
+    journal = tmp_path / f"{JOB}.jsonl"
+    journal.write_bytes(
+        b"".join(
+            orjson.dumps(e) + b"\n"
+            for e in (
+                {"type": "start", "fingerprint": "nccl/2n/?B/?"},
+                {"type": "published", "version": 7, "trial": 0, "settings": energy_trial},
+                {
+                    "type": "trial",
+                    "index": 0,
+                    "version": 7,
+                    "settings": energy_trial,
+                    "score": 3.2,
+                    "status": "ok",
+                    "reports": {},
+                    "seconds": 9.0,
+                    "noise": None,
+                },
+            )
+        )
+    )
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=NODES,
+        trials=3,
+        seed=2,
+        speedup=100,
+        coordinator_dir=tmp_path,
+        job_overrides={"confirm_best": False},
+    ) as (coordinator, _, _):
+        async with asyncio.timeout(120):
+            await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+    assert [t.index for t in state.trials] == [0, 1, 2]
+    assert all(t.status == "ok" and t.settings["power_cap_w"] == 250 for t in state.trials)
+    assert min(t.version for t in state.trials) > 7  # versions keep rising
+    starts = [e for e in entries(journal) if e["type"] == "start"]
+    assert len(starts) == 2

@@ -373,6 +373,25 @@ def test_pin_holds_knobs_a_job_cannot_apply_at_their_starting_value() -> None:
     assert pinned.pin(start, ["bucket_mb", "chunk_kb"]).size == len(space.power_cap_w)
 
 
+def test_throughput_holds_the_power_cap_at_its_highest_value() -> None:
+    space = SearchSpace.default("nccl", nodes=4, power_limits_w=(100, 250))
+    throughput = space.for_objective("throughput")
+    assert throughput.power_cap_w == (250,)
+    assert throughput.size == space.size // len(space.power_cap_w)
+    assert throughput.defaults() == space.defaults()  # the start is at the highest cap already
+    searched = (
+        space.for_objective("energy"),
+        space.for_objective("throughput", power_budget_w=180),  # a lower cap can win
+        space.for_objective("throughput", search_power_cap=True),
+    )
+    assert all(s == space for s in searched)
+    assert space.for_objective("energy", search_power_cap=False).power_cap_w == (250,)
+    uncapped = SearchSpace.default("nccl", nodes=4)
+    assert uncapped.for_objective("throughput") == uncapped
+    with pytest.raises(ValueError, match="objective"):
+        space.for_objective("speed")
+
+
 def test_energy_objective_seeds_half_the_maximum_power_cap() -> None:
     space = SearchSpace.default("nccl", nodes=4, power_limits_w=(100, 250))
     tuner = Tuner(space, seed=0, objective="energy")
