@@ -4,6 +4,7 @@ nothing leaving for the broker before the writes submitted ahead of it are on di
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 
@@ -67,6 +68,32 @@ async def test_a_stuck_disk_holds_spooled_messages_not_the_loop(
     assert not list(spool_dir.glob("*.msg"))  # each file removed once the broker took it
     state = Journal(journal.path).load()
     assert state.trials == [] and state.in_flight is not None and state.in_flight["version"] == 1
+
+
+async def test_nothing_is_fsynced_on_the_event_loop(
+    mosquitto: Mosquitto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A QoS-1 publish and a journal entry reach the disk, fsynced, but never from the loop's
+    thread: on a slow disk each fsync would hold every task of the daemon."""
+    loop_thread = threading.current_thread()
+    fsynced_on: list[threading.Thread] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        fsynced_on.append(threading.current_thread())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    topics = bus.Topics("t")
+    journal = Journal(tmp_path / "state" / "job.jsonl")
+    link = bus.MqttLink("127.0.0.1", mosquitto.port, "node-a", spool_dir=tmp_path / "spool")
+    async with running(link):
+        link.publish(topics.report("j", "node-a"), b"report", qos=1)
+        journal.append({"type": "published", "version": 1, "trial": 0, "settings": {}})
+        assert await link.flush(30)
+    assert Journal(journal.path).load().in_flight is not None
+    assert len(fsynced_on) >= 2  # the spooled message and the journal entry
+    assert loop_thread not in fsynced_on
 
 
 def _wait_for(disk: threading.Event) -> None:
