@@ -44,7 +44,7 @@ and on the energy landscapes also without the energy seed.
 ``--reuse FILE`` takes the runs an earlier ``--json`` recorded for the same landscapes and
 budget, seed by seed (every method is seeded: a seed's run comes out the same), and measures
 only the seeds it lacks; with ``--fresh-tuner`` hyperagent's tuner is measured anew on every
-seed (after a change to it). Plain scikit-optimize alone takes about 30 s of CPU per search.
+seed (after a change to it). Plain scikit-optimize alone takes about 80 s of CPU per search.
 """
 
 from __future__ import annotations

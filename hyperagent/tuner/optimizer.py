@@ -26,7 +26,10 @@ measured on the simulated job (benchmarks/tuner.py and experiments like it):
   grid): without it, EI spent trials on the far corners of the grid (1 MiB buckets, 64 KiB or
   64 MiB chunks) where its variance is largest. On benchmarks/tuner.py's eight 5%-noise
   landscapes (10 seeds) the median trials to 95% of the optimum went from 9, 16, 2, 21.5,
-  12.5, 13, 18, 17 to 10, 11.5, 2, 16, 11, 13, 17, 16 (``--no-energy-seed``).
+  12.5, 13, 18, 17 to 10, 11.5, 2, 16, 11, 13, 17, 16 (without the energy seed).
+- For throughput the coordinator holds the power cap at its highest value
+  (:meth:`SearchSpace.for_objective`): on the four throughput landscapes the medians went from
+  10, 2, 11, 17 to 9.5, 2, 10, 12.
 - For the energy objective a third seed caps power at half the maximum limit
   (:data:`ENERGY_SEED_POWER_SHARE`, from the Zeus trace that the simulator's power curve also
   comes from, so the benchmark flatters it): the energy landscapes' medians went from 11.5,
