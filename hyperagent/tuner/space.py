@@ -257,10 +257,11 @@ class SearchSpace:
         For throughput without a power budget the power cap is held at its highest value: a
         lower cap only lowers the clocks a compute-bound step runs at, so those trials are
         spent on settings that cannot win (in the Zeus V100 trace the highest limit, 250 W,
-        ran within 1% of the fastest in 47 of 68 workloads; the rest, small batches, scatter
-        without a trend but for one, 6% faster at 100 W). ``search_power_cap`` True searches
-        it anyway, False never; None (the default) searches it for the energy objective and
-        under a power budget, where a lower cap is what can win.
+        ran within 1% of the fastest in 47 of 68 workloads; the rest scatter without a steady
+        trend but for one, shufflenetv2 at batch 16, 6% faster at 100 W).
+        ``search_power_cap`` True searches it anyway, False never; None (the default)
+        searches it for the energy objective and under a power budget, where a lower cap is
+        what can win.
         """
         if objective not in ("throughput", "energy"):
             raise ValueError(f"objective must be throughput or energy, got {objective!r}")
