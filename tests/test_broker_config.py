@@ -89,7 +89,7 @@ async def test_anonymous_and_wrong_passwords_are_refused(secure_broker: SecureBr
     for user, password in ((None, None), ("node-1", "wrong")):
         with pytest.raises(aiomqtt.MqttError):
             async with secure_broker.client(user, password):
-                pass
+                pytest.fail(f"the broker let {user or 'an anonymous client'} in")
 
 
 async def test_a_node_writes_only_its_own_topics(secure_broker: SecureBroker) -> None:

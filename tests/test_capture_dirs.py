@@ -16,21 +16,14 @@ from hyperagent.exporter import MetricsServer
 from hyperagent.sources import capture_sources
 from hyperagent.sources.runner import SourceRunner
 
-from conftest import FIXTURES
+from conftest import FIXTURES, ManualClock
 
 DIRECTORIES = sorted(p for p in (FIXTURES / "replay").iterdir() if p.is_dir())
 GOLDEN = Path(__file__).parent / "golden" / "replay"
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def exposition(directory: Path) -> bytes:
-    clock = Clock()
+    clock = ManualClock()
     sources, _ = capture_sources(directory, build_config({}), clock)
     runner = SourceRunner(sources, timeout_s=10)
     await runner.start()

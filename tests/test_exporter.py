@@ -17,6 +17,8 @@ from hyperagent.indicators import derive
 from hyperagent.readings import Snapshot
 from hyperagent.sources.nvml import NvmlSource
 
+from conftest import ManualClock
+
 GOLDEN = Path(__file__).parent / "golden"
 CAPTURES = [
     "gtx-8card.xml",
@@ -29,16 +31,8 @@ CAPTURES = [
 ]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def exposition(capture: Path) -> bytes:
-    clock = Clock()
+    clock = ManualClock()
     source = NvmlSource(FakeNvml.from_capture(capture, clock=clock))
     await source.start()
     clock.now = 10.0  # ten seconds at the recorded draw
@@ -62,7 +56,7 @@ async def test_metrics_match_golden(capture: str, nvidia_smi_dir: Path) -> None:
 
 async def test_v100s_values(nvidia_smi_dir: Path) -> None:
     server = MetricsServer("127.0.0.1:0")
-    clock = Clock()
+    clock = ManualClock()
     source = NvmlSource(FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml", clock=clock))
     await source.start()
     clock.now = 10.0

@@ -24,19 +24,11 @@ from hyperagent.replay import (
 )
 from hyperagent.sources.base import Source
 
-from conftest import REPO, free_port, wait_for_port
+from conftest import REPO, ManualClock, free_port, wait_for_port
 
 CAPTURE = REPO / "fixtures" / "replay" / "v100s-8gpu-training"
 HEADER = b'{"format": "hyperagent-recording", "version": 2}\n'
 HEADER_V1 = b'{"format": "hyperagent-recording", "version": 1}\n'
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_recording_roundtrip_and_player(tmp_path: Path) -> None:
@@ -59,7 +51,7 @@ def test_recording_roundtrip_and_player(tmp_path: Path) -> None:
     recording = load_recording(path)
     assert recording.node == "n1" and recording.duration_s == 2.0
     assert recording.source_names == ["nvml", "host"]
-    clock = Clock()
+    clock = ManualClock()
     player = Player(recording, clock, speed=2.0)
     assert player.frame().ts == 100.0
     clock.now = 0.6  # 1.2 recorded seconds
@@ -115,7 +107,7 @@ async def test_recorded_source_replays_readings(tmp_path: Path) -> None:
     )
     path = tmp_path / "recording.jsonl"
     path.write_bytes(out.getvalue())
-    source: Source = RecordedSource("job", Player(load_recording(path), Clock()))
+    source: Source = RecordedSource("job", Player(load_recording(path), ManualClock()))
     assert [(r.name, r.value) for r in await source.read()] == [("hyperagent_job_loss", 2.5)]
 
 
@@ -252,7 +244,7 @@ async def test_a_real_h200_under_bf16_load_replays_with_its_indicators(tmp_path:
     from hyperagent.config import build_config
     from hyperagent.sources import capture_sources
 
-    clock = Clock()
+    clock = ManualClock()
     config = build_config(
         {"mqtt": {"enabled": False}, "agent": {"metrics_address": "", "state_dir": str(tmp_path)}}
     )
@@ -283,7 +275,7 @@ async def test_recorded_gpus_replay_as_recorded_unless_power_caps_apply(
     from hyperagent.config import build_config
     from hyperagent.sources import capture_sources
 
-    clock = Clock()
+    clock = ManualClock()
     config = build_config(
         {
             "mqtt": {"enabled": False},
@@ -328,7 +320,7 @@ async def test_a_recording_past_its_end_loops_with_energy_keeping_pace_with_powe
     from hyperagent.config import build_config
     from hyperagent.sources import capture_sources
 
-    clock = Clock()
+    clock = ManualClock()
     config = build_config(
         {
             "mqtt": {"enabled": False},

@@ -22,18 +22,10 @@ from hyperagent.sources.ipmi import NODE_POWER
 from hyperagent.sources.ipmi_capture import parse_timestamp, split_day_file
 from hyperagent.sources.job import JobSource
 
-from conftest import FIXTURES, free_port, wait_for_port
+from conftest import FIXTURES, ManualClock, free_port, wait_for_port
 
 IPMI = FIXTURES / "ipmi"
 PDU_REPLAY = FIXTURES / "replay" / "apc-ap8641-pdu"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def day_file(directory: Path) -> Path:
@@ -81,7 +73,7 @@ def test_day_file_timestamps() -> None:
 
 async def test_a_day_file_replays_as_a_time_series_at_speed(tmp_path: Path) -> None:
     day_file(tmp_path)
-    clock = Clock()
+    clock = ManualClock()
     sources, _ = capture_sources(tmp_path, build_config({}), clock, speed=60.0)
     (bmc,) = sources
     assert node_power(await read(bmc)) == ("Pwr Consumption", 98.0)

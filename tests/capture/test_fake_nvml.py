@@ -14,24 +14,18 @@ from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.capture.nvidia_smi import MIB, GpuRecord, MigRecord, NvLinkRecord
 from hyperagent.readings import Kind, Reading
 
+from conftest import ManualClock
+
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "nvidia-smi"
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def v100s(clock: FakeClock) -> FakeNvml:
+def v100s(clock: ManualClock) -> FakeNvml:
     nvml = FakeNvml.from_capture(FIXTURES / "gtx-8card.xml", clock=clock)
     nvml.nvmlInit()
     return nvml
@@ -41,7 +35,7 @@ def _bare(**fields: Any) -> GpuRecord:
     return GpuRecord(index=0, name="bare", uuid="GPU-bare", pci_bus_id="0", driver="1", **fields)
 
 
-def test_calls_before_init_and_after_shutdown_raise_uninitialized(clock: FakeClock) -> None:
+def test_calls_before_init_and_after_shutdown_raise_uninitialized(clock: ManualClock) -> None:
     nvml = FakeNvml.from_capture(FIXTURES / "tesla-t4.xml", clock=clock)
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         nvml.nvmlDeviceGetCount()
@@ -74,7 +68,7 @@ def test_identity(v100s: FakeNvml) -> None:
         v100s.nvmlDeviceGetHandleByUUID("GPU-nope")
 
 
-def test_handles_of_another_instance_are_invalid(v100s: FakeNvml, clock: FakeClock) -> None:
+def test_handles_of_another_instance_are_invalid(v100s: FakeNvml, clock: ManualClock) -> None:
     other = FakeNvml.from_capture(FIXTURES / "gtx-8card.xml", clock=clock)
     other.nvmlInit()
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
@@ -110,7 +104,7 @@ def test_bad_sensor_and_clock_arguments(v100s: FakeNvml) -> None:
         v100s.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_VIDEO)
 
 
-def test_memory_info_v1_counts_reserved_as_used_and_v2_separates_it(clock: FakeClock) -> None:
+def test_memory_info_v1_counts_reserved_as_used_and_v2_separates_it(clock: ManualClock) -> None:
     nvml = FakeNvml.from_capture(FIXTURES / "a100-sxm4-v12.xml", clock=clock)
     nvml.nvmlInit()
     h = nvml.nvmlDeviceGetHandleByIndex(0)
@@ -124,7 +118,7 @@ def test_memory_info_v1_counts_reserved_as_used_and_v2_separates_it(clock: FakeC
         nvml.nvmlDeviceGetMemoryInfo(h, version=1)
 
 
-def test_missing_fields_raise_not_supported(clock: FakeClock) -> None:
+def test_missing_fields_raise_not_supported(clock: ManualClock) -> None:
     mig = FakeNvml.from_capture(FIXTURES / "a100-sxm4-v12.xml", clock=clock)
     mig.nvmlInit()
     with pytest.raises(pynvml.NVMLError_NotSupported):
@@ -179,7 +173,7 @@ def test_set_power_limit_takes_an_int_like_ctypes(v100s: FakeNvml) -> None:
         v100s.nvmlDeviceSetPowerManagementLimit(h, 150_000.0)  # type: ignore[arg-type]
 
 
-def test_set_power_limit_without_permission(clock: FakeClock) -> None:
+def test_set_power_limit_without_permission(clock: ManualClock) -> None:
     nvml = FakeNvml.from_capture(FIXTURES / "tesla-t4.xml", clock=clock, writable=False)
     nvml.nvmlInit()
     h = nvml.nvmlDeviceGetHandleByIndex(0)
@@ -188,7 +182,7 @@ def test_set_power_limit_without_permission(clock: FakeClock) -> None:
     assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 70_000
 
 
-def test_set_power_limit_unsupported_without_constraints(clock: FakeClock) -> None:
+def test_set_power_limit_unsupported_without_constraints(clock: ManualClock) -> None:
     nvml = FakeNvml([_bare(power_draw_w=50.0, power_limit_w=100.0)], clock=clock)
     nvml.nvmlInit()
     h = nvml.nvmlDeviceGetHandleByIndex(0)
@@ -209,7 +203,7 @@ def test_draw_is_capped_by_the_limit(v100s: FakeNvml) -> None:
     assert v100s.nvmlDeviceGetPowerUsage(h) == 250_000
 
 
-def test_energy_integrates_capped_power_over_time(v100s: FakeNvml, clock: FakeClock) -> None:
+def test_energy_integrates_capped_power_over_time(v100s: FakeNvml, clock: ManualClock) -> None:
     h = v100s.nvmlDeviceGetHandleByIndex(0)
     assert v100s.nvmlDeviceGetTotalEnergyConsumption(h) == 0
     clock.now = 10.0
@@ -226,7 +220,7 @@ def test_energy_integrates_capped_power_over_time(v100s: FakeNvml, clock: FakeCl
 
 
 def test_energy_is_piecewise_even_without_reads_between_changes(
-    v100s: FakeNvml, clock: FakeClock
+    v100s: FakeNvml, clock: ManualClock
 ) -> None:
     h = v100s.nvmlDeviceGetHandleByIndex(1)  # 152.03 W recorded
     clock.now = 4.0
@@ -275,7 +269,7 @@ def test_fail_and_recover(v100s: FakeNvml) -> None:
     assert v100s.nvmlDeviceGetEnforcedPowerLimit(h1) == 250_000
 
 
-def test_records_must_be_numbered_by_position(clock: FakeClock) -> None:
+def test_records_must_be_numbered_by_position(clock: ManualClock) -> None:
     with pytest.raises(ValueError, match="renumber"):
         FakeNvml([replace(_bare(), index=1)], clock=clock)
     eight = FakeNvml([replace(_bare(), index=i, uuid=f"GPU-{i}") for i in range(8)], clock=clock)
@@ -304,7 +298,7 @@ def _agent_style_sample(nvml: Any) -> dict[str, Any]:
         nvml.nvmlShutdown()
 
 
-def test_code_written_against_pynvml_runs_unchanged(clock: FakeClock) -> None:
+def test_code_written_against_pynvml_runs_unchanged(clock: ManualClock) -> None:
     nvml = FakeNvml.from_capture(FIXTURES / "a100-sxm4-v12.xml", clock=clock)
     assert _agent_style_sample(nvml) == {
         "driver": "535.54.03",
@@ -347,7 +341,7 @@ def test_concurrent_reads_and_load_changes_stay_consistent() -> None:
 # -- health, PCIe, NVLink, events, MIG and GPM ---------------------------------------------------
 
 
-def _started(name: str, clock: FakeClock) -> FakeNvml:
+def _started(name: str, clock: ManualClock) -> FakeNvml:
     nvml = FakeNvml.from_capture(FIXTURES / name, clock=clock)
     nvml.nvmlInit()
     return nvml
@@ -357,7 +351,7 @@ H100 = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
 L40S = "linux-x86_64__nvidia-l40s__595.80.txt"
 
 
-def test_clock_event_reasons_by_driver_generation(v100s: FakeNvml, clock: FakeClock) -> None:
+def test_clock_event_reasons_by_driver_generation(v100s: FakeNvml, clock: ManualClock) -> None:
     capped = v100s.nvmlDeviceGetHandleByIndex(3)
     with pytest.raises(pynvml.NVMLError_FunctionNotFound):  # driver 460 predates the new name
         v100s.nvmlDeviceGetCurrentClocksEventReasons(capped)
@@ -379,7 +373,7 @@ def test_clock_event_reasons_by_driver_generation(v100s: FakeNvml, clock: FakeCl
         v100s.set_clock_event_reasons(0, {"tired"})
 
 
-def test_violation_status_from_recorded_counters(v100s: FakeNvml, clock: FakeClock) -> None:
+def test_violation_status_from_recorded_counters(v100s: FakeNvml, clock: ManualClock) -> None:
     l40s = _started(L40S, clock)
     h = l40s.nvmlDeviceGetHandleByIndex(0)
     power = l40s.nvmlDeviceGetViolationStatus(h, pynvml.NVML_PERF_POLICY_POWER)
@@ -397,7 +391,7 @@ def test_violation_status_from_recorded_counters(v100s: FakeNvml, clock: FakeClo
         )
 
 
-def test_ecc_retired_pages_and_remapped_rows(v100s: FakeNvml, clock: FakeClock) -> None:
+def test_ecc_retired_pages_and_remapped_rows(v100s: FakeNvml, clock: ManualClock) -> None:
     h = v100s.nvmlDeviceGetHandleByIndex(0)
     for error_type in (
         pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
@@ -480,7 +474,7 @@ def _fields(nvml: FakeNvml, handle: Any, *ids: int | tuple[int, int]) -> list[in
     return out
 
 
-def test_power_energy_and_limit_fields_in_nvml_units(v100s: FakeNvml, clock: FakeClock) -> None:
+def test_power_energy_and_limit_fields_in_nvml_units(v100s: FakeNvml, clock: ManualClock) -> None:
     """The same numbers as the older calls: mW, mJ; the module power scope is not supported."""
     h = v100s.nvmlDeviceGetHandleByIndex(0)
     gpu, module = pynvml.NVML_POWER_SCOPE_GPU, pynvml.NVML_POWER_SCOPE_MODULE
@@ -503,7 +497,7 @@ def test_power_energy_and_limit_fields_in_nvml_units(v100s: FakeNvml, clock: Fak
 
 
 def test_health_and_throttle_fields_match_the_older_calls(
-    v100s: FakeNvml, clock: FakeClock
+    v100s: FakeNvml, clock: ManualClock
 ) -> None:
     h = v100s.nvmlDeviceGetHandleByIndex(0)
     assert _fields(
@@ -556,7 +550,7 @@ def test_calls_are_counted_per_function(v100s: FakeNvml) -> None:
     }
 
 
-def test_a_lowered_cap_holds_the_draw_only_after_the_response_time(clock: FakeClock) -> None:
+def test_a_lowered_cap_holds_the_draw_only_after_the_response_time(clock: ManualClock) -> None:
     nvml = FakeNvml.from_capture(FIXTURES / "gtx-8card.xml", clock=clock, cap_response_s=0.5)
     nvml.nvmlInit()
     h = nvml.nvmlDeviceGetHandleByIndex(0)  # draws 232.8 W under a 250 W limit
@@ -573,7 +567,7 @@ def test_a_lowered_cap_holds_the_draw_only_after_the_response_time(clock: FakeCl
         FakeNvml.from_capture(FIXTURES / "gtx-8card.xml", clock=clock, cap_response_s=-1)
 
 
-def test_nvlink_state_and_counters(clock: FakeClock) -> None:
+def test_nvlink_state_and_counters(clock: ManualClock) -> None:
     h100 = _started(H100, clock)
     h = h100.nvmlDeviceGetHandleByIndex(0)
     assert [h100.nvmlDeviceGetNvLinkState(h, link) for link in range(18)] == [
@@ -663,7 +657,7 @@ def test_xids_raised_before_registration_wait_for_the_first_set(v100s: FakeNvml)
         v100s.inject_xid(1, -1)
 
 
-def test_mig_devices_of_the_a100(clock: FakeClock) -> None:
+def test_mig_devices_of_the_a100(clock: ManualClock) -> None:
     nvml = _started("a100-sxm4-v12.xml", clock)
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     assert nvml.nvmlDeviceGetMigMode(h) == [pynvml.NVML_DEVICE_MIG_ENABLE] * 2
@@ -687,7 +681,7 @@ def test_mig_devices_of_the_a100(clock: FakeClock) -> None:
         nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 4)
 
 
-def test_mig_identity_where_recorded(clock: FakeClock) -> None:
+def test_mig_identity_where_recorded(clock: ManualClock) -> None:
     mig = MigRecord(
         0, 1, 0, uuid="MIG-7e3b", profile="3g.40gb", mem_total_bytes=1, mem_used_bytes=0
     )
@@ -698,7 +692,7 @@ def test_mig_identity_where_recorded(clock: FakeClock) -> None:
     assert nvml.nvmlDeviceGetName(handle) == "bare MIG 3g.40gb"
 
 
-def test_no_mig_and_no_gpm_on_older_gpus(v100s: FakeNvml, clock: FakeClock) -> None:
+def test_no_mig_and_no_gpm_on_older_gpus(v100s: FakeNvml, clock: ManualClock) -> None:
     for nvml in (v100s, _started("tesla-t4.xml", clock), _started("a10g.xml", clock)):
         h = nvml.nvmlDeviceGetHandleByIndex(0)
         with pytest.raises(pynvml.NVMLError_NotSupported):
@@ -711,7 +705,7 @@ def test_no_mig_and_no_gpm_on_older_gpus(v100s: FakeNvml, clock: FakeClock) -> N
         nvml.nvmlGpmSampleFree(sample)
 
 
-def test_gpm_metrics_over_two_samples(clock: FakeClock) -> None:
+def test_gpm_metrics_over_two_samples(clock: ManualClock) -> None:
     nvml = FakeNvml([replace(_bare(), sm_active_pct=40.0, tensor_active_pct=12.5)], clock=clock)
     nvml.nvmlInit()
     h = nvml.nvmlDeviceGetHandleByIndex(0)
@@ -755,7 +749,7 @@ def _info() -> Reading:
     return _reading("hyperagent_gpu_info", 1, Kind.INFO, model="NVIDIA H100", driver="550.1")
 
 
-def test_from_readings_answers_like_the_recorded_gpu(clock: FakeClock) -> None:
+def test_from_readings_answers_like_the_recorded_gpu(clock: ManualClock) -> None:
     nvml = FakeNvml.from_readings(
         [
             _info(),
@@ -787,7 +781,7 @@ def test_from_readings_answers_like_the_recorded_gpu(clock: FakeClock) -> None:
     assert [nvml.nvmlEventSetWait_v2(events, 10).eventData for _ in range(2)] == [79, 79]
 
 
-def test_recorded_instant_power_is_replayed_and_held_by_a_set_limit(clock: FakeClock) -> None:
+def test_recorded_instant_power_is_replayed_and_held_by_a_set_limit(clock: ManualClock) -> None:
     def frame(average_w: float, instant_w: float) -> list[Reading]:
         return [
             _info(),
@@ -813,7 +807,7 @@ def test_recorded_instant_power_is_replayed_and_held_by_a_set_limit(clock: FakeC
     assert _fields(nvml, h, average, instant) == [300_000, 300_000]
 
 
-def test_update_from_readings_fails_absent_gpus_and_raises_new_xids(clock: FakeClock) -> None:
+def test_update_from_readings_fails_absent_gpus_and_raises_new_xids(clock: ManualClock) -> None:
     nvml = FakeNvml.from_readings([_info()], clock=clock)
     nvml.nvmlInit()
     h = nvml.nvmlDeviceGetHandleByIndex(0)

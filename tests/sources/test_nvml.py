@@ -33,21 +33,13 @@ from hyperagent.readings import Kind, Reading
 from hyperagent.sources.nvml import HELP, NvmlSource, NvmlSourceError, mig_profile
 from hyperagent.sources.runner import SourceRunner
 
-from conftest import FIXTURES
+from conftest import FIXTURES, ManualClock
 
 CAPTURES = FIXTURES / "nvidia-smi"
 GOLDEN = Path(__file__).parents[1] / "golden" / "nvml"
 ALL_CAPTURES = sorted(p.name for p in CAPTURES.iterdir() if p.suffix in {".xml", ".txt"})
 H100 = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
 L40S = "linux-x86_64__nvidia-l40s__595.80.txt"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(reading: Reading) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -84,19 +76,19 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def started(nvml: Any, clock: Clock) -> NvmlSource:
+async def started(nvml: Any, clock: ManualClock) -> NvmlSource:
     source = NvmlSource(nvml, clock=clock, event_wait_ms=20)
     await source.start()
     return source
 
 
-def capture(name: str, clock: Clock) -> FakeNvml:
+def capture(name: str, clock: ManualClock) -> FakeNvml:
     return FakeNvml.from_capture(CAPTURES / name, clock=clock)
 
 
 async def two_reads(name: str) -> list[Reading]:
     """The second of two reads ten (fake) seconds apart, as the agent would see it."""
-    clock = Clock()
+    clock = ManualClock()
     source = await started(capture(name, clock), clock)
     try:
         await source.read()
@@ -270,7 +262,7 @@ def rich_gpus() -> list[GpuRecord]:
 
 
 async def test_gpm_activities_track_the_load() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml(rich_gpus(), clock=clock)
     source = await started(nvml, clock)
     try:
@@ -286,7 +278,7 @@ async def test_gpm_activities_track_the_load() -> None:
 
 
 async def test_nvlink_traffic_errors_and_mig_identity() -> None:
-    clock = Clock()
+    clock = ManualClock()
     source = await started(FakeNvml(rich_gpus(), clock=clock), clock)
     try:
         readings = await source.read()
@@ -328,7 +320,7 @@ async def test_nvlink_traffic_errors_and_mig_identity() -> None:
 
 
 async def test_throttle_seconds_grow_with_time_under_an_active_reason() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = capture("gtx-8card.xml", clock)
     source = await started(nvml, clock)
 
@@ -362,7 +354,7 @@ async def test_throttle_seconds_grow_with_time_under_an_active_reason() -> None:
 
 
 async def test_nvml_violation_counters_are_taken_as_they_are() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml(rich_gpus(), clock=clock)
     source = await started(nvml, clock)
     try:
@@ -382,7 +374,7 @@ async def test_nvml_violation_counters_are_taken_as_they_are() -> None:
 
 
 async def test_xid_counter_increments_and_never_decreases() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = capture("gtx-8card.xml", clock)
     source = await started(nvml, clock)
     seen: list[dict[tuple[str, str], float]] = []
@@ -426,7 +418,7 @@ async def test_xid_counter_increments_and_never_decreases() -> None:
 async def test_close_leaves_the_event_thread_to_end_its_wait_and_release_nvml() -> None:
     """close() does not wait out the XID watcher's wait (a stop would take up to
     event_wait_ms); the watcher then frees its event set and drops its NVML reference."""
-    clock = Clock()
+    clock = ManualClock()
     nvml = capture("tesla-t4.xml", clock)
     source = NvmlSource(nvml, clock=clock, event_wait_ms=2000)
     await source.start()
@@ -445,7 +437,7 @@ async def test_close_leaves_the_event_thread_to_end_its_wait_and_release_nvml() 
 
 
 async def test_a_lost_gpu_fails_the_read_and_the_runner_shows_it_down_until_recovery() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = capture("gtx-8card.xml", clock)
     source = NvmlSource(nvml, clock=clock, event_wait_ms=20)
     runner = SourceRunner([source], timeout_s=5.0)
@@ -482,7 +474,7 @@ class GatedNvml(FakeNvml):
 
 
 async def test_a_read_still_running_refuses_the_next() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = GatedNvml(parse_capture((CAPTURES / "tesla-t4.xml").read_text()), clock=clock)
     source = await started(nvml, clock)
     try:
@@ -499,7 +491,7 @@ async def test_a_read_still_running_refuses_the_next() -> None:
 
 
 async def test_a_timed_out_read_keeps_refusing_until_its_thread_finishes() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = GatedNvml(parse_capture((CAPTURES / "tesla-t4.xml").read_text()), clock=clock)
     source = NvmlSource(nvml, clock=clock, event_wait_ms=20)
     runner = SourceRunner([source], timeout_s=0.2)
@@ -544,7 +536,7 @@ class GarbageFields(FakeNvml):
 
 
 async def test_garbage_values_are_skipped_not_reported() -> None:
-    clock = Clock()
+    clock = ManualClock()
     source = await started(GarbageFields(rich_gpus()[:1], clock=clock), clock)
     try:
         readings = await source.read()
@@ -567,7 +559,7 @@ class LostField(FakeNvml):
 
 
 async def test_a_field_that_fails_for_real_fails_the_read() -> None:
-    clock = Clock()
+    clock = ManualClock()
     source = await started(LostField(rich_gpus()[:1], clock=clock), clock)
     try:
         with pytest.raises(NvmlSourceError, match="field") as failed:
@@ -604,7 +596,7 @@ async def test_counter_ids_newer_than_the_driver_are_left_out() -> None:
     links = tuple(replace(link, errors={**link.errors, "ecc_data": 0}) for link in gpu.nvlinks)
     counters = {**gpu.clock_event_counters_ns, "total_base_clocks": 5_000_000_000}
     gpu = replace(gpu, nvlinks=links, clock_event_counters_ns=counters)
-    clock = Clock()
+    clock = ManualClock()
     for nvml, present in (
         (FakeNvml([gpu], clock=clock), True),
         (OlderDriver([gpu], clock=clock), False),
@@ -628,7 +620,7 @@ async def test_counter_ids_newer_than_the_driver_are_left_out() -> None:
 
 
 async def test_start_failure_releases_nvml_and_a_later_start_succeeds() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = capture("gtx-8card.xml", clock)
     nvml.fail(6, pynvml.NVML_ERROR_GPU_IS_LOST)
     source = NvmlSource(nvml, clock=clock, event_wait_ms=20)
@@ -668,7 +660,7 @@ def xids_are(source: NvmlSource, wanted: dict[tuple[int, int], float]) -> bool:
 
 
 async def record(
-    nvml: FakeNvml, clock: Clock, steps: list[Callable[[], int]]
+    nvml: FakeNvml, clock: ManualClock, steps: list[Callable[[], int]]
 ) -> list[list[Reading]]:
     """One read per step; a step changes the fake and says how many XIDs it raised."""
     source = await started(nvml, clock)
@@ -687,7 +679,7 @@ async def record(
 
 async def replay(frames: list[list[Reading]]) -> list[list[Reading]]:
     """The frames read back through FakeNvml.from_readings / update_from_readings."""
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml.from_readings(frames[0], clock=clock)
     source = await started(nvml, clock)
     out = []
@@ -710,7 +702,7 @@ async def replay(frames: list[list[Reading]]) -> list[list[Reading]]:
 
 @pytest.mark.parametrize("name", [*ALL_CAPTURES, "rich"])
 async def test_round_trip_readings_to_fake_to_source(name: str) -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml(rich_gpus(), clock=clock) if name == "rich" else capture(name, clock)
     nvml.nvmlInit()
     last = nvml.nvmlDeviceGetCount() - 1
@@ -745,7 +737,7 @@ async def test_promtool_accepts_every_metric() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool is not installed: apt-get install -y prometheus (bash .ci/run does)")
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml(rich_gpus(), clock=clock)
     source = await started(nvml, clock)
     try:
@@ -772,7 +764,7 @@ async def test_violation_policies_a_gpu_does_not_support_are_asked_again_only_no
 ) -> None:
     from hyperagent.sources import nvml as nvml_module
 
-    clock = Clock()
+    clock = ManualClock()
     nvml = capture("tesla-t4.xml", clock)
     asked: list[int] = []
     violation_status = nvml.nvmlDeviceGetViolationStatus
@@ -800,7 +792,7 @@ async def test_violation_policies_a_gpu_does_not_support_are_asked_again_only_no
 async def test_memory_health_is_read_every_health_interval_and_repeated_between() -> None:
     from dataclasses import replace
 
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml.from_capture(
         FIXTURES / "replay" / "v100s-8gpu-training" / "nvidia-smi.xml", clock=clock
     )
@@ -853,7 +845,7 @@ def per_gpu_read(before: dict[str, int], after: dict[str, int], reads: int) -> d
 
 
 async def test_a_steady_read_is_one_field_values_call_and_at_most_four_calls_per_gpu() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = capture("gtx-8card.xml", clock)
     source = await started(nvml, clock)  # health (and slow) interval 10 s, as shipped
     try:
@@ -898,7 +890,7 @@ class AverageNotSupported(FakeNvml):
 
 
 async def test_without_the_average_field_board_power_is_the_instant_value() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = AverageNotSupported(rich_gpus()[:1], clock=clock)
     source = await started(nvml, clock)
     try:
@@ -943,7 +935,7 @@ async def test_fields_the_driver_does_not_know_come_from_the_older_calls(
     from hyperagent.sources import nvml as nvml_module
 
     monkeypatch.setattr(nvml_module, "UNSUPPORTED_RETRY_READS", 5)
-    clock = Clock()
+    clock = ManualClock()
     gpus = rich_gpus()[:1]
     reference_nvml = FakeNvml(gpus, clock=clock)
     reference = await started(reference_nvml, clock)
@@ -988,7 +980,7 @@ async def test_fields_the_driver_does_not_know_come_from_the_older_calls(
 
 
 async def test_slow_readings_are_repeated_until_the_slow_interval_passes() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml(rich_gpus()[:1], clock=clock)
     source = NvmlSource(nvml, clock=clock, event_wait_ms=20, slow_interval_s=5.0)
     every_read = NvmlSource(nvml, clock=clock, event_wait_ms=20, slow_interval_s=0.0)
@@ -1017,7 +1009,7 @@ async def test_slow_readings_are_repeated_until_the_slow_interval_passes() -> No
 
 
 async def test_nvlink_error_counters_a_gpu_lacks_are_not_asked_every_health_read() -> None:
-    clock = Clock()
+    clock = ManualClock()
     nvml = FakeNvml(rich_gpus()[:1], clock=clock)  # links 0, 1 count replay and crc_flit only
     source = NvmlSource(nvml, clock=clock, event_wait_ms=20, health_interval_s=0.0)
     await source.start()
