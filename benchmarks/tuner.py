@@ -72,12 +72,11 @@ from skopt.space import Categorical, Dimension, Integer
 
 from hyperagent.sim import JobModel
 from hyperagent.tuner.optimizer import Tuner
-from hyperagent.tuner.space import SearchSpace, Settings
+from hyperagent.tuner.space import OBJECTIVES, SearchSpace, Settings
 
 WINDOWS = 4
 TARGET = 0.95
 NOISES = (0.02, 0.05)
-OBJECTIVES = ("throughput", "energy")
 DONE_WHEN_NOISE = 0.05
 DONE_WHEN_TRIALS = 20
 DONE_WHEN_SPEEDUP = 2.0

@@ -220,7 +220,6 @@ class Agent:
 
         def write() -> None:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
                 durable.write_file(path, data)
             except OSError as e:
                 log.error("cannot save the applied settings to %s: %s", path, e)
@@ -234,10 +233,7 @@ class Agent:
         if self.job_source is not None:
             await self.job_source.start()
             for job, message in self.applied_messages.items():
-                knobs = {k: v for k, v in message.get("settings", {}).items() if k != "power_cap_w"}
-                self.job_source.send_settings(
-                    job, JobSettings(message["version"], knobs, message.get("backend", {}))
-                )
+                self.job_source.send_settings(job, _job_settings(message))
         await self.runner.start()
         if self.actuator is not None:
             try:
@@ -470,9 +466,7 @@ class Agent:
         await self._apply(job, message)
 
     def _check_age(self, message: dict[str, Any]) -> str | None:
-        issued = message.get("issued_at")
-        if isinstance(issued, bool) or not isinstance(issued, int | float):
-            return "settings carry no issued_at"
+        issued = message["issued_at"]  # a finite number: bus.decode checked it
         security = self.config.security
         age = time.time() - issued
         if age < -security.clock_skew_s:
@@ -537,12 +531,9 @@ class Agent:
             self._reject("refused", problem)
             self._ack(job, version, ok=False, error=problem)
             return
-        job_knobs = {k: v for k, v in settings.items() if k != "power_cap_w"}
         if self.job_source is not None:
             attached = self.job_source.attached(job)
-            delivered = self.job_source.send_settings(
-                job, JobSettings(version, job_knobs, message.get("backend", {}))
-            )
+            delivered = self.job_source.send_settings(job, _job_settings(message))
             applied["job_reporters"] = delivered
             totals = self.job_source.jobs.get(job)
             knobs = totals.knobs() if totals is not None else None
@@ -698,6 +689,13 @@ class Agent:
         self.link.publish(self.topics.report(trial.job, self.node), payload, qos=1)
         if not partial and not stalled:
             self.stats.reports_sent += 1
+
+
+def _job_settings(message: dict[str, Any]) -> JobSettings:
+    """What a settings message asks of the job's ranks: every knob but the power cap (the
+    agent's own), and the backend's parameters."""
+    knobs = {k: v for k, v in message["settings"].items() if k != "power_cap_w"}
+    return JobSettings(message["version"], knobs, message.get("backend", {}))
 
 
 def telemetry_payload(

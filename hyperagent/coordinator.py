@@ -396,10 +396,11 @@ class Coordinator:
         node = message["node"]
         if kind == "ack":
             table = state.acks
-            latency = (message.get("applied") or {}).get("power_cap_latency_s")
+            applied = message.get("applied") or {}
+            latency = applied.get("power_cap_latency_s")
             if isinstance(latency, int | float) and 0 <= latency < 60:
                 state.cap_latency_s = max(state.cap_latency_s or 0.0, float(latency))
-            knobs = announced((message.get("applied") or {}).get("knobs"))
+            knobs = announced(applied.get("knobs"))
             if knobs is not None:
                 state.knobs[node] = knobs
         else:
@@ -546,13 +547,8 @@ class Coordinator:
         as stale and say which: the version jumps past theirs and the settings go out again."""
         version = self._publish_settings(state, settings, plan, trial)
         acks = await self._collect(state, state.acks, version, state.config.ack_timeout_s)
-        newer = [
-            a["applied"]["version"]
-            for a in acks.values()
-            if not a["ok"]
-            and str(a.get("error") or "").startswith("stale")
-            and isinstance((a.get("applied") or {}).get("version"), int)
-        ]
+        applied = [(a.get("applied") or {}).get("version") for a in acks.values() if not a["ok"]]
+        newer = [v for v in applied if isinstance(v, int) and v > version]
         if newer:
             state.version = max(state.version, *newer)
             log.warning(

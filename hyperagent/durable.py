@@ -53,7 +53,9 @@ def _nothing() -> None:
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a fsynced temporary file renamed over it."""
+    """Write ``data`` to ``path`` (its folder created when missing) atomically: a fsynced
+    temporary file renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
     with partial.open("wb") as f:
         f.write(data)

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 
-from hyperagent.tuner.space import SearchSpace, Settings
+from hyperagent.tuner.space import OBJECTIVES, SearchSpace, Settings
 
 POWER_CURVE_FILE = "zeus-summary_power_v100.csv"
 POWER_CURVE_WORKLOAD = ("squad", "bert_base_uncased")
@@ -74,7 +74,6 @@ SEGMENT_MISMATCH_LOSS = 0.1
 WAIT_POWER_SHARE = 0.3
 MIB = 1024 * 1024
 KIB = 1024
-OBJECTIVES = ("throughput", "energy")
 
 
 @dataclass(frozen=True)

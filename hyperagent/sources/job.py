@@ -252,14 +252,17 @@ class JobSource:
 
     def _refuse(self, peer: Peer, reason: str, detail: str) -> None:
         self.refused[reason] += 1
-        if reason not in self._logged:
-            self._logged.add(reason)
-            log.warning(
-                "job channel: refused pid %d uid %d (%s): %s", peer.pid, peer.uid, reason, detail
-            )
+        refused = "job channel: refused pid %d uid %d (%s): %s"
+        self._warn_once(reason, refused, peer.pid, peer.uid, reason, detail)
         with contextlib.suppress(OSError):
             peer.conn.send(protocol.encode_refused(reason, detail))
         self._drop(peer)
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        """Log the first problem of each kind; the counters tell how many followed."""
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(message, *args)
 
     def _drop(self, peer: Peer) -> None:
         fd = peer.conn.fileno()
@@ -306,10 +309,7 @@ class JobSource:
             step = protocol.parse_step(message)
         except PayloadError as e:
             self.invalid += 1
-            reason = str(e).split(":")[0]
-            if reason not in self._logged:
-                self._logged.add(reason)
-                log.warning("dropped an invalid job report: %s", e)
+            self._warn_once(str(e).split(":")[0], "dropped an invalid job report: %s", e)
             return
         if peer.job is None:
             self._hello(peer, step.job, step.rank, None, None)
@@ -317,16 +317,15 @@ class JobSource:
                 return
         if step.job != peer.job or step.rank != peer.rank:
             self.refused["not_claimed"] += 1
-            if "not_claimed" not in self._logged:
-                self._logged.add("not_claimed")
-                log.warning(
-                    "job channel: pid %d (job %s rank %d) reported for job %s rank %d; dropped",
-                    peer.pid,
-                    peer.job,
-                    peer.rank,
-                    step.job,
-                    step.rank,
-                )
+            self._warn_once(
+                "not_claimed",
+                "job channel: pid %d (job %s rank %d) reported for job %s rank %d; dropped",
+                peer.pid,
+                peer.job,
+                peer.rank,
+                step.job,
+                step.rank,
+            )
             return
         if step.memory is not None:
             peer.memory = step.memory

@@ -60,10 +60,9 @@ from skopt.space import Categorical, Dimension, Integer, Space
 from skopt.utils import normalize_dimensions
 from threadpoolctl import threadpool_limits
 
-from hyperagent.tuner.space import SearchSpace, Settings
+from hyperagent.tuner.space import OBJECTIVES, SearchSpace, Settings
 
 ACQUISITION_FUNCTIONS = ("EI", "PI", "LCB")
-OBJECTIVES = ("throughput", "energy")
 ENERGY_SEED_POWER_SHARE = 0.5
 """For the energy objective, a third seed: the start with the power cap nearest this share of
 the maximum limit. In the Zeus V100 trace (hyperagent/data/zeus-summary_power_v100.csv) the

@@ -57,6 +57,9 @@ DEEPSPEED_DEFAULT_BUCKET_ELEMENTS = 500_000_000
 GRADIENT_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 """Bytes per gradient element; DeepSpeed sizes its buckets in elements."""
 
+OBJECTIVES: tuple[str, ...] = ("throughput", "energy")
+"""What a tuning maximises: samples per second, or samples per joule."""
+
 ITERATION_BOUNDARY = "iteration_boundary"
 NEW_COMMUNICATOR = "new_communicator"
 RESTART = "restart"
@@ -263,8 +266,8 @@ class SearchSpace:
         searches it for the energy objective and under a power budget, where a lower cap is
         what can win.
         """
-        if objective not in ("throughput", "energy"):
-            raise ValueError(f"objective must be throughput or energy, got {objective!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         if search_power_cap is None:
             search_power_cap = objective == "energy" or power_budget_w is not None
         if search_power_cap or len(self.power_cap_w) < 2:
