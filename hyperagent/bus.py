@@ -646,7 +646,15 @@ class MqttLink:
         """Count the error; log it if it is new (a traceback for the handler's first)."""
         self.handler_errors_by_filter[topic_filter] += 1
         key = (topic_filter, type(error).__qualname__, str(error))
-        if key in self._errors_logged or len(self._errors_logged) >= HANDLER_ERRORS_LOGGED:
+        if key in self._errors_logged or len(self._errors_logged) > HANDLER_ERRORS_LOGGED:
+            return
+        if len(self._errors_logged) == HANDLER_ERRORS_LOGGED:
+            self._errors_logged.add(key)
+            log.error(
+                "%d distinct handler errors logged; further ones are only counted "
+                "(hyperagent_mqtt_handler_errors_total)",
+                HANDLER_ERRORS_LOGGED,
+            )
             return
         first = all(logged[0] != topic_filter for logged in self._errors_logged)
         self._errors_logged.add(key)
