@@ -19,7 +19,7 @@ from hyperagent.actuators import PowerCapActuator
 from hyperagent.config import Config
 from hyperagent.errors import ActuationError, PayloadError
 from hyperagent.exporter import MetricsServer, SnapshotCollector
-from hyperagent.indicators import derive
+from hyperagent.indicators import JobWindows, derive
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading, Snapshot
@@ -128,6 +128,7 @@ class Agent:
         self.metrics = metrics
         self.collector = metrics.collector if metrics else SnapshotCollector()
         self.snapshot: Snapshot | None = None
+        self.job_windows = JobWindows()
         self.stats = AgentStats()
         self.applied_file = applied_file
         self.applied_messages: dict[str, dict[str, Any]] = {}
@@ -315,7 +316,12 @@ class Agent:
         readings += self._self_readings()
         readings += await self._gpu_job_readings(readings)
         snapshot = Snapshot(now, self.node, tuple(readings))
-        indicators = derive(snapshot, self.snapshot, self.config.indicators.quantum_coefficients)
+        indicators = derive(
+            snapshot,
+            self.snapshot,
+            self.config.indicators.quantum_coefficients,
+            self.job_windows,
+        )
         snapshot = snapshot.extended(indicators)
         self.snapshot = snapshot
         self.collector.update(snapshot.readings)
@@ -329,7 +335,11 @@ class Agent:
             jobs: dict[str, Any] = {}
             if self.job_source is not None:
                 for j, t in self.job_source.jobs.items():
-                    jobs[j] = {"samples": t.samples, "step_s": t.step_s}
+                    jobs[j] = {
+                        "samples": t.samples,
+                        "step_s": t.step_s,
+                        "ranks": t.reporting_ranks,
+                    }
                     knobs = t.knobs()
                     if knobs is not None:
                         jobs[j]["knobs"] = list(knobs)
@@ -409,6 +419,7 @@ class Agent:
                 Reading("hyperagent_mqtt_dropped_total", self.link.dropped_total, {}, Kind.COUNTER)
             )
             out.append(Reading("hyperagent_mqtt_queued_messages", self.link.queued))
+            out += self.link.handler_error_readings()
         return out
 
     def _reject(self, reason: str, detail: str) -> None:
@@ -702,9 +713,11 @@ def telemetry_payload(
     snapshot: Snapshot, indicators: list[Reading], jobs: dict[str, Any] | None = None
 ) -> bytes:
     """The node's summary for MQTT: indicators, GPU power and energy, which sources are up,
-    and each job's running totals (samples and step seconds, from which the coordinator follows
-    throughput after tuning). The full detail stays on /metrics for Prometheus: a summary keeps
-    a cluster's telemetry small enough for one broker."""
+    and each job's running totals (samples and step seconds, both summed over the job's ranks
+    here, and ``ranks``: how many connected ranks reported steps, so that the node's throughput
+    is the change of samples over the change of step seconds divided by ranks), from which the
+    coordinator follows throughput after tuning. The full detail stays on /metrics for
+    Prometheus: a summary keeps a cluster's telemetry small enough for one broker."""
     power = snapshot.total("hyperagent_gpu_power_watts")
     energy = snapshot.total(GPU_ENERGY)
     up = {

@@ -20,7 +20,7 @@ import random
 import socket
 import ssl
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,6 +32,7 @@ import orjson
 
 from hyperagent.config import Config
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
+from hyperagent.readings import Kind, Reading
 from hyperagent.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,9 @@ READ_CHUNKS = 4
 INBOX_HIGH = 10_000
 """Received messages waiting for their handlers past which the socket is not read."""
 
+HANDLER_ERRORS_LOGGED = 100
+"""Distinct handler errors logged at most per link; past this they are only counted."""
+
 
 async def _await_mqtt(call: Awaitable[Any]) -> Any:
     """Await an aiomqtt call; re-raise a cancellation it swallowed.
@@ -278,7 +282,9 @@ class MqttLink:
     """One MQTT connection kept up with jittered exponential backoff.
 
     Subscribe handlers before ``run``; they are re-subscribed on every reconnect. A handler's
-    exception is logged and counted, never fatal.
+    exception is never fatal: it is counted per subscription filter and logged once per
+    distinct error (handler, exception type and message), with its traceback the first time
+    that handler fails.
     """
 
     def __init__(
@@ -318,10 +324,12 @@ class MqttLink:
         if not self.spool:
             self._idle.set()
         self._handlers: list[tuple[str, int, Handler]] = []
-        self._routes: dict[str, tuple[Handler, ...]] = {}
+        self._routes: dict[str, tuple[tuple[str, Handler], ...]] = {}
         self.connected = asyncio.Event()
         self.dropped = 0
-        self.handler_errors = 0
+        self.handler_errors_by_filter: Counter[str] = Counter()
+        """Subscription filter -> exceptions its handlers raised."""
+        self._errors_logged: set[tuple[str, str, str]] = set()
         self.connects = 0
         self._client: aiomqtt.Client | None = None
         self._was_up = False
@@ -335,15 +343,36 @@ class MqttLink:
         self._routes.clear()
 
     def handlers_for(self, topic: str) -> tuple[Handler, ...]:
-        """The handlers whose filters match ``topic``, in subscription order (remembered per
-        topic: a daemon sees the same topics over and over)."""
+        """The handlers whose filters match ``topic``, in subscription order."""
+        return tuple(handler for _, handler in self._routes_for(topic))
+
+    def _routes_for(self, topic: str) -> tuple[tuple[str, Handler], ...]:
+        """(filter, handler) of each subscription matching ``topic``, in subscription order
+        (remembered per topic: a daemon sees the same topics over and over)."""
         found = self._routes.get(topic)
         if found is None:
             if len(self._routes) >= ROUTES_CACHED:
                 self._routes.clear()
-            found = tuple(h for f, _, h in self._handlers if topic_matches(f, topic))
+            found = tuple((f, h) for f, _, h in self._handlers if topic_matches(f, topic))
             self._routes[topic] = found
         return found
+
+    @property
+    def handler_errors(self) -> int:
+        """Exceptions raised by this link's handlers, all filters together."""
+        return sum(self.handler_errors_by_filter.values())
+
+    def handler_error_readings(self) -> list[Reading]:
+        """``hyperagent_mqtt_handler_errors_total{handler}`` per subscription filter (from 0)."""
+        return [
+            Reading(
+                "hyperagent_mqtt_handler_errors_total",
+                self.handler_errors_by_filter[topic_filter],
+                {"handler": topic_filter},
+                Kind.COUNTER,
+            )
+            for topic_filter in dict.fromkeys(f for f, _, _ in self._handlers)
+        ]
 
     def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
         """Enqueue a message; never blocks. A full queue drops its oldest message (counted)."""
@@ -607,12 +636,38 @@ class MqttLink:
             payload = (
                 bytes(payload) if isinstance(payload, bytearray) else str(payload or "").encode()
             )
-        for handler in self.handlers_for(topic):
+        for topic_filter, handler in self._routes_for(topic):
             try:
                 await handler(topic, payload)
-            except Exception:
-                self.handler_errors += 1
-                log.exception("handler for %s failed", topic)
+            except Exception as e:
+                self._handler_failed(topic_filter, topic, e)
+
+    def _handler_failed(self, topic_filter: str, topic: str, error: Exception) -> None:
+        """Count the error; log it if it is new (a traceback for the handler's first)."""
+        self.handler_errors_by_filter[topic_filter] += 1
+        key = (topic_filter, type(error).__qualname__, str(error))
+        if key in self._errors_logged or len(self._errors_logged) > HANDLER_ERRORS_LOGGED:
+            return
+        if len(self._errors_logged) == HANDLER_ERRORS_LOGGED:
+            self._errors_logged.add(key)
+            log.error(
+                "%d distinct handler errors logged; further ones are only counted "
+                "(hyperagent_mqtt_handler_errors_total)",
+                HANDLER_ERRORS_LOGGED,
+            )
+            return
+        first = all(logged[0] != topic_filter for logged in self._errors_logged)
+        self._errors_logged.add(key)
+        log.error(
+            "handler for %s failed on %s: %s: %s (each distinct error is logged once; "
+            'hyperagent_mqtt_handler_errors_total{handler="%s"} counts them all)',
+            topic_filter,
+            topic,
+            type(error).__name__,
+            error,
+            topic_filter,
+            exc_info=error if first else None,
+        )
 
     async def disconnect(self, final: Sequence[Outgoing] = ()) -> None:
         """Publish ``final`` (e.g. an offline status) if connected; the caller then cancels run."""

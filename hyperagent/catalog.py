@@ -32,7 +32,10 @@ _CORE: dict[str, str] = {
     # Training job step reports
     "hyperagent_job_steps_total": "Training steps reported by the job on this node.",
     "hyperagent_job_samples_total": "Samples processed by the job on this node.",
-    "hyperagent_job_step_seconds_total": "Wall time of the reported steps.",
+    "hyperagent_job_step_seconds_total": (
+        "Wall time of the reported steps, summed over the job's ranks on this node (over"
+        " hyperagent_job_steps_total: one rank's mean step time)."
+    ),
     "hyperagent_job_compute_seconds_total": "Compute time of the reported steps.",
     "hyperagent_job_communication_seconds_total": (
         "Exposed communication time of the reported steps."
@@ -47,6 +50,13 @@ _CORE: dict[str, str] = {
         "ranks or connections)."
     ),
     "hyperagent_job_ranks": "Ranks of the job connected to this node's agent.",
+    "hyperagent_job_reporting_ranks": (
+        "Connected ranks of the job whose steps are counted on this node (the node's step time"
+        " is the step seconds' increase over this)."
+    ),
+    "hyperagent_job_rank_step_seconds": (
+        "Step time of one rank: the mean over the connected ranks of their last step."
+    ),
     # Job allocator reports (memory pressure, method="reported")
     "hyperagent_job_gpu_memory_allocated_ratio": (
         "Allocated over total bytes of the fullest GPU among the job's ranks on this node."
@@ -57,7 +67,10 @@ _CORE: dict[str, str] = {
     "hyperagent_job_oom_total": "GPU allocations of the job that failed out of memory.",
     # Indicators
     "hyperagent_qu_ratio": "Quantum utilisation: sum(q_i u_i) / sum(q_i) over the GPUs.",
-    "hyperagent_ccr_ratio": "Communication/compute time ratio over the last window.",
+    "hyperagent_ccr_ratio": (
+        "Communication/compute time ratio: reported over the job's last whole steps (held"
+        " between them), or estimated from RDMA traffic over the last cycle."
+    ),
     "hyperagent_memory_pressure_ratio": (
         "Memory pressure index: max of GPU and host memory pressure; method reported (the job's"
         " allocator) or estimated (NVML used fraction)."
@@ -68,7 +81,9 @@ _CORE: dict[str, str] = {
     "hyperagent_quantum_dispersion_ratio": (
         "Coefficient of variation of q_i u_i; above 0.7 load balancing is needed."
     ),
-    "hyperagent_energy_per_sample_joules": "GPU energy per training sample over the window.",
+    "hyperagent_energy_per_sample_joules": (
+        "GPU energy per training sample over the job's last whole steps (held between them)."
+    ),
     # Self-monitoring
     "hyperagent_source_up": "1 when the source's last read succeeded.",
     "hyperagent_source_duration_seconds": "Duration of the source's last read.",
@@ -80,6 +95,10 @@ _CORE: dict[str, str] = {
     "hyperagent_mqtt_dropped_total": "Outgoing MQTT messages dropped because the outbox was full.",
     "hyperagent_mqtt_queued_messages": "Outgoing MQTT messages waiting (telemetry and spooled).",
     "hyperagent_mqtt_invalid_payloads_total": "Incoming MQTT payloads that failed validation.",
+    "hyperagent_mqtt_handler_errors_total": (
+        "Incoming MQTT messages whose handler failed, by subscription filter (each distinct"
+        " error is logged once)."
+    ),
     "hyperagent_settings_rejected_total": "Settings messages the agent refused, by reason.",
     "hyperagent_settings_applied_total": "Settings versions the agent applied.",
     # Coordinator

@@ -56,6 +56,17 @@ def _speed(text: str) -> float:
     return value
 
 
+def _interval(text: str) -> float:
+    """Seconds between collections: a positive number (0 is not "as fast as possible")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if getattr(args, "node", None):
@@ -69,7 +80,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["mqtt.enabled"] = False
     if getattr(args, "metrics_address", None) is not None:
         out["agent.metrics_address"] = args.metrics_address
-    if getattr(args, "interval", None):
+    if getattr(args, "interval", None) is not None:
         out["agent.interval_s"] = args.interval
     return out
 
@@ -132,8 +143,27 @@ def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None =
     return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
 
 
+def _state_dir(config: Config, file: Path | None) -> None:
+    """Create ``agent.state_dir`` where the agent keeps what it sends the broker and the
+    settings it applied; a user that may not gets told what to do instead of a traceback."""
+    path = config.agent.state_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = f"cannot create {path}: {e.strerror or e}"
+        if isinstance(e, PermissionError):
+            reason += (
+                "; run the agent as its service user (hyperagent, as the shipped unit does, "
+                "which creates it) or set agent.state_dir to a folder this user may write"
+            )
+        where = str(file) if file is not None else None
+        raise ConfigError([ConfigProblem("agent.state_dir", reason)], where) from e
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     config = load_config(args.config, _overrides(args))
+    if config.mqtt.enabled:
+        _state_dir(config, args.config)
     return _run(_agent(args, config).run())
 
 
@@ -434,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--no-broker", action="store_true", help="do not connect to MQTT")
     agent.add_argument("--node", help="node name (default: hostname)")
     agent.add_argument("--cluster", help="cluster name")
-    agent.add_argument("--interval", type=float, help="seconds between collections")
+    agent.add_argument("--interval", type=_interval, help="seconds between collections")
     agent.set_defaults(func=cmd_agent)
 
     record = sub.add_parser("record", help="record every source into a capture directory")
@@ -446,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed", type=_speed, default=1.0, metavar="FACTOR", help="replay speed with --replay"
     )
     record.add_argument("--node")
-    record.add_argument("--interval", type=float, help="seconds between collections")
+    record.add_argument("--interval", type=_interval, help="seconds between collections")
     record.set_defaults(func=cmd_record)
 
     coordinator = sub.add_parser("coordinator", help="run the cluster coordinator")

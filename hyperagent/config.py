@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -432,9 +432,41 @@ def build_config(
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_problems(e), file) from None
+    problems = _duplicates(
+        config.sources.pdu.targets,
+        "sources.pdu.targets",
+        "name",
+        "two targets of one name would expose the same series",
+    ) + _duplicates(
+        config.coordinator.jobs,
+        "coordinator.jobs",
+        "id",
+        "two jobs of one id would share one journal file and one settings topic",
+    )
+    if problems:
+        raise ConfigError(problems, file)
+    return config
+
+
+def _duplicates(items: Sequence[BaseModel], key: str, field: str, why: str) -> list[ConfigProblem]:
+    """A problem for each item of ``items`` whose ``field`` an earlier item has already."""
+    first: dict[Any, int] = {}
+    problems = []
+    for index, item in enumerate(items):
+        value = getattr(item, field)
+        if value in first:
+            problems.append(
+                ConfigProblem(
+                    f"{key}.{index}.{field}",
+                    f"duplicate {field} {value!r} (also {key}.{first[value]}.{field}): {why}",
+                )
+            )
+        else:
+            first[value] = index
+    return problems
 
 
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> Config:

@@ -495,6 +495,7 @@ class Coordinator:
                 Kind.COUNTER,
             ),
             Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())),
+            *self.link.handler_error_readings(),
         ]
         for node, (online, ts) in sorted(self.nodes.items()):
             out.append(Reading("hyperagent_node_online", float(online), {"node": node}))

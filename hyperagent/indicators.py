@@ -1,6 +1,9 @@
 """The cluster indicators of DESIGN.md as pure functions, and their derivation from snapshots.
 
-Device i has effective utilisation u_i in [0, 1] and quantum coefficient q_i.
+Device i has effective utilisation u_i in [0, 1] and quantum coefficient q_i. Indicators that
+divide two quantities of the training job (energy per sample, the reported CCR) use the job's
+own windows, whole steps, which ``JobWindows`` follows cycle after cycle; the others use one
+collection cycle.
 """
 
 from __future__ import annotations
@@ -19,6 +22,17 @@ UNKNOWN_MODEL_COEFFICIENT = 1.0
 
 STALL_SECONDS = "hyperagent_host_memory_pressure_stall_seconds_total"
 """PSI: seconds some task (``kind="some"``) stalled waiting for memory."""
+
+STEPS = "hyperagent_job_steps_total"
+REPORTING_RANKS = "hyperagent_job_reporting_ranks"
+CCR = "hyperagent_ccr_ratio"
+
+SILENT_WINDOWS = 4.0
+"""A job that completed no window for this many times its last window's length has gone
+silent: its windowed indicators are no longer held (CCR falls back to the estimate) ..."""
+
+SILENT_MIN_S = 10.0
+"""... and for at least this long."""
 
 Unit = tuple[float, float]
 """(q_i, u_i): a device's quantum coefficient and effective utilisation."""
@@ -245,10 +259,97 @@ def _port_key(reading: Reading) -> tuple[str | None, str | None]:
     return reading.labels.get("device"), reading.labels.get("port")
 
 
+def _window_readings(start: Snapshot | None, end: Snapshot) -> list[Reading]:
+    """The reported CCR and the energy per sample from ``start`` to ``end`` (none without a
+    start, without the job's compute time or samples in between)."""
+    out = []
+    comm = _delta(end, start, "hyperagent_job_communication_seconds_total")
+    compute = _delta(end, start, "hyperagent_job_compute_seconds_total")
+    if comm is not None and compute:
+        ccr = communication_compute_ratio(comm, compute)
+        if ccr is not None and math.isfinite(ccr):
+            out.append(Reading(CCR, ccr, {"method": "reported"}))
+    energy = _delta(end, start, "hyperagent_gpu_energy_joules_total")
+    samples = _delta(end, start, "hyperagent_job_samples_total")
+    if energy is not None and samples:
+        joules = energy_per_sample(energy, samples)
+        if joules is not None and math.isfinite(joules):
+            out.append(Reading("hyperagent_energy_per_sample_joules", joules))
+    return out
+
+
+class JobWindows:
+    """Energy per sample and the reported CCR over the jobs' own windows, fed one snapshot
+    per collection cycle.
+
+    A window runs from a cycle in which steps completed to the next cycle by which every rank
+    that reports on this node completed at least one more (the node's step counter grew by
+    ``hyperagent_job_reporting_ranks``): its energy, samples, communication and compute are
+    those of whole steps, not of one cycle cut through a step longer than the interval. The
+    first window starts at the first cycle in which steps completed. The last window's values
+    are held (exported again) in the cycles between, so the series are continuous and the CCR's
+    ``method`` stays put, until the jobs go silent: no window for ``SILENT_WINDOWS`` times the
+    last one's length (at least ``SILENT_MIN_S``). Counters that go back (a job forgotten)
+    start over. The node's jobs are summed: windows are a job's own on a node that runs one.
+    """
+
+    def __init__(self) -> None:
+        self._start: Snapshot | None = None
+        """Where the current window began."""
+        self._anchored = False
+        """Whether it began in a cycle where steps completed (else it is not a whole window)."""
+        self._held: list[Reading] = []
+        self._ended = -math.inf
+        self._length = 0.0
+
+    def update(self, current: Snapshot) -> list[Reading]:
+        """The windowed readings as of ``current``: those of the window ending here, or the
+        last window's while it is not over."""
+        steps = current.total(STEPS)
+        start = self._start
+        before = None if start is None else start.total(STEPS)
+        if start is None or steps is None or before is None or _went_back(start, current):
+            self._start, self._anchored, self._held = current, False, []
+            return []
+        ranks = max(current.total(REPORTING_RANKS) or 1.0, 1.0)
+        if steps - before >= ranks:
+            if self._anchored:
+                self._held = _window_readings(start, current)
+                self._length = current.ts - start.ts
+            self._start, self._anchored, self._ended = current, True, current.ts
+        if current.ts - self._ended > max(SILENT_WINDOWS * self._length, SILENT_MIN_S):
+            self._anchored, self._held = False, []  # the next window starts when steps do
+        return list(self._held)
+
+
+_WINDOW_COUNTERS = (
+    STEPS,
+    "hyperagent_job_samples_total",
+    "hyperagent_job_communication_seconds_total",
+    "hyperagent_job_compute_seconds_total",
+    "hyperagent_gpu_energy_joules_total",
+)
+
+
+def _went_back(start: Snapshot, current: Snapshot) -> bool:
+    """Whether a counter a window divides is lower now than at the window's start."""
+    for name in _WINDOW_COUNTERS:
+        now, then = current.total(name), start.total(name)
+        if now is not None and then is not None and now < then:
+            return True
+    return False
+
+
 def derive(
-    current: Snapshot, previous: Snapshot | None, coefficients: Mapping[str, float]
+    current: Snapshot,
+    previous: Snapshot | None,
+    coefficients: Mapping[str, float],
+    windows: JobWindows | None = None,
 ) -> list[Reading]:
-    """The indicator readings for ``current``; windowed ones use the change since ``previous``."""
+    """The indicator readings for ``current``; those of one cycle use the change since
+    ``previous``. Energy per sample and the reported CCR come from ``windows`` when given (the
+    agent's, fed every cycle), else from the change since ``previous``; without a reported CCR
+    it is estimated from the cycle's RDMA traffic."""
     out: list[Reading] = []
 
     def put(name: str, value: float | None, **labels: str) -> None:
@@ -264,20 +365,12 @@ def derive(
     put("hyperagent_quantum_dispersion_ratio", quantum_dispersion(units))
     pressure, method = _memory_pressure(current, previous)
     put("hyperagent_memory_pressure_ratio", pressure, method=method)
-    comm = _delta(current, previous, "hyperagent_job_communication_seconds_total")
-    compute = _delta(current, previous, "hyperagent_job_compute_seconds_total")
-    if comm is not None and compute:
-        put("hyperagent_ccr_ratio", communication_compute_ratio(comm, compute), method="reported")
-    elif previous is not None:
+    windowed = windows.update(current) if windows is not None else []
+    if windows is None and previous is not None:
+        windowed = _window_readings(previous, current)
+    out += windowed
+    if previous is not None and not any(r.name == CCR for r in windowed):
         window_s = current.ts - previous.ts
         busy = [u * window_s for _, u in units]
-        put(
-            "hyperagent_ccr_ratio",
-            estimated_ccr(_port_traffic(current, previous), busy),
-            method="estimated",
-        )
-    energy = _delta(current, previous, "hyperagent_gpu_energy_joules_total")
-    samples = _delta(current, previous, "hyperagent_job_samples_total")
-    if energy is not None and samples:
-        put("hyperagent_energy_per_sample_joules", energy_per_sample(energy, samples))
+        put(CCR, estimated_ccr(_port_traffic(current, previous), busy), method="estimated")
     return out

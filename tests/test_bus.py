@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import pytest
 
 from hyperagent import bus
 from hyperagent.errors import PayloadError
+from hyperagent.readings import Kind
 
 KEY = b"k" * 32
 
@@ -319,3 +321,44 @@ async def test_link_falls_back_to_aiomqtts_iterator(mosquitto, monkeypatch) -> N
             while len(received) < 50:
                 await asyncio.sleep(0.01)
         assert received == [b"%d" % i for i in range(50)]
+
+
+async def test_a_failing_handler_is_logged_once_per_distinct_error_and_counted(
+    mosquitto,  # type: ignore[no-untyped-def]
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A handler that fails on every message of a flood writes one log line (with its
+    traceback), not one per message; every failure is counted under its subscription
+    filter, and a different error gets its own line."""
+    settings = "hyperagent/v1/t/job/+/settings"
+    received = 0
+
+    async def handler(topic: str, payload: bytes) -> None:
+        nonlocal received
+        received += 1
+        if payload == b"other":
+            raise ValueError("another problem")
+        raise KeyError("version")
+
+    async def quiet(topic: str, payload: bytes) -> None:
+        pass
+
+    link = bus.MqttLink("127.0.0.1", mosquitto.port, "failing")
+    link.subscribe(settings, 1, handler)
+    link.subscribe("hyperagent/v1/t/node/+/status", 1, quiet)
+    caplog.set_level(logging.ERROR, logger="hyperagent.bus")
+    async with running(link):
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port) as other:
+            for i in range(1000):
+                await other.publish(f"hyperagent/v1/t/job/j{i % 7}/settings", b"{}", qos=1)
+            await other.publish("hyperagent/v1/t/job/j/settings", b"other", qos=1)
+        async with asyncio.timeout(20):
+            while received < 1001:
+                await asyncio.sleep(0.01)
+    lines = [r for r in caplog.records if r.name == "hyperagent.bus"]
+    assert len(lines) == 2, [r.getMessage() for r in lines]
+    assert "KeyError: 'version'" in lines[0].getMessage() and lines[0].exc_info is not None
+    assert "ValueError: another problem" in lines[1].getMessage() and lines[1].exc_info is None
+    counted = {r.labels["handler"]: r.value for r in link.handler_error_readings()}
+    assert counted == {settings: 1001, "hyperagent/v1/t/node/+/status": 0}
+    assert all(r.kind is Kind.COUNTER for r in link.handler_error_readings())

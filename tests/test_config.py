@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hyperagent.config import DEFAULT_METRICS_PORT, build_config, load_config
 from hyperagent.errors import ConfigError
+
+from conftest import REPO
+
+NOBODY = 65534
 
 GOOD = """
 node = "gpu-17"
@@ -223,3 +231,108 @@ def test_bmc_and_pdu_are_read_at_their_own_pace_by_default(tmp_path: Path) -> No
     with pytest.raises(ConfigError) as e:
         build_config({"sources": {"ipmi": {"interval_s": 0}}})
     assert [p.key for p in e.value.problems] == ["sources.ipmi.interval_s"]
+
+
+def test_duplicate_pdu_targets_and_job_ids_name_the_key(tmp_path: Path) -> None:
+    """Two PDU targets of one name would expose the same series, two jobs of one id would
+    share a journal: check-config says which entry repeats which, and exits 2."""
+    path = tmp_path / "dup.toml"
+    target = 'host = "pdu-a.example"\noutlets = ["1"]\n'
+    path.write_text(
+        f'[[sources.pdu.targets]]\nname = "rack1"\n{target}'
+        f'[[sources.pdu.targets]]\nname = "rack2"\n{target}'
+        f'[[sources.pdu.targets]]\nname = "rack1"\n{target}'
+        '[[coordinator.jobs]]\nid = "llama"\nnodes = ["a"]\n'
+        '[[coordinator.jobs]]\nid = "llama"\nnodes = ["b"]\n'
+    )
+    result = _check(path)
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"{path}: sources.pdu.targets.2.name: duplicate name 'rack1' (also "
+        "sources.pdu.targets.0.name): two targets of one name would expose the same series",
+        f"{path}: coordinator.jobs.1.id: duplicate id 'llama' (also coordinator.jobs.0.id): "
+        "two jobs of one id would share one journal file and one settings topic",
+    ]
+
+
+def _agent(
+    *args: str, user: int | None = None, timeout_s: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """``hyperagent agent ARGS`` (as ``user`` through setpriv when given), with no /metrics."""
+    command = [sys.executable, "-m", "hyperagent.cli", "agent", "--metrics-address", "", *args]
+    if user is not None:
+        command = [
+            "setpriv",
+            f"--reuid={user}",
+            f"--regid={user}",
+            "--clear-groups",
+            "--",
+            *command,
+        ]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan"])
+def test_an_interval_that_is_not_positive_is_an_error(tmp_path: Path, interval: str) -> None:
+    """``--interval 0`` does not quietly collect every second: it is refused, exit 2."""
+    config = tmp_path / "a.toml"
+    config.write_text(
+        f'[agent]\nstate_dir = "{tmp_path}"\n[sources.job]\nsocket = "{tmp_path / "j.sock"}"\n'
+    )
+    result = _agent("--config", str(config), "--no-broker", "--interval", interval, timeout_s=20)
+    assert result.returncode == 2
+    assert (
+        f"argument --interval: must be a positive number of seconds, not {interval}"
+        in result.stderr
+    )
+
+
+@pytest.fixture
+def locked_dir() -> Iterator[Path]:
+    """A folder other users can read but only root may write in, under one they can reach
+    (pytest's tmp_path is 0700); holds an agent config whose state and job socket are in it."""
+    shared = Path(tempfile.mkdtemp(prefix="hyperagent-locked-"))
+    shared.chmod(0o755)
+    locked = shared / "locked"
+    locked.mkdir(mode=0o555)
+    (shared / "agent.toml").write_text(
+        f'[agent]\nstate_dir = "{locked / "state"}"\n'
+        f'[sources.job]\nsocket = "{locked / "run" / "job.sock"}"\n'
+        '[mqtt]\nurl = "mqtt://127.0.0.1:1"\n'
+    )
+    try:
+        yield shared
+    finally:
+        locked.chmod(0o755)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_an_agent_that_cannot_make_its_folders_says_so_in_one_line(locked_dir: Path) -> None:
+    """An agent started as a user that may not create its state folder (or its job socket's
+    folder) says which path and what to do, exit 2, instead of a PermissionError traceback."""
+    user = NOBODY if os.geteuid() == 0 else None
+    config = str(locked_dir / "agent.toml")
+    state = locked_dir / "locked" / "state"
+    result = _agent("--config", config, user=user)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"{config}: agent.state_dir: cannot create {state}: Permission denied; run the agent as "
+        "its service user (hyperagent, as the shipped unit does, which creates it) or set "
+        "agent.state_dir to a folder this user may write"
+    ]
+    result = _agent("--config", config, "--no-broker", user=user)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(
+        f"sources.job.socket: cannot listen on {locked_dir / 'locked' / 'run' / 'job.sock'}: "
+        "Permission denied; run the agent as its service user"
+    )

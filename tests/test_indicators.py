@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import pytest
 
+from hyperagent.agent import Agent
 from hyperagent.config import DEFAULT_QUANTUM_COEFFICIENTS as TABLE
+from hyperagent.config import build_config
 from hyperagent.indicators import (
+    JobWindows,
     _warn_unknown_model,
     communication_compute_ratio,
     compute_entropy,
@@ -24,6 +28,7 @@ from hyperagent.indicators import (
     reported_gpu_memory_pressure,
 )
 from hyperagent.readings import Kind, Reading, Snapshot
+from hyperagent.sources import Hardware
 
 A100_HALF_V100_FULL = [(1.0, 0.5), (0.6, 1.0)]
 STALL = "hyperagent_host_memory_pressure_stall_seconds_total"
@@ -319,3 +324,151 @@ def test_an_unknown_gpu_model_is_said_once_and_labelled(caplog: pytest.LogCaptur
     assert coefficient.value == 1.0
     assert coefficient.labels == {**labels, "model": "Tesla P100-PCIE-16GB", "known": "false"}
     assert next(r.value for r in first if r.name == "hyperagent_qu_ratio") == 0.5
+
+
+STEP_S = 4.0
+"""Each rank's step: 3 s of compute and 1 s of exposed communication (CCR 1/3)."""
+NODE_W = 600.0
+"""The node's GPUs draw this the whole time ..."""
+NODE_SAMPLES = 100
+"""... and process this many samples per step of all ranks: 24 J per sample."""
+
+
+class SteppingNode:
+    """What a node's sources read at time ``t`` while its ranks take 4 s steps, rank r
+    completing its steps ``offsets[r]`` seconds into each 4 s (ranks of one node finish a
+    synchronised step at slightly different times), with RDMA traffic for the estimate.
+    As a source, each read is one second later than the last (a 1 s collection interval)."""
+
+    name = "stepping"
+    target = "node"
+
+    def __init__(self, offsets: list[float], pause: tuple[float, float] | None = None) -> None:
+        self.offsets = offsets
+        self.pause = pause
+        """(from, to): no rank steps in between; the GPUs keep drawing power."""
+        self.t = 0.0
+
+    def readings(self, t: float) -> list[Reading]:
+        ranks = len(self.offsets)
+        stepping = t
+        if self.pause is not None and t >= self.pause[0]:
+            stepping = self.pause[0] + max(0.0, t - self.pause[1])
+        done = [max(0, math.floor((stepping - o) / STEP_S)) for o in self.offsets]
+        steps = sum(done)
+        job = {"job_id": "llm"}
+        readings = [
+            Reading(STEPS_TOTAL, steps, job, Kind.COUNTER),
+            Reading(
+                "hyperagent_job_samples_total", steps * NODE_SAMPLES / ranks, job, Kind.COUNTER
+            ),
+            Reading("hyperagent_job_compute_seconds_total", steps * 3.0, job, Kind.COUNTER),
+            Reading("hyperagent_job_communication_seconds_total", steps * 1.0, job, Kind.COUNTER),
+            Reading("hyperagent_job_reporting_ranks", ranks, job),
+        ]
+        for gpu in range(2):
+            labels = {"gpu": str(gpu), "uuid": f"GPU-{gpu}"}
+            readings += [
+                Reading("hyperagent_gpu_info", 1, {**labels, "model": "NVIDIA H100 80GB HBM3"}),
+                Reading("hyperagent_gpu_utilization_ratio", 1.0, labels),
+                Reading("hyperagent_gpu_energy_joules_total", t * NODE_W / 2, labels, Kind.COUNTER),
+            ]
+        port = {"device": "mlx5_0", "port": "1"}
+        readings += [
+            Reading("hyperagent_rdma_port_rate_bytes_per_second", 25e9, port),
+            Reading(
+                "hyperagent_rdma_port_data_transmitted_bytes_total", t * 5e9, port, Kind.COUNTER
+            ),
+        ]
+        return readings
+
+    async def start(self) -> None:
+        pass
+
+    async def read(self) -> list[Reading]:
+        self.t += 1.0
+        return self.readings(self.t)
+
+    async def close(self) -> None:
+        pass
+
+
+STEPS_TOTAL = "hyperagent_job_steps_total"
+
+RANK_LAYOUTS = [
+    pytest.param([0.5], id="one rank"),
+    pytest.param([0.5, 0.5, 1.5, 1.5], id="four ranks finishing in two cycles"),
+]
+
+
+@pytest.mark.parametrize("offsets", RANK_LAYOUTS)
+async def test_energy_per_sample_and_ccr_are_over_whole_steps_in_every_cycle(
+    offsets: list[float], tmp_path: Path
+) -> None:
+    """4 s steps, a 1 s interval: once the first whole step was seen, every cycle says
+    24 J per sample and a reported CCR of 1/3; not 6 J one cycle in four, and not a CCR
+    whose method flips to the RDMA estimate in the cycles where no step completed."""
+    config = build_config(
+        {
+            "mqtt": {"enabled": False},
+            "agent": {"metrics_address": "", "state_dir": str(tmp_path)},
+        }
+    )
+    node = SteppingNode(offsets)
+    agent = Agent(config, Hardware(nvml=None), sources=[node])
+    cycles = [await agent.collect_once() for _ in range(32)]
+    for cycle, snapshot in enumerate(cycles[11:], start=12):  # node.t of the snapshot
+        per_sample = snapshot.value("hyperagent_energy_per_sample_joules")
+        assert per_sample == pytest.approx(24.0), f"at {cycle} s: {per_sample}"
+        methods = {r.labels["method"]: r.value for r in snapshot.named("hyperagent_ccr_ratio")}
+        assert methods == {"reported": pytest.approx(1 / 3)}, f"at {cycle} s: {methods}"
+    await agent.runner.close()
+
+
+def test_windowed_indicators_are_held_until_the_job_goes_silent() -> None:
+    """A job that stops stepping keeps its last values for four of its windows (16 s here),
+    then CCR falls back to the traffic estimate; when it steps again its next window starts at
+    its first new step, so the pause is not averaged into a sample."""
+    node = SteppingNode([0.5], pause=(39.0, 60.0))
+    windows = JobWindows()
+    previous = None
+    seen: dict[int, dict[str, float]] = {}
+    for t in range(1, 90):
+        snapshot = Snapshot(float(t), "n", tuple(node.readings(float(t))))
+        out = derive(snapshot, previous, TABLE, windows)
+        seen[t] = {
+            r.labels.get("method", r.name): r.value
+            for r in out
+            if r.name in ("hyperagent_ccr_ratio", "hyperagent_energy_per_sample_joules")
+        }
+        previous = snapshot
+    joules = "hyperagent_energy_per_sample_joules"
+    whole_steps = {"reported": pytest.approx(1 / 3), joules: pytest.approx(24.0)}
+    # steps end at 4.5, 8.5, ... 36.5 s (seen a cycle later); held until 37 + 16 s
+    for t in range(9, 54):
+        assert seen[t] == whole_steps, (t, seen[t])
+    # silent: the estimate (5 GB/s of a 25 GB/s link, GPUs busy: 0.2) until a whole window
+    # of the resumed steps (they end at 61.5 s, the window start, and 65.5 s)
+    for t in range(54, 66):
+        assert seen[t] == {"estimated": pytest.approx(0.2)}, (t, seen[t])
+    for t in range(66, 90):
+        assert seen[t] == whole_steps, (t, seen[t])
+
+
+def test_counters_that_go_back_start_the_windows_over() -> None:
+    """A job forgotten and reported again from 0 (or an agent's counters restarting) gives no
+    negative or mixed window: nothing until a whole window of the new counters."""
+    windows = JobWindows()
+    node = SteppingNode([0.5])
+    for t in range(1, 20):
+        windows.update(Snapshot(float(t), "n", tuple(node.readings(float(t)))))
+    restarted = SteppingNode([20.5])
+    got = []
+    for t in range(20, 40):
+        readings = tuple(r for r in restarted.readings(float(t)))
+        got.append(windows.update(Snapshot(float(t), "n", readings)))
+    assert not got[0]
+    values = [{r.name: r.value for r in out} for out in got if out]
+    assert values and all(
+        v["hyperagent_energy_per_sample_joules"] == pytest.approx(24.0) for v in values
+    )

@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import math
 import os
+import pwd
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +29,9 @@ from hyperagent.job import (
     encode_step,
     parse_step,
 )
-from hyperagent.sources.job import JobSource, PeerPolicy, SocketInUse
+from hyperagent.sources.job import GroupCache, JobSource, PeerPolicy, SocketInUse
+
+from conftest import ManualClock
 
 
 async def _until(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
@@ -246,6 +250,99 @@ async def test_a_job_id_belongs_to_the_user_that_claimed_it(shared_dir: Path) ->
         owner.close()
     finally:
         await source.close()
+
+
+LDAP_GROUP = 4242
+"""A group the user database says nobody is in (as a directory service would)."""
+
+
+@needs_root
+async def test_group_lookups_leave_the_event_loop_running_and_are_kept_a_while(
+    shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member of an allowed group connects while the user database is slow (a directory
+    server taking its time): the agent's loop keeps turning during the lookup, the member is
+    let in, and the same user connecting again within the cache lifetime is not looked up
+    again."""
+    turns = 0
+    entered, release = threading.Event(), threading.Event()
+    lookups: list[tuple[int, int]] = []
+    """(loop turns when a lookup began, loop turns when it ended)"""
+    getpwuid = pwd.getpwuid
+
+    def slow_getpwuid(uid: int) -> pwd.struct_passwd:
+        began = turns
+        entered.set()
+        release.wait(timeout=5)
+        lookups.append((began, turns))
+        return getpwuid(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", slow_getpwuid)
+    monkeypatch.setattr(os, "getgrouplist", lambda user, gid: [gid, LDAP_GROUP])
+
+    async def turn() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0.001)
+
+    path = shared_dir / "job.sock"
+    source = JobSource(path, PeerPolicy(groups=frozenset({LDAP_GROUP})))
+    await source.start()
+    turning = asyncio.create_task(turn())
+    try:
+        first = asyncio.create_task(_rank_as(NOBODY, path, "ldap-job"))
+        await _until(entered.is_set, timeout_s=20)
+        began = turns
+        await _until(lambda: turns >= began + 20)
+        release.set()
+        await _until(lambda: "ldap-job" in source.jobs and source.jobs["ldap-job"].steps > 0)
+        source.send_settings("ldap-job", JobSettings(1, {}))
+        assert await first == "settings v1"
+        assert await _rank_as(NOBODY, path, "ldap-job") == "settings v1"
+        assert source.refused["unauthorised"] == 0
+        assert len(lookups) == 1, f"{len(lookups)} lookups for one user within the cache lifetime"
+        assert lookups[0][1] - lookups[0][0] >= 20, "the event loop stood still during the lookup"
+    finally:
+        turning.cancel()
+        await source.close()
+
+
+@needs_root
+async def test_a_user_outside_the_allowed_groups_is_refused_after_the_lookup(
+    shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "getgrouplist", lambda user, gid: [gid])
+    path = shared_dir / "job.sock"
+    source = JobSource(path, PeerPolicy(groups=frozenset({LDAP_GROUP})))
+    await source.start()
+    try:
+        told = await _rank_as(NOBODY, path, "train")
+        assert told.startswith("unauthorised"), told
+        assert "train" not in source.jobs and source.refused["unauthorised"] >= 1
+        assert source.groups.lookups == 1
+    finally:
+        await source.close()
+
+
+async def test_group_cache_asks_once_per_uid_within_its_lifetime() -> None:
+    clock = ManualClock()
+    asked: list[int] = []
+    answers = {1000: frozenset({1000, 4242})}
+
+    def lookup(uid: int) -> frozenset[int] | None:
+        asked.append(uid)
+        return answers.get(uid)
+
+    cache = GroupCache(lookup, ttl_s=60, clock=clock)
+    together = await asyncio.gather(*(cache.groups(1000) for _ in range(5)))
+    assert together == [answers[1000]] * 5 and asked == [1000]  # in flight: shared
+    clock.now = 59.0
+    assert await cache.groups(1000) == answers[1000] and await cache.groups(7) is None
+    assert asked == [1000, 7]
+    answers[1000] = frozenset({1000})  # removed from the group in the directory
+    clock.now = 61.0
+    assert await cache.groups(1000) == frozenset({1000}) and asked == [1000, 7, 1000]
 
 
 async def test_one_connection_cannot_report_for_another_job(tmp_path: Path) -> None:

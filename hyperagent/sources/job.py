@@ -3,10 +3,11 @@
 Ranks connect to a unix ``SOCK_SEQPACKET`` socket (one message per packet) and the agent
 answers on the same connection. Who may connect is decided per peer from SO_PEERCRED: the
 agent's own user, the users of ``allowed_users`` and members of ``allowed_groups`` (primary or
-supplementary group, from the user database). The first peer that says hello for a job id
-binds it to its uid; nobody else can report for that job while any of its ranks is connected
-(and for ``release_after_s`` after the last one left). Jobs and ranks are bounded. Refusals are
-answered with a reason, counted and logged once per reason.
+supplementary group, from the user database: NSS, which may ask LDAP or SSSD, so that lookup
+runs in a thread and its answer is kept ``NSS_CACHE_S`` per uid). The first peer that says
+hello for a job id binds it to its uid; nobody else can report for that job while any of its
+ranks is connected (and for ``release_after_s`` after the last one left). Jobs and ranks are
+bounded. Refusals are answered with a reason, counted and logged once per reason.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyperagent import job as protocol
-from hyperagent.errors import ConfigError, ConfigProblem, PayloadError, SourceUnavailable
+from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.readings import Kind, Reading
 
@@ -39,6 +40,12 @@ BATCH = 1000
 """Packets or connections taken per wake-up at most (the rest wait for the next turn)."""
 
 _PEERCRED = struct.Struct("3i")
+
+NSS_CACHE_S = 60.0
+"""How long a user's group memberships, once looked up, answer for that uid."""
+
+NSS_CACHED_USERS = 1024
+"""Users whose memberships are kept at most (expired ones are forgotten first)."""
 
 REFUSALS = (
     "unauthorised",
@@ -55,6 +62,20 @@ class SocketInUse(ConfigError):
     """Another live process (an agent or a recorder) listens on the job socket."""
 
     def __init__(self, reason: str) -> None:
+        super().__init__([ConfigProblem("sources.job.socket", reason)])
+
+
+class SocketUnusable(ConfigError):
+    """The job socket cannot be made at its path (a folder this user may not create...)."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        reason = f"cannot listen on {path}: {error.strerror or error}"
+        if isinstance(error, PermissionError):
+            reason += (
+                "; run the agent as its service user (hyperagent, as the shipped unit does, "
+                "which creates /run/hyperagent) or set sources.job.socket to a path this user "
+                "may create"
+            )
         super().__init__([ConfigProblem("sources.job.socket", reason)])
 
 
@@ -90,16 +111,80 @@ class PeerPolicy:
                 log.warning("sources.job.allowed_groups: no group %r on this host", group)
         return cls(frozenset(uids), frozenset(gids), **limits)  # type: ignore[arg-type]
 
-    def allows(self, uid: int, gid: int) -> bool:
+    def decides(self, uid: int, gid: int) -> bool | None:
+        """Whether ``uid``/``gid`` may connect, where they alone decide; None when the answer
+        depends on the user's supplementary groups (see ``admits_member``)."""
         if uid == os.geteuid() or uid in self.users or gid in self.groups:
             return True
-        if not self.groups:
-            return False
+        return False if not self.groups else None
+
+    def admits_member(self, groups: frozenset[int] | None) -> bool:
+        """Whether a user in ``groups`` (None: a user the database does not know) may connect."""
+        return groups is not None and not self.groups.isdisjoint(groups)
+
+
+GroupLookup = Callable[[int], "frozenset[int] | None"]
+"""uid -> the user's gids (primary and supplementary), None for an unknown uid; may block."""
+
+
+def user_groups(uid: int) -> frozenset[int] | None:
+    """The groups of ``uid`` from the user database (NSS: files, LDAP, SSSD...); blocks."""
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return None
+    return frozenset(os.getgrouplist(user.pw_name, user.pw_gid))
+
+
+class GroupCache:
+    """Users' group memberships, looked up in a thread (never on the event loop) and kept
+    ``ttl_s`` per uid; connections of one uid arriving during a lookup share it. A lookup that
+    fails is not kept (the next connection asks again)."""
+
+    def __init__(
+        self,
+        lookup: GroupLookup = user_groups,
+        ttl_s: float = NSS_CACHE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lookup, self.ttl_s, self.clock = lookup, ttl_s, clock
+        self.lookups = 0
+        """Calls of ``lookup`` so far."""
+        self._known: dict[int, tuple[float, frozenset[int] | None]] = {}
+        self._pending: dict[int, asyncio.Task[frozenset[int] | None]] = {}
+
+    async def groups(self, uid: int) -> frozenset[int] | None:
+        """The gids of ``uid``; raises what the lookup raised."""
+        known = self._known.get(uid)
+        if known is not None and self.clock() < known[0]:
+            return known[1]
+        task = self._pending.get(uid)
+        if task is None:
+            task = asyncio.create_task(self._look_up(uid), name=f"nss-uid-{uid}")
+            self._pending[uid] = task
+        return await asyncio.shield(task)
+
+    async def _look_up(self, uid: int) -> frozenset[int] | None:
+        self.lookups += 1
         try:
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return not self.groups.isdisjoint(os.getgrouplist(user.pw_name, user.pw_gid))
+            groups = await asyncio.to_thread(self.lookup, uid)
+        finally:
+            del self._pending[uid]
+        now = self.clock()
+        if len(self._known) >= NSS_CACHED_USERS:
+            self._known = {u: k for u, k in self._known.items() if now < k[0]}
+            if len(self._known) >= NSS_CACHED_USERS:
+                self._known.clear()
+        self._known[uid] = (now + self.ttl_s, groups)
+        return groups
+
+    async def close(self) -> None:
+        """Stop waiting for lookups in flight (their threads end on their own)."""
+        tasks = list(self._pending.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._pending.clear()
 
 
 @dataclass
@@ -119,7 +204,9 @@ class Peer:
 
 @dataclass
 class JobTotals:
-    """Running totals of one job's step reports on this node."""
+    """Running totals of one job's step reports on this node, summed over its ranks: ``step_s``
+    adds every rank's step time (a node's step time is ``step_s / steps`` per rank-step, or
+    the change of ``step_s`` over ``reporting_ranks``)."""
 
     steps: int = 0
     samples: int = 0
@@ -137,15 +224,29 @@ class JobTotals:
     """Monotonic time the last rank disconnected."""
     alloc_retries: dict[int, int] = field(default_factory=dict)
     ooms: dict[int, int] = field(default_factory=dict)
+    last_step_s: dict[int, float] = field(default_factory=dict)
+    """rank -> the step time of its last step (the ranks that reported steps)."""
 
     @property
     def reporters(self) -> dict[int, Peer]:
         return self.ranks
 
+    @property
+    def reporting_ranks(self) -> int:
+        """Connected ranks whose steps are counted here: the divisor that turns the sums over
+        ranks into the node's step time (``step_s`` / ranks)."""
+        return sum(1 for rank in self.ranks if rank in self.last_step_s)
+
+    def rank_step_s(self) -> float | None:
+        """The mean over the connected ranks of their last step time: one rank's step time."""
+        times = [self.last_step_s[r] for r in self.ranks if r in self.last_step_s]
+        return sum(times) / len(times) if times else None
+
     def add(self, step: StepReport) -> None:
         self.steps += 1
         self.samples += step.samples
         self.step_s += step.step_s
+        self.last_step_s[step.rank] = step.step_s
         self.compute_s += step.compute_s
         self.comm_s += step.comm_s
         if step.loss is not None:
@@ -171,16 +272,25 @@ class JobSource:
 
     name = "job"
 
-    def __init__(self, socket_path: Path, policy: PeerPolicy | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        policy: PeerPolicy | None = None,
+        groups: GroupCache | None = None,
+    ) -> None:
+        """``groups`` answers the policy's group questions (default: the user database)."""
         self.socket_path = socket_path
         self.target = str(socket_path)
         self.policy = policy or PeerPolicy()
+        self.groups = groups or GroupCache()
         self.jobs: dict[str, JobTotals] = {}
         self.invalid = 0
         self.refused: Counter[str] = Counter()
         self.listeners: list[StepListener] = []
         self.peers: dict[int, Peer] = {}
         """fd -> connected peer."""
+        self._authorising: dict[int, tuple[Peer, asyncio.Task[None]]] = {}
+        """fd -> a connecting peer and the group lookup it waits for."""
         self._sock: socket.socket | None = None
         self._last_settings: dict[str, JobSettings] = {}
         self._logged: set[str] = set()
@@ -188,7 +298,8 @@ class JobSource:
     # -- listening -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Listen; raises SocketInUse when a live process already listens on the path."""
+        """Listen; raises SocketInUse when a live process already listens on the path, and
+        SocketUnusable when the socket cannot be made there."""
         if self._sock is not None:
             return
         path = self.socket_path
@@ -201,7 +312,7 @@ class JobSource:
             os.chmod(path, 0o666)  # peers are authorised by SO_PEERCRED, not by file mode
             sock.listen(256)
         except OSError as e:
-            raise SourceUnavailable(f"cannot listen on {path}: {e}") from e
+            raise SocketUnusable(path, e) from e
         sock.setblocking(False)
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
@@ -240,15 +351,40 @@ class JobSource:
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
             peer = Peer(conn, pid, uid, gid)
-            if not self.policy.allows(uid, gid):
-                self._refuse(peer, "unauthorised", f"uid {uid} gid {gid} may not report jobs")
-                continue
-            if len(self.peers) >= 2 * self.policy.max_jobs * self.policy.max_ranks:
+            allowed = self.policy.decides(uid, gid)
+            connected = len(self.peers) + len(self._authorising)
+            if allowed is False:
+                self._refuse_unauthorised(peer)
+            elif connected >= 2 * self.policy.max_jobs * self.policy.max_ranks:
                 # ranks that said hello are bounded per job; this bounds the ones that did not
-                self._refuse(peer, "too_many_connections", f"{len(self.peers)} connected")
-                continue
-            self.peers[conn.fileno()] = peer
-            asyncio.get_running_loop().add_reader(conn.fileno(), self._readable, peer)
+                self._refuse(peer, "too_many_connections", f"{connected} connected")
+            elif allowed:
+                self._admit(peer)
+            else:
+                fd = conn.fileno()
+                task = asyncio.create_task(self._authorise(peer, fd), name=f"job-peer-{pid}")
+                self._authorising[fd] = (peer, task)
+
+    async def _authorise(self, peer: Peer, fd: int) -> None:
+        """Admit or refuse ``peer`` once its user's groups are known (off the event loop)."""
+        try:
+            groups = await self.groups.groups(peer.uid)
+        except Exception as e:  # NSS failing: refused, and the next connection asks again
+            self._warn_once("nss", "job channel: looking up the groups of uid %d: %s", peer.uid, e)
+            groups = None
+        finally:
+            self._authorising.pop(fd, None)
+        if self.policy.admits_member(groups):
+            self._admit(peer)
+        else:
+            self._refuse_unauthorised(peer)
+
+    def _admit(self, peer: Peer) -> None:
+        self.peers[peer.conn.fileno()] = peer
+        asyncio.get_running_loop().add_reader(peer.conn.fileno(), self._readable, peer)
+
+    def _refuse_unauthorised(self, peer: Peer) -> None:
+        self._refuse(peer, "unauthorised", f"uid {peer.uid} gid {peer.gid} may not report jobs")
 
     def _refuse(self, peer: Peer, reason: str, detail: str) -> None:
         self.refused[reason] += 1
@@ -440,7 +576,11 @@ class JobSource:
                 ),
                 Reading("hyperagent_job_settings_version", t.version, labels),
                 Reading("hyperagent_job_ranks", len(t.ranks), labels),
+                Reading("hyperagent_job_reporting_ranks", t.reporting_ranks, labels),
             ]
+            rank_step_s = t.rank_step_s()
+            if rank_step_s is not None:
+                out.append(Reading("hyperagent_job_rank_step_seconds", rank_step_s, labels))
             if t.loss is not None:
                 out.append(Reading("hyperagent_job_loss", t.loss, labels))
             memory = [p.memory for p in t.ranks.values() if p.memory is not None]
@@ -464,6 +604,13 @@ class JobSource:
         return out
 
     async def close(self) -> None:
+        waiting = list(self._authorising.values())
+        self._authorising.clear()
+        for peer, task in waiting:
+            task.cancel()
+            peer.conn.close()
+        await asyncio.gather(*(task for _, task in waiting), return_exceptions=True)
+        await self.groups.close()
         for peer in list(self.peers.values()):
             self._drop(peer)
         if self._sock is not None:
