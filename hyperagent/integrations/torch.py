@@ -303,9 +303,10 @@ class CudaEventTimer:
     ``collect_all`` carries no CUDA event, and DDP's wait on it would not order the streams).
 
     :meth:`exposed_s` reads the events once per step: one ``synchronize`` of *done* (nothing
-    to wait for after ``loss.item()``: the optimizer step waited for the allreduces) and one
-    ``elapsed_time``, milliseconds converted to seconds. As on the host, exposed is from the
-    last bucket ready, the end of backward's compute, to the last allreduce done.
+    left to wait for after ``loss.item()``: DDP's stream waited for the allreduces before the
+    optimizer step) and one ``elapsed_time``, milliseconds converted to seconds. As on the
+    host, exposed is from the last bucket ready, the end of backward's compute, to the last
+    allreduce done: the time the compute stream waits for communication at the end of backward.
     """
 
     def __init__(self, runtime: CudaRuntime) -> None:
@@ -356,11 +357,11 @@ class CudaEventTimer:
 
     def exposed_s(self) -> float:
         with self._lock:
-            if not (self._marked_ready and self._marked_done):
+            ready, done = self._ready, self._done
+            if not (self._marked_ready and self._marked_done) or ready is None or done is None:
                 return 0.0
-            assert self._ready is not None and self._done is not None
-            self._done.synchronize()
-            return max(0.0, self._ready.elapsed_time(self._done) / 1000.0)
+        done.synchronize()
+        return max(0.0, ready.elapsed_time(done) / 1000.0)
 
 
 def comm_timer_for(

@@ -48,7 +48,9 @@ try:
     )
 
     TORCH_MISSING = ""
-except ImportError as e:
+except ModuleNotFoundError as e:  # torch itself; a name missing from hyperagent is an error
+    if e.name != "torch":
+        raise
     TORCH_MISSING = str(e)
 
 JOB = "ddp-test"
