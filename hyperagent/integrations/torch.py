@@ -330,10 +330,11 @@ class CudaEventTimer:
 
     def completion(self, futures: Sequence[Future[Any]], buffer: torch.Tensor) -> Future[Any]:
         result = self.runtime.future()
+        parts = list(futures)
 
         def finish(done: Future[list[Future[Any]]]) -> None:
             try:
-                parts = done.value()
+                done.value()  # raises the first allreduce's error
                 stream, event = self._done_marker()
                 with self.runtime.use(stream):
                     for part in parts:
@@ -345,7 +346,7 @@ class CudaEventTimer:
             except Exception as e:
                 result.set_exception(e)
 
-        torch.futures.collect_all(list(futures)).add_done_callback(finish)
+        torch.futures.collect_all(parts).add_done_callback(finish)
         return result
 
     def _done_marker(self) -> tuple[Any, TimingEvent]:

@@ -299,14 +299,31 @@ class FakeCuda:
         finally:
             self.current = previous
 
-    def future(self) -> torch.futures.Future[Any]:
-        return torch.futures.Future()
+    def future(self) -> FakeCudaFuture:
+        return FakeCudaFuture(self)
 
 
-def enqueued() -> torch.futures.Future[Any]:
+class FakeCudaFuture(torch.futures.Future[Any]):
+    """A future on :class:`FakeCuda`: logs on which stream it is waited for (a CUDA future's
+    ``wait`` makes the current stream wait for it) and completed."""
+
+    def __init__(self, device: FakeCuda) -> None:
+        super().__init__()
+        self.device = device
+
+    def wait(self) -> Any:
+        self.device.log.append(f"wait on {self.device.current.name}")
+        return super().wait()
+
+    def set_result(self, result: Any) -> None:
+        self.device.log.append(f"complete on {self.device.current.name}")
+        super().set_result(result)
+
+
+def enqueued(cuda: FakeCuda) -> FakeCudaFuture:
     """An allreduce's future as NCCL hands it to the hook: already complete."""
-    future: torch.futures.Future[Any] = torch.futures.Future()
-    future.set_result([torch.zeros(4)])
+    future = FakeCudaFuture(cuda)
+    torch.futures.Future.set_result(future, [torch.zeros(4)])
     return future
 
 
@@ -320,17 +337,17 @@ def test_the_cuda_timer_reads_the_communication_off_the_events_once_per_step() -
     results = []
     for buffer in buffers:
         timer.bucket_ready()
-        results.append(timer.completion([enqueued(), enqueued()], buffer))
+        results.append(timer.completion([enqueued(cuda), enqueued(cuda)], buffer))
     assert "synchronize" not in cuda.log and "elapsed_time" not in cuda.log  # backward: no read
-    assert all(r.wait() is b for r, b in zip(results, buffers, strict=True))
+    # the timer's stream waits for both chunks, marks done, and completes the hook's future
+    # there: DDP's stream, waiting on that future, waits for the allreduces
+    bucket = ["wait on timer0", "wait on timer0", "record timer0 {}", "complete on timer0"]
     assert cuda.log == [
-        "record compute 10",
-        "record timer0 18",
-        "record compute 20",
-        "record timer0 29",
-        "record compute 30",
-        "record timer0 42.5",
+        line.format(done)
+        for ready, done in [(10, 18), (20, 29), (30, 42.5)]
+        for line in [f"record compute {ready}", *bucket]
     ]
+    assert all(r.wait() is b for r, b in zip(results, buffers, strict=True))
     assert timer.exposed_s() == pytest.approx(0.0125)
     assert cuda.log[-2:] == ["synchronize", "elapsed_time"]
     assert len(cuda.events) == 2 and len(cuda.streams) == 1
@@ -355,7 +372,7 @@ def test_the_cuda_timer_reuses_its_two_events_and_reads_nothing_without_buckets(
         timer.reset()
         for _ in range(buckets):
             timer.bucket_ready()
-            timer.completion([enqueued()], torch.zeros(2)).wait()
+            timer.completion([enqueued(cuda)], torch.zeros(2)).wait()
         reads = cuda.log.count("synchronize")
         measured.append(timer.exposed_s())
         assert cuda.log.count("synchronize") == reads + (1 if buckets else 0)
@@ -397,7 +414,7 @@ def test_a_failed_allreduce_fails_the_hooks_future_and_marks_nothing_done() -> N
     timer.reset()
     timer.bucket_ready()
     failing: torch.futures.Future[Any] = torch.futures.Future()
-    result = timer.completion([enqueued(), failing], torch.zeros(1))
+    result = timer.completion([enqueued(cuda), failing], torch.zeros(1))
     failing.set_exception(RuntimeError("NCCL communicator was aborted"))
     with pytest.raises(RuntimeError, match="aborted"):
         result.wait()
