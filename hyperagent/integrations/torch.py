@@ -239,8 +239,6 @@ class TimingEvent(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def query(self) -> bool: ...
-
 
 class CudaRuntime(Protocol):
     """The CUDA calls :class:`CudaEventTimer` makes, on one device (:class:`TorchCuda`)."""
@@ -287,10 +285,11 @@ class CudaEventTimer:
     """CUDA events: exposed communication as the device saw it (NCCL, or gloo on CUDA tensors).
 
     ProcessGroupNCCL completes an allreduce's future as soon as its kernel is enqueued, with a
-    CUDA event recorded on the NCCL stream after the kernel; ``Future.wait()`` makes the
-    caller's current stream wait for that event, and does not block the host. Host clocks in
-    the hook and its callbacks read enqueue times, so this timer records two events, reused
-    every step (their last record counts):
+    CUDA event recorded on the NCCL stream after the kernel (``collective`` marks the future
+    completed under a guard making that stream current); ``Future.wait()`` makes the caller's
+    current stream wait for that event (``synchronizeWithCurrentStreams``) and does not block
+    the host. Host clocks in the hook and its callbacks read enqueue times, so this timer
+    records two events, reused every step (their last record counts):
 
     - *ready*, at the hook's entry, on the current stream: the stream autograd produced the
       bucket's gradients on, where DDP calls the hook. It completes when they are computed.
@@ -299,8 +298,8 @@ class CudaEventTimer:
       not reachable from Python; an idle stream made to wait for it marks the same moment.
 
     The hook's future is a CUDA future completed on this timer's stream, so the stream DDP
-    reads the averaged gradients on waits for the allreduces (a future made by
-    ``collect_all`` carries no CUDA event, and DDP's wait on it would not order the streams).
+    reads the averaged gradients on waits for the allreduces (``c10::collectAll`` makes a future
+    without devices, whose ``then`` carries no CUDA event: DDP's wait on it orders no stream).
 
     :meth:`exposed_s` reads the events once per step: one ``synchronize`` of *done* (nothing
     left to wait for after ``loss.item()``: DDP's stream waited for the allreduces before the

@@ -255,9 +255,6 @@ class FakeEvent:
             if event.ms is not None and event.ms <= self.ms:
                 event.completed = True
 
-    def query(self) -> bool:
-        return self.completed
-
     def elapsed_time(self, end_event: FakeEvent) -> float:
         if not (self.completed and end_event.completed):
             raise RuntimeError("CUDA error: device not ready")
