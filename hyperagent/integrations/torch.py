@@ -46,7 +46,11 @@ ran with. ``step_s`` is the wall time from ``step_begin`` to ``step_end``. ``com
 exposed communication: from the moment the step's last gradient bucket was ready (autograd had
 produced every gradient) until its last allreduce completed, which backward waits for;
 communication that overlapped the backward pass is not counted. ``compute_s`` is the rest.
-Times are the host's: on CUDA, call ``loss.item()`` (it synchronises) before ``step_end``.
+A model on the CPU is timed by the host's clock (:class:`HostCommTimer`: gloo completes an
+allreduce's future when the allreduce is done); a model on a CUDA device by CUDA events on the
+streams the work runs on (:class:`CudaEventTimer`: NCCL completes the future when the kernels
+are enqueued, so a host clock would read about 0). ``step_s`` is the host's: on CUDA, call
+``loss.item()`` (it synchronises) before ``step_end``.
 """
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
@@ -58,7 +62,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import torch
 import torch.distributed as dist
@@ -68,6 +72,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hyperagent.job import JobReporter, JobSettings
 
 log = logging.getLogger(__name__)
+Future = torch.futures.Future
 
 MIB = 1024 * 1024
 DEFAULT_HISTORY = 8
@@ -162,46 +167,242 @@ def decode_received(table: torch.Tensor) -> tuple[bool, dict[int, DdpKnobs]]:
     return rows[0][0] == 1, received
 
 
-class ChunkedAllreduce:
-    """State of :func:`chunked_allreduce_hook`: the group, the chunk size, and the timing of the
-    current step's buckets (call :meth:`reset` at each step's start)."""
+class CommTimer(Protocol):
+    """When a step's gradient communication was exposed, for :func:`chunked_allreduce_hook`.
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None = None,
-        chunk_bytes: int | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        self.group = group
-        self.chunk_bytes = chunk_bytes
-        """None: one allreduce per bucket."""
+    Per step: :meth:`reset` at its start; in the hook, :meth:`bucket_ready` before a bucket's
+    allreduces are enqueued and :meth:`completion` for the hook's future, which marks the
+    bucket done when they complete; :meth:`exposed_s` once, after the step's synchronisation
+    point (``opt.step()``, ``loss.item()``).
+    """
+
+    def reset(self) -> None: ...
+
+    def bucket_ready(self) -> None: ...
+
+    def completion(self, futures: Sequence[Future[Any]], buffer: torch.Tensor) -> Future[Any]:
+        """The hook's result: a future of ``buffer`` completed when every future in
+        ``futures`` (the bucket's allreduces) has, having marked the bucket done."""
+        ...
+
+    def exposed_s(self) -> float:
+        """Seconds from the last bucket ready to the last allreduce done (0 without buckets)."""
+        ...
+
+
+class HostCommTimer:
+    """The host's clock: right where an allreduce's future completes when the allreduce is done
+    (gloo on CPU tensors). A bucket is ready when DDP calls the hook, done when the callback on
+    its futures runs."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self.buckets = 0
         self._last_ready: float | None = None
         self._last_done: float | None = None
 
     def reset(self) -> None:
         with self._lock:
-            self.buckets = 0
             self._last_ready = self._last_done = None
 
     def bucket_ready(self) -> None:
-        with self._lock:
-            self.buckets += 1
-            self._last_ready = self.clock()
-
-    def bucket_done(self) -> None:
         now = self.clock()
         with self._lock:
-            self._last_done = now if self._last_done is None else max(self._last_done, now)
+            self._last_ready = now
+
+    def completion(self, futures: Sequence[Future[Any]], buffer: torch.Tensor) -> Future[Any]:
+        def finish(done: Future[list[Future[Any]]]) -> torch.Tensor:
+            for part in done.value():
+                part.value()
+            now = self.clock()
+            with self._lock:
+                self._last_done = now if self._last_done is None else max(self._last_done, now)
+            return buffer
+
+        return torch.futures.collect_all(list(futures)).then(finish)
 
     def exposed_s(self) -> float:
-        """Seconds from the last bucket ready to the last allreduce done (0 without buckets)."""
         with self._lock:
             if self._last_ready is None or self._last_done is None:
                 return 0.0
             return max(0.0, self._last_done - self._last_ready)
+
+
+class TimingEvent(Protocol):
+    """What :class:`CudaEventTimer` uses of ``torch.cuda.Event(enable_timing=True)``."""
+
+    def record(self, stream: Any = None) -> None: ...
+
+    def elapsed_time(self, end_event: Any) -> float:
+        """Milliseconds from this event to ``end_event``; both must have completed."""
+        ...
+
+    def synchronize(self) -> None: ...
+
+
+class CudaRuntime(Protocol):
+    """The CUDA calls :class:`CudaEventTimer` makes, on one device (:class:`TorchCuda`)."""
+
+    def event(self) -> TimingEvent: ...
+
+    def current_stream(self) -> Any: ...
+
+    def new_stream(self) -> Any: ...
+
+    def use(self, stream: Any) -> AbstractContextManager[Any]:
+        """Make ``stream`` the current stream of the device inside the context."""
+        ...
+
+    def future(self) -> Future[Any]:
+        """A future whose value may hold tensors of the device (a CUDA future)."""
+        ...
+
+
+class TorchCuda:
+    """:class:`CudaRuntime` over ``torch.cuda`` for ``device``; touches CUDA only when used."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def event(self) -> TimingEvent:
+        event: TimingEvent = torch.cuda.Event(enable_timing=True)
+        return event
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def use(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def future(self) -> Future[Any]:
+        return torch.futures.Future(devices=[self.device])
+
+
+class CudaEventTimer:
+    """CUDA events: exposed communication as the device saw it (NCCL, or gloo on CUDA tensors).
+
+    ProcessGroupNCCL completes an allreduce's future as soon as its kernel is enqueued, with a
+    CUDA event recorded on the NCCL stream after the kernel (``collective`` marks the future
+    completed under a guard making that stream current); ``Future.wait()`` makes the caller's
+    current stream wait for that event (``synchronizeWithCurrentStreams``) and does not block
+    the host. Host clocks in the hook and its callbacks read enqueue times, so this timer
+    records two events, reused every step (their last record counts):
+
+    - *ready*, at the hook's entry, on the current stream: the stream autograd produced the
+      bucket's gradients on, where DDP calls the hook. It completes when they are computed.
+    - *done*, on a stream of this timer's, after that stream waited for every future of the
+      bucket, so it completes when the bucket's last allreduce has. The NCCL stream itself is
+      not reachable from Python; an idle stream made to wait for it marks the same moment.
+
+    The hook's future is a CUDA future completed on this timer's stream, so the stream DDP
+    reads the averaged gradients on waits for the allreduces (``c10::collectAll`` makes a future
+    without devices, whose ``then`` carries no CUDA event: DDP's wait on it orders no stream).
+
+    :meth:`exposed_s` reads the events once per step: one ``synchronize`` of *done* (nothing
+    left to wait for after ``loss.item()``: DDP's stream waited for the allreduces before the
+    optimizer step) and one ``elapsed_time``, milliseconds converted to seconds. As on the
+    host, exposed is from the last bucket ready, the end of backward's compute, to the last
+    allreduce done: the time the compute stream waits for communication at the end of backward.
+    """
+
+    def __init__(self, runtime: CudaRuntime) -> None:
+        self.runtime = runtime
+        self._lock = threading.Lock()
+        self._ready: TimingEvent | None = None
+        self._done: TimingEvent | None = None
+        self._stream: Any = None
+        self._marked_ready = self._marked_done = False
+
+    def reset(self) -> None:
+        with self._lock:
+            self._marked_ready = self._marked_done = False
+
+    def bucket_ready(self) -> None:
+        with self._lock:
+            if self._ready is None:
+                self._ready = self.runtime.event()
+            self._ready.record(self.runtime.current_stream())
+            self._marked_ready = True
+
+    def completion(self, futures: Sequence[Future[Any]], buffer: torch.Tensor) -> Future[Any]:
+        result = self.runtime.future()
+        parts = list(futures)
+
+        def finish(done: Future[list[Future[Any]]]) -> None:
+            try:
+                done.value()  # raises the first allreduce's error
+                stream, event = self._done_marker()
+                with self.runtime.use(stream):
+                    for part in parts:
+                        part.wait()
+                    with self._lock:
+                        event.record(stream)
+                        self._marked_done = True
+                    result.set_result(buffer)
+            except Exception as e:
+                result.set_exception(e)
+
+        torch.futures.collect_all(parts).add_done_callback(finish)
+        return result
+
+    def _done_marker(self) -> tuple[Any, TimingEvent]:
+        with self._lock:
+            if self._done is None:
+                self._stream = self.runtime.new_stream()
+                self._done = self.runtime.event()
+            return self._stream, self._done
+
+    def exposed_s(self) -> float:
+        with self._lock:
+            ready, done = self._ready, self._done
+            if not (self._marked_ready and self._marked_done) or ready is None or done is None:
+                return 0.0
+        done.synchronize()
+        return max(0.0, ready.elapsed_time(done) / 1000.0)
+
+
+def comm_timer_for(
+    device: torch.device, clock: Callable[[], float] = time.perf_counter
+) -> CommTimer:
+    """CUDA events for a CUDA device, else the host's ``clock``."""
+    if device.type == "cuda":
+        return CudaEventTimer(TorchCuda(device))
+    return HostCommTimer(clock)
+
+
+class ChunkedAllreduce:
+    """State of :func:`chunked_allreduce_hook`: the group, the chunk size, the step's bucket
+    count and the timer of its communication (call :meth:`reset` at each step's start)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        chunk_bytes: int | None = None,
+        timer: CommTimer | None = None,
+    ) -> None:
+        self.group = group
+        self.chunk_bytes = chunk_bytes
+        """None: one allreduce per bucket."""
+        self.timer: CommTimer = timer or HostCommTimer()
+        self._lock = threading.Lock()
+        self.buckets = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.buckets = 0
+        self.timer.reset()
+
+    def bucket_ready(self) -> None:
+        with self._lock:
+            self.buckets += 1
+        self.timer.bucket_ready()
+
+    def exposed_s(self) -> float:
+        """Seconds from the last bucket ready to the last allreduce done (0 without buckets)."""
+        return self.timer.exposed_s()
 
 
 def chunked_allreduce_hook(
@@ -222,14 +423,7 @@ def chunked_allreduce_hook(
     elements = buffer.numel() if chunk is None else max(1, chunk // buffer.element_size())
     works = [dist.all_reduce(part, group=group, async_op=True) for part in buffer.split(elements)]
     futures = [work.get_future() for work in works if work is not None]
-
-    def finish(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
-        for part in done.value():
-            part.value()
-        state.bucket_done()
-        return buffer
-
-    return torch.futures.collect_all(futures).then(finish)
+    return state.timer.completion(futures, buffer)
 
 
 class TunedDDP:
@@ -240,7 +434,9 @@ class TunedDDP:
     ``chunk_bytes`` are the starting values (None: PyTorch's default buckets, no chunking).
     ``control_group`` is a CPU (gloo) group over the ranks DDP reduces across, for the per-step
     agreement; by default one over the whole world is created, collectively (pass one when DDP's
-    ``process_group`` is a subgroup). ``history`` must be equal on every rank. Other keyword
+    ``process_group`` is a subgroup). ``history`` must be equal on every rank. ``comm_timer``
+    times the exposed communication; by default :func:`comm_timer_for` the device of the
+    module's first parameter (``clock`` on the CPU, CUDA events on a GPU). Other keyword
     arguments go to DistributedDataParallel on every (re-)wrap. Call as the module is called.
     """
 
@@ -256,6 +452,7 @@ class TunedDDP:
         control_group: dist.ProcessGroup | None = None,
         history: int = DEFAULT_HISTORY,
         clock: Callable[[], float] = time.perf_counter,
+        comm_timer: CommTimer | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -276,7 +473,11 @@ class TunedDDP:
         self._module = module
         self._ddp_kwargs = ddp_kwargs
         self._bucket_cap_mb = bucket_cap_mb
-        self._hook = ChunkedAllreduce(ddp_kwargs.get("process_group"), chunk_bytes, clock)
+        if comm_timer is None:
+            first = next(iter(module.parameters()), None)
+            device = first.device if first is not None else torch.device("cpu")
+            comm_timer = comm_timer_for(device, clock)
+        self._hook = ChunkedAllreduce(ddp_kwargs.get("process_group"), chunk_bytes, comm_timer)
         self._ddp = self._wrap()
         self._received: dict[int, tuple[JobSettings, DdpKnobs]] = {}
         self._applied: JobSettings | None = None
@@ -317,6 +518,11 @@ class TunedDDP:
     def chunk_bytes(self) -> int | None:
         """The allreduce chunk in bytes (None: one allreduce per bucket)."""
         return self._hook.chunk_bytes
+
+    @property
+    def comm_timer(self) -> CommTimer:
+        """What times the exposed communication (a HostCommTimer or a CudaEventTimer)."""
+        return self._hook.timer
 
     @property
     def received_versions(self) -> tuple[int, ...]:

@@ -14,7 +14,8 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from hyperagent.job import JobReporter, JobSettings, StepReport
 from hyperagent.sources.job import JobSource
 from hyperagent.tuner.space import SearchSpace
 
-from conftest import REPO, free_port
+from conftest import REPO, ManualClock, free_port
 
 try:
     import torch
@@ -34,16 +35,22 @@ try:
 
     from hyperagent.demo_torch import BATCH, LAYERS, build_model, launch_ranks, stop_ranks
     from hyperagent.integrations.torch import (
+        CudaEventTimer,
         DdpKnobs,
+        HostCommTimer,
+        TorchCuda,
         TunedDDP,
         choose_version,
+        comm_timer_for,
         decode_received,
         encode_received,
         knobs_from_settings,
     )
 
     TORCH_MISSING = ""
-except ImportError as e:
+except ModuleNotFoundError as e:  # torch itself; a name missing from hyperagent is an error
+    if e.name != "torch":
+        raise
     TORCH_MISSING = str(e)
 
 JOB = "ddp-test"
@@ -208,6 +215,268 @@ async def test_a_reporter_passed_in_keeps_its_polled_settings_for_the_agreement(
             tuned.close()
     finally:
         await source.close()
+
+
+# -- timing the exposed communication: the host's clock on CPU, CUDA events on a GPU ---------
+
+
+class FakeStream:
+    """A stream of :class:`FakeCuda`: each event recorded on it completes at its next
+    scripted time (ms), as the device would reach that point of the stream."""
+
+    def __init__(self, name: str, times_ms: Iterable[float]) -> None:
+        self.name = name
+        self._times = iter(times_ms)
+
+    def next_ms(self) -> float:
+        return next(self._times)
+
+
+class FakeEvent:
+    """``torch.cuda.Event(enable_timing=True)`` on :class:`FakeCuda`'s scripted streams:
+    ``elapsed_time`` fails (as CUDA's "device not ready") unless both events have completed,
+    which they do once the host synchronised with them or with a later event."""
+
+    def __init__(self, device: FakeCuda) -> None:
+        self.device = device
+        self.ms: float | None = None
+        self.completed = False
+
+    def record(self, stream: Any = None) -> None:
+        stream = stream or self.device.current
+        self.ms = stream.next_ms()
+        self.completed = False
+        self.device.log.append(f"record {stream.name} {self.ms:g}")
+
+    def synchronize(self) -> None:
+        assert self.ms is not None, "synchronize() on an event never recorded"
+        self.device.log.append("synchronize")
+        for event in self.device.events:
+            if event.ms is not None and event.ms <= self.ms:
+                event.completed = True
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        if not (self.completed and end_event.completed):
+            raise RuntimeError("CUDA error: device not ready")
+        assert self.ms is not None and end_event.ms is not None
+        self.device.log.append("elapsed_time")
+        return end_event.ms - self.ms
+
+
+class FakeCuda:
+    """A CudaRuntime over one fake device: the compute stream (current unless ``use`` says
+    otherwise) and the streams the timer creates run on scripted clocks."""
+
+    def __init__(self, compute_ms: Iterable[float], timer_stream_ms: Iterable[float]) -> None:
+        self.compute = FakeStream("compute", compute_ms)
+        self.current = self.compute
+        self._timer_stream_ms = timer_stream_ms
+        self.streams: list[FakeStream] = []
+        self.events: list[FakeEvent] = []
+        self.log: list[str] = []
+
+    def event(self) -> FakeEvent:
+        event = FakeEvent(self)
+        self.events.append(event)
+        return event
+
+    def current_stream(self) -> FakeStream:
+        return self.current
+
+    def new_stream(self) -> FakeStream:
+        stream = FakeStream(f"timer{len(self.streams)}", self._timer_stream_ms)
+        self.streams.append(stream)
+        return stream
+
+    @contextmanager
+    def use(self, stream: FakeStream) -> Iterator[FakeStream]:
+        previous, self.current = self.current, stream
+        try:
+            yield stream
+        finally:
+            self.current = previous
+
+    def future(self) -> FakeCudaFuture:
+        return FakeCudaFuture(self)
+
+
+class FakeCudaFuture(torch.futures.Future[Any]):
+    """A future on :class:`FakeCuda`: logs on which stream it is waited for (a CUDA future's
+    ``wait`` makes the current stream wait for it) and completed."""
+
+    def __init__(self, device: FakeCuda) -> None:
+        super().__init__()
+        self.device = device
+
+    def wait(self) -> Any:
+        self.device.log.append(f"wait on {self.device.current.name}")
+        return super().wait()
+
+    def set_result(self, result: Any) -> None:
+        self.device.log.append(f"complete on {self.device.current.name}")
+        super().set_result(result)
+
+
+def enqueued(cuda: FakeCuda) -> FakeCudaFuture:
+    """An allreduce's future as NCCL hands it to the hook: already complete."""
+    future = FakeCudaFuture(cuda)
+    torch.futures.Future.set_result(future, [torch.zeros(4)])
+    return future
+
+
+def test_the_cuda_timer_reads_the_communication_off_the_events_once_per_step() -> None:
+    # NCCL completes each future at enqueue: the host sees every bucket "done" in no time,
+    # while on the device the last allreduce ends 12.5 ms after backward's last gradient
+    cuda = FakeCuda(compute_ms=[10, 20, 30], timer_stream_ms=[18, 29, 42.5])
+    timer = CudaEventTimer(cuda)
+    timer.reset()
+    buffers = [torch.full((4,), float(b)) for b in range(3)]
+    results = []
+    for buffer in buffers:
+        timer.bucket_ready()
+        results.append(timer.completion([enqueued(cuda), enqueued(cuda)], buffer))
+    assert "synchronize" not in cuda.log and "elapsed_time" not in cuda.log  # backward: no read
+    # the timer's stream waits for both chunks, marks done, and completes the hook's future
+    # there: DDP's stream, waiting on that future, waits for the allreduces
+    bucket = ["wait on timer0", "wait on timer0", "record timer0 {}", "complete on timer0"]
+    assert cuda.log == [
+        line.format(done)
+        for ready, done in [(10, 18), (20, 29), (30, 42.5)]
+        for line in [f"record compute {ready}", *bucket]
+    ]
+    assert all(r.wait() is b for r, b in zip(results, buffers, strict=True))
+    assert timer.exposed_s() == pytest.approx(0.0125)
+    assert cuda.log[-2:] == ["synchronize", "elapsed_time"]
+    assert len(cuda.events) == 2 and len(cuda.streams) == 1
+
+
+def test_the_cuda_timer_reuses_its_two_events_and_reads_nothing_without_buckets() -> None:
+    steps = [(5, 100.0), (1, 250.0), (0, 0.0), (3, 40.0)]  # (buckets, exposed ms)
+    compute, done = [], []
+    clock = 0.0
+    for buckets, exposed_ms in steps:
+        for _ in range(buckets):
+            clock += 7.0
+            compute.append(clock)
+            done.append(clock + 3.0)
+        if buckets:
+            done[-1] = compute[-1] + exposed_ms
+        clock += 1000.0
+    cuda = FakeCuda(compute, done)
+    timer = CudaEventTimer(cuda)
+    measured = []
+    for buckets, _ in steps:
+        timer.reset()
+        for _ in range(buckets):
+            timer.bucket_ready()
+            timer.completion([enqueued(cuda)], torch.zeros(2)).wait()
+        reads = cuda.log.count("synchronize")
+        measured.append(timer.exposed_s())
+        assert cuda.log.count("synchronize") == reads + (1 if buckets else 0)
+    assert measured == pytest.approx([0.1, 0.25, 0.0, 0.04])
+    assert len(cuda.events) == 2 and len(cuda.streams) == 1
+
+
+@pytest.mark.parametrize("timer_kind", ["host", "cuda"])
+def test_both_timers_count_from_the_last_bucket_ready_to_the_last_allreduce_done(
+    timer_kind: str,
+) -> None:
+    # gloo-like: the futures complete after later buckets were ready, in their own order
+    script = [("ready", 0, 10.0), ("ready", 1, 20.0), ("done", 0, 25.0), ("ready", 2, 30.0)]
+    script += [("done", 2, 36.0), ("done", 1, 37.0)]
+    clock = ManualClock()
+    cuda = FakeCuda(
+        [t for kind, _, t in script if kind == "ready"],
+        [t for kind, _, t in script if kind == "done"],
+    )
+    timer = HostCommTimer(clock) if timer_kind == "host" else CudaEventTimer(cuda)
+    timer.reset()
+    allreduces: dict[int, torch.futures.Future[Any]] = {}
+    results = []
+    for kind, bucket, t_ms in script:
+        clock.now = t_ms / 1000
+        if kind == "ready":
+            timer.bucket_ready()
+            allreduces[bucket] = torch.futures.Future()
+            results.append(timer.completion([allreduces[bucket]], torch.zeros(1)))
+        else:
+            allreduces[bucket].set_result([torch.zeros(1)])
+    assert all(result.done() for result in results)
+    assert timer.exposed_s() == pytest.approx(0.007)
+
+
+def test_a_failed_allreduce_fails_the_hooks_future_and_marks_nothing_done() -> None:
+    cuda = FakeCuda([10.0], [99.0])
+    timer = CudaEventTimer(cuda)
+    timer.reset()
+    timer.bucket_ready()
+    failing: torch.futures.Future[Any] = torch.futures.Future()
+    result = timer.completion([enqueued(cuda), failing], torch.zeros(1))
+    failing.set_exception(RuntimeError("NCCL communicator was aborted"))
+    with pytest.raises(RuntimeError, match="aborted"):
+        result.wait()
+    assert timer.exposed_s() == 0.0
+
+
+def test_cuda_devices_are_timed_by_events_and_cpu_ones_by_the_host_clock() -> None:
+    # choosing touches no CUDA (this build has none); the events come at the first bucket
+    timer = comm_timer_for(torch.device("cuda", 1))
+    assert isinstance(timer, CudaEventTimer)
+    assert isinstance(timer.runtime, TorchCuda) and timer.runtime.device == torch.device("cuda", 1)
+    clock = ManualClock()
+    host = comm_timer_for(torch.device("cpu"), clock)
+    assert isinstance(host, HostCommTimer) and host.clock is clock
+
+
+def test_a_cpu_model_is_timed_by_the_host_clock(tmp_path: Path, single_rank: None) -> None:
+    with TunedDDP(build_model(0), job=JOB, socket_path=tmp_path / "no-agent.sock") as tuned:
+        assert isinstance(tuned.comm_timer, HostCommTimer)
+
+
+async def test_with_cuda_events_the_step_reports_their_communication_not_the_hosts(
+    tmp_path: Path, single_rank: None
+) -> None:
+    # every bucket's allreduce ends, on the device, 900 ms after its gradients were ready;
+    # on this CPU the same allreduces take microseconds by the host's clock
+    cuda = FakeCuda(
+        compute_ms=(100.0 + 10 * k for k in range(10_000)),
+        timer_stream_ms=(1000.0 + 10 * k for k in range(10_000)),
+    )
+    clock = ManualClock()
+    source = JobSource(tmp_path / "agent.sock")
+    await source.start()
+    seen: list[StepReport] = []
+    source.listeners.append(seen.append)
+    model = build_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, LAYERS[0]), torch.randint(0, 10, (8,))
+    timings = []
+    try:
+        with TunedDDP(
+            model,
+            job=JOB,
+            socket_path=source.socket_path,
+            clock=clock,
+            comm_timer=CudaEventTimer(cuda),
+        ) as tuned:
+            await until(lambda: reporting(source))
+            for step in range(3):
+                clock.now = 10.0 * step
+                tuned.step_begin()
+                F.cross_entropy(tuned(x), y).backward()
+                optimizer.step()
+                clock.now = 10.0 * step + 2.0
+                timings.append(tuned.step_end(samples=8, loss=1.0))
+        await until(lambda: len(seen) >= 3)
+    finally:
+        await source.close()
+    assert min(t.buckets for t in timings) >= 1 and max(t.buckets for t in timings) >= 2
+    assert [t.step_s for t in timings] == [2.0] * 3
+    assert [t.comm_s for t in timings] == pytest.approx([0.9] * 3)
+    assert [(s.compute_s, s.comm_s) for s in seen] == [(t.compute_s, t.comm_s) for t in timings]
+    assert [s.compute_s for s in seen] == pytest.approx([1.1] * 3)
+    assert cuda.log.count("synchronize") == cuda.log.count("elapsed_time") == 3
+    assert len(cuda.events) == 2
 
 
 # -- two ranks, settings arriving at different times ---------------------------------------
