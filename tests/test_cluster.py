@@ -21,6 +21,8 @@ from cluster.harness import (
 )
 from test_prometheus_e2e import panel_queries, variable_queries
 
+from conftest import unavailable
+
 JOB = "llama-ft"
 TORCH_NODE = NODES[0]
 UNCAPPED_W = 700.0
@@ -55,7 +57,7 @@ def deployed(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     try:
         check_host()
     except Unavailable as e:
-        pytest.skip(str(e))
+        unavailable(str(e))
     failed = request.session.testsfailed
     root = new_root()  # not under pytest's 0700 directories: the job users write logs there
     with Cluster(root) as c:
