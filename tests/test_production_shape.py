@@ -18,10 +18,12 @@ from typing import Any
 
 import pytest
 from production.scenario import (
+    HANG,
     JOB_RANKS,
     JOBS,
     NO_DRIFT_WATCH_S,
     RANKS_PER_NODE,
+    REFUSE,
     SOURCE_LAST_SUCCESS,
     SOURCE_UP,
     Scenario,
@@ -37,9 +39,6 @@ STALL_S = 12.0
 """How long two of alpha's three nodes stop stepping (the stall check needs 2 s)."""
 HANG_S = 12.0
 """How long a node's NVML calls hang."""
-HANG = {"*": {"block_s": 3.0}}
-REFUSE = {"nvmlDeviceSetPowerManagementLimit": {"error": "NVML_ERROR_UNKNOWN", "gpus": [3]}}
-"""Setting GPU 3's power limit fails: every version with a new power cap is refused."""
 
 
 def both_tuned(s: Scenario) -> None:

@@ -75,6 +75,10 @@ JOBS = (
     JobShape("beta", ("n3",), step_s=0.05, wall_step_s=0.05, trials=3, search_power_cap=True),
 )
 NODES = tuple(n for job in JOBS for n in job.nodes)
+HANG = {"*": {"block_s": 3.0}}
+"""Every NVML call of a node blocks for 3 s (a hung driver)."""
+REFUSE = {"nvmlDeviceSetPowerManagementLimit": {"error": "NVML_ERROR_UNKNOWN", "gpus": [3]}}
+"""Setting GPU 3's power limit fails: the node refuses every version with a new power cap."""
 DRIFT_SUSTAINED_S = 2.0
 WATCH_INTERVAL_S = 10.0
 """The coordinator's drift watch compares throughput this often."""
