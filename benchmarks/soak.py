@@ -8,8 +8,9 @@ For each run, and each fault against the healthy run: the time lost (how much la
 of the two tunings published its best settings), whether both tunings ended within
 ``--bound-s``, the re-tunes without drift (rounds begun after the first while nothing changed,
 watched for two drift-watch periods after the tunings ended: must be 0) and the trials lost
-(trials of the budget that measured nothing, or fewer nodes than the job has). Each run stops
-by itself; the whole soak takes about a minute per fault when the tunings end.
+(trials, or confirmations, that a fault cost: they measured nothing), and, for information, the
+trials scored on fewer nodes than the job has (a node excluded mid-trial). Each run stops by
+itself; the whole soak takes about a minute per fault when the tunings end.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def soak(name: str, bound_s: float) -> dict[str, Any]:
             "ended": ended,
             "retunes": sum(s.retunes(j.id) for j in JOBS),
             "trials_lost": sum(len(s.lost_trials(j.id)) for j in JOBS),
+            "partial": sum(len(s.partial_trials(j.id)) for j in JOBS),
             "trials": {j.id: [t["status"] for t in s.trials(j.id)] for j in JOBS},
         }
 
@@ -131,7 +133,7 @@ def table(results: list[dict[str, Any]]) -> str:
     healthy = next((r["tuning_s"] for r in results if r["fault"] == "healthy"), None)
     lines = [
         f"{'fault':<15} {'tuning s':>9} {'time lost s':>12} {'ended':>6} "
-        f"{'re-tunes w/o drift':>19} {'trials lost':>12}"
+        f"{'re-tunes w/o drift':>19} {'trials lost':>12} {'on fewer nodes':>15}"
     ]
     for r in results:
         took = "-" if r["tuning_s"] is None else f"{r['tuning_s']:.1f}"
@@ -140,7 +142,7 @@ def table(results: list[dict[str, Any]]) -> str:
             lost = f"{r['tuning_s'] - healthy:+.1f}"
         lines.append(
             f"{r['fault']:<15} {took:>9} {lost:>12} {'yes' if r['ended'] else 'no':>6} "
-            f"{r['retunes']:>19} {r['trials_lost']:>12}"
+            f"{r['retunes']:>19} {r['trials_lost']:>12} {r['partial']:>15}"
         )
     return "\n".join(lines)
 

@@ -388,13 +388,16 @@ class Scenario:
         return None if final is None else float(final["ts"]) - self.started_at
 
     def lost_trials(self, job: str) -> list[dict[str, Any]]:
-        """Trials whose budget went to a fault: not measured, or measured on fewer nodes
-        than the job has."""
+        """Trials of the budget (or confirmations) that a fault cost: they measured nothing."""
+        return [t for t in self.trials(job) if t["status"] not in MEASURED]
+
+    def partial_trials(self, job: str) -> list[dict[str, Any]]:
+        """Measured trials scored on fewer nodes than the job has (a node was excluded)."""
         nodes = set(next(j for j in JOBS if j.id == job).nodes)
         return [
             t
             for t in self.trials(job)
-            if t["status"] not in MEASURED or set(t.get("reports", {})) != nodes
+            if t["status"] in MEASURED and set(t.get("reports", {})) != nodes
         ]
 
     def in_trial(self, job: str, index: int) -> bool:
