@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -25,6 +26,22 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip a test this machine cannot run (not root, a tool missing); under ``CI=true``, as CI
+    services set it, fail it instead: a CI that lost root or a tool must not be green."""
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{reason} (CI=true: a test that cannot run here fails instead of skipping)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def root_only() -> None:
+    """Use in tests that need root (``pytest.mark.usefixtures("root_only")``): skipped
+    otherwise, failed under ``CI=true`` (see ``unavailable``)."""
+    if os.geteuid() != 0:
+        unavailable("needs root")
 
 
 def free_port() -> int:

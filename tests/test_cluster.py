@@ -13,6 +13,7 @@ import pytest
 from cluster.harness import (
     NODES,
     OTHER_USER,
+    RANKS_PER_NODE,
     Cluster,
     Unavailable,
     check_host,
@@ -20,6 +21,8 @@ from cluster.harness import (
     new_root,
 )
 from test_prometheus_e2e import panel_queries, variable_queries
+
+from conftest import unavailable
 
 JOB = "llama-ft"
 TORCH_NODE = NODES[0]
@@ -55,7 +58,7 @@ def deployed(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     try:
         check_host()
     except Unavailable as e:
-        pytest.skip(str(e))
+        unavailable(str(e))
     failed = request.session.testsfailed
     root = new_root()  # not under pytest's 0700 directories: the job users write logs there
     with Cluster(root) as c:
@@ -88,7 +91,7 @@ def power_limits(c: Cluster, key: str) -> set[float]:
 def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     c = deployed
     n1, n2, n3 = c.node_keys
-    mallory_log = c.start_job(n2, user=OTHER_USER, name="job-mallory")
+    mallory_log = c.start_job(n2, user=OTHER_USER, ranks=1, name="job-mallory")
 
     until(lambda: len(completed(c)) >= 2, 240, "2 trials")
 
@@ -145,16 +148,25 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     assert not PLUMBING & set(statuses), statuses
     assert all(len(t["reports"]) == len(NODES) for t in completed(c)), done
 
-    # the job runs as another user and received every settings version published after it began
+    # the job runs as another user, 8 ranks per node, each on its own connection, and every
+    # rank received every settings version published after it began
     published = [e["version"] for e in c.journal() if e.get("type") == "published"]
     for key in (n2, n3):
-        log = c.node_log(key, "job-ha-train-0.jsonl")
-        received = [e["received"] for e in log if "received" in e]
-        assert received and received == [v for v in published if v >= received[0]], (
-            key,
-            received,
-            published,
-        )
+        ranks = [v for lb, v in agent_metric(c, key, "hyperagent_job_ranks") if lb["job_id"] == JOB]
+        assert ranks == [RANKS_PER_NODE], (key, ranks)
+        log = c.node_log(key, "job-ha-train.jsonl")
+        by_rank: dict[int, list[int]] = {}
+        for e in log:
+            if "received" in e:
+                by_rank.setdefault(e["rank"], []).append(e["received"])
+        assert len(by_rank) == RANKS_PER_NODE, (key, sorted(by_rank))
+        for rank, received in by_rank.items():
+            assert received == [v for v in published if v >= received[0]], (
+                key,
+                rank,
+                received,
+                published,
+            )
     torch_versions = {e["version"] for e in c.node_log(n1, "torch-0.jsonl")}
     assert {v for v in published[-3:]} - torch_versions <= {published[-1]}, (
         torch_versions,
@@ -165,7 +177,8 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     print(
         f"\ncluster: {len(done)} trials {dict(Counter(statuses))}, settings versions "
         f"{published[0]}..{published[-1]} ({len(published)} published), received by the "
-        f"ha-train ranks: all; other user's connections refused: {refusals:.0f}"
+        f"{RANKS_PER_NODE} ha-train ranks of each node: all; other user's connections refused: "
+        f"{refusals:.0f}"
     )
 
     # Prometheus, scraping across namespaces: every node, the coordinator, no alert firing

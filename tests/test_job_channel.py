@@ -161,7 +161,7 @@ def test_reporter_without_agent_never_blocks(tmp_path: Path) -> None:
 
 NOBODY = 65534
 REPO = Path(__file__).resolve().parents[1]
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs a rank as another user")
+needs_root = pytest.mark.usefixtures("root_only")  # runs a rank as another user
 
 
 @pytest.fixture

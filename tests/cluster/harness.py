@@ -76,6 +76,9 @@ BROKER_HOST = "mqtt.cluster.internal"
 """The broker's host name in the shipped hyperagent.toml."""
 COORDINATOR_HOST = "hyperagent-coordinator"
 PROMETHEUS_HOST = "prometheus"
+RANKS_PER_NODE = 8
+"""Ranks of the simulated job on each node, one JobReporter connection each (one per GPU, as
+torchrun starts them); the TunedDDP node runs two real PyTorch ranks."""
 JOB_USER, OTHER_USER = "ha-train", "ha-mallory"
 """The training job's user (in hyperagent-jobs) and a user who is not allowed to report."""
 COORDINATOR_UID = 61923
@@ -542,13 +545,16 @@ class Cluster:
         key: str,
         user: str = JOB_USER,
         job: str = "llama-ft",
-        rank: int = 0,
+        ranks: int = RANKS_PER_NODE,
         name: str | None = None,
     ) -> Path:
+        """The simulated job's ``ranks`` ranks on ``key`` as ``user`` (ranks numbered from
+        the node's position times ``ranks``, one GPU each); their log."""
         host = self.hosts[key]
-        log = host.root / "jobs" / f"{name or f'job-{user}-{rank}'}.jsonl"
+        first = self.node_keys.index(key) * ranks
+        log = host.root / "jobs" / f"{name or f'job-{user}'}.jsonl"
         self.spawn(
-            name or f"job-{host.name}-{user}-{rank}",
+            name or f"job-{host.name}-{user}",
             host,
             [
                 sys.executable,
@@ -556,9 +562,11 @@ class Cluster:
                 "--job",
                 job,
                 "--rank",
-                str(rank),
+                str(first),
+                "--ranks",
+                str(ranks),
                 "--gpu",
-                str(rank),
+                "0",
                 "--log",
                 str(log),
             ],

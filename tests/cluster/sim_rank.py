@@ -1,8 +1,9 @@
-"""One simulated training rank for the namespace cluster: steps as the simulated job model
-says under the settings it receives (through a real JobReporter), and logs every step and
-every settings version it received as JSON lines.
+"""The simulated training ranks of one node for the namespace cluster: ``--ranks`` ranks (one
+per GPU, as torchrun starts them), each with its own JobReporter connection, stepping together
+as the simulated job model says under the settings each received, and logging every settings
+version each rank received as JSON lines.
 
-    python tests/cluster/sim_rank.py --job llama-ft --rank 0 --log FILE [--socket PATH]
+    python tests/cluster/sim_rank.py --job llama-ft --rank 0 --ranks 8 --log FILE [--socket PATH]
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ GPU_MEMORY_BYTES = 32 * 2**30
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job", required=True)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--gpu", type=int, default=None)
+    parser.add_argument("--rank", type=int, default=0, help="the first rank on this node")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks on this node")
+    parser.add_argument("--gpu", type=int, default=None, help="the first rank's GPU")
     parser.add_argument("--socket", type=Path, default=None)
     parser.add_argument("--log", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -43,29 +45,43 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     model = JobModel()
     rng = random.Random(args.seed * 100 + args.rank)
-    knobs: dict[str, Any] = dict(JOB_DEFAULTS)
-    reporter = JobReporter(
-        args.job,
-        rank=args.rank,
-        socket_path=args.socket,
-        knobs=("bucket_mb", "chunk_kb"),
-        gpu=args.gpu,
-    )
-    with args.log.open("a", buffering=1) as log, reporter:
-        log.write(json.dumps({"started": time.time()}) + "\n")
+    reporters = [
+        JobReporter(
+            args.job,
+            rank=args.rank + i,
+            socket_path=args.socket,
+            knobs=("bucket_mb", "chunk_kb"),
+            gpu=None if args.gpu is None else args.gpu + i,
+        )
+        for i in range(args.ranks)
+    ]
+    knobs: list[dict[str, Any]] = [dict(JOB_DEFAULTS) for _ in reporters]
+    memory = MemoryReport(int(0.55 * GPU_MEMORY_BYTES), GPU_MEMORY_BYTES)
+    with args.log.open("a", buffering=1) as log:
+        log.write(json.dumps({"started": time.time(), "ranks": args.ranks}) + "\n")
         while running:
-            new = reporter.poll_settings()
-            if new is not None:
-                knobs = {**JOB_DEFAULTS, **new.settings}
-                log.write(json.dumps({"received": new.version, "ts": time.time()}) + "\n")
-            step = model.step({**knobs, "power_cap_w": 250.0}, rng)
+            for i, reporter in enumerate(reporters):
+                new = reporter.poll_settings()
+                if new is not None:
+                    knobs[i] = {**JOB_DEFAULTS, **new.settings}
+                    entry = {"rank": reporter.rank, "received": new.version, "ts": time.time()}
+                    log.write(json.dumps(entry) + "\n")
             time.sleep(STEP_WALL_S)
-            memory = MemoryReport(int(0.55 * GPU_MEMORY_BYTES), GPU_MEMORY_BYTES)
-            reporter.report_step(
-                step.samples, step.step_s, step.compute_s, step.comm_s, 2.0, memory
-            )
-            if reporter.refused:
-                log.write(json.dumps({"refused": reporter.refused, "ts": time.time()}) + "\n")
+            for i, reporter in enumerate(reporters):
+                step = model.step({**knobs[i], "power_cap_w": 250.0}, rng)
+                reporter.report_step(
+                    step.samples // args.ranks,
+                    step.step_s,
+                    step.compute_s,
+                    step.comm_s,
+                    2.0,
+                    memory,
+                )
+                if reporter.refused:
+                    entry = {"rank": reporter.rank, "refused": reporter.refused, "ts": time.time()}
+                    log.write(json.dumps(entry) + "\n")
+        for reporter in reporters:
+            reporter.close()
     return 0
 
 

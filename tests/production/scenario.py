@@ -1,0 +1,427 @@
+"""A cluster of production shape, as real processes on loopback, with faults to inject.
+
+One mosquitto, one ``hyperagent coordinator``, one ``hyperagent agent`` per node replaying
+an 8-GPU capture (``--replay``: a fake NVML that takes power caps), and on every node the
+job's 8 ranks (tests/production/ranks.py: one JobReporter connection per rank). Two jobs
+on disjoint nodes of one cluster, the drift watch on:
+
+- ``alpha`` on three nodes, 10 s steps: the ranks report 10 s steps, one every 0.1 s of real
+  time (the agent measures trials, and the coordinator watches drift, from reported step
+  times; the agent's stall check from when steps arrive);
+- ``beta`` on one node, 50 ms steps in real time, searching the power cap.
+
+Faults: NVML calls that block or fail on a node (the fake NVML's fault file,
+``HYPERAGENT_FAKE_NVML_FAULTS``, re-read while the agent runs), a job's ranks stalled
+(SIGSTOP) and resumed, an agent killed and started again. What a user sees is read where a
+user reads it: the coordinator's journal, its /metrics and its status line (sd_notify), the
+agents' /metrics.
+
+Used by tests/test_production_shape.py and benchmarks/soak.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Mosquitto, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CAPTURE = REPO / "hyperagent" / "data" / "gtx-8card.xml"
+"""8 x V100S under training load, 250 W limits in [100, 250] W."""
+RANKS_PER_NODE = 8
+
+# What the scenario reads, by name (one place to adapt when a name changes)
+TUNER_PAUSED = "hyperagent_tuner_paused"
+"""{job_id, reason}: 1 while the job's tuning is paused for that reason."""
+TUNER_DONE = "hyperagent_tuner_done"
+SOURCE_UP = "hyperagent_source_up"
+SOURCE_LAST_SUCCESS = "hyperagent_source_last_success_timestamp_seconds"
+GPU_POWER_LIMIT = "hyperagent_gpu_power_limit_watts"
+JOB_RANKS = "hyperagent_job_ranks"
+FAULTS_ENV = "HYPERAGENT_FAKE_NVML_FAULTS"
+MEASURED = {"ok", "aborted"}
+"""Trial outcomes of a measurement; any other outcome spent a trial on a fault."""
+
+
+@dataclass(frozen=True)
+class JobShape:
+    id: str
+    nodes: tuple[str, ...]
+    step_s: float
+    """The step time the ranks report."""
+    wall_step_s: float
+    """The step time in real time."""
+    trials: int
+    search_power_cap: bool = False
+
+
+JOBS = (
+    JobShape("alpha", ("n0", "n1", "n2"), step_s=10.0, wall_step_s=0.1, trials=4),
+    JobShape("beta", ("n3",), step_s=0.05, wall_step_s=0.05, trials=3, search_power_cap=True),
+)
+NODES = tuple(n for job in JOBS for n in job.nodes)
+HANG = {"*": {"block_s": 3.0}}
+"""Every NVML call of a node blocks for 3 s (a hung driver)."""
+REFUSE = {"nvmlDeviceSetPowerManagementLimit": {"error": "NVML_ERROR_UNKNOWN", "gpus": [3]}}
+"""Setting GPU 3's power limit fails: the node refuses every version with a new power cap."""
+DRIFT_SUSTAINED_S = 2.0
+WATCH_INTERVAL_S = 10.0
+"""The coordinator's drift watch compares throughput this often."""
+NO_DRIFT_WATCH_S = DRIFT_SUSTAINED_S + 2 * WATCH_INTERVAL_S + 2
+"""Long enough after a tuning for the drift watch to have re-tuned a healthy job."""
+
+
+def until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
+    """``predicate()``'s first true value, polled; AssertionError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of ``name`` in a Prometheus exposition."""
+    out = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out.append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | Path):
+        return json.dumps(str(value))
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def _section(name: str, values: dict[str, Any]) -> str:
+    return f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
+
+
+class StatusListener:
+    """The service manager's side of sd_notify: every STATUS= the coordinator sends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines: list[tuple[float, str]] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="sd-notify", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self._sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            for line in data.decode(errors="replace").splitlines():
+                if line.startswith("STATUS="):
+                    self.lines.append((time.time(), line.removeprefix("STATUS=")))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close()
+
+
+@dataclass
+class Scenario:
+    """The cluster under ``root``; use as a context manager. ``faults`` maps a node to the
+    fake NVML faults it starts with."""
+
+    root: Path
+    faults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.logs = self.root / "logs"
+        self.state = self.root / "coordinator"
+        self.capture = self.root / "capture"
+
+    # -- the whole cluster ---------------------------------------------------------------
+
+    def __enter__(self) -> Scenario:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        (self.root / "faults").mkdir(exist_ok=True)
+        self.capture.mkdir(exist_ok=True)
+        if not (self.capture / "nvidia-smi.xml").exists():
+            (self.capture / "nvidia-smi.xml").symlink_to(CAPTURE)
+        key = self.root / "settings.key"
+        key.write_text(os.urandom(32).hex() + "\n")
+        key.chmod(0o600)
+        self.broker = Mosquitto(self.root)
+        self.broker.start()
+        self.status = StatusListener(self.root / "notify.sock")
+        self.started_at = time.time()
+        self.ports["coordinator"] = free_port()
+        for node in NODES:
+            self.ports[node] = free_port()
+            self.inject(node, self.faults.get(node, {}))
+            self.start_agent(node)
+        self.start_coordinator()
+        for job in JOBS:
+            for node in job.nodes:
+                self.start_ranks(job, node)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in reversed(list(self.processes)):
+            self.kill(name, signal.SIGTERM)
+        self.status.close()
+        self.broker.stop()
+
+    # -- configuration -------------------------------------------------------------------
+
+    def config(self, node: str) -> Path:
+        """The node's hyperagent.toml (the coordinator's is ``config("coordinator")``)."""
+        path = self.root / f"{node}.toml"
+        text = 'cluster = "shape"\n'
+        text += _section(
+            "agent",
+            {
+                "interval_s": 0.5,
+                "metrics_address": f"127.0.0.1:{self.ports.get(node, 0) or free_port()}",
+                "state_dir": self.root / node / "state",
+            },
+        )
+        text += _section(
+            "mqtt",
+            {"url": self.broker.url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
+        )
+        text += _section("sources", {"timeout_s": 1.0})
+        for off in ("host", "ipmi", "rdma", "pdu"):
+            text += _section(f"sources.{off}", {"enabled": False})
+        text += _section("sources.job", {"socket": self.socket(node)})
+        text += _section("security", {"settings_key_file": self.root / "settings.key"})
+        text += _section(
+            "coordinator",
+            {
+                "metrics_address": f"127.0.0.1:{self.ports.get('coordinator', 0)}",
+                "state_dir": self.state,
+            },
+        )
+        for job in JOBS:
+            text += "[[coordinator.jobs]]\n" + "".join(
+                f"{k} = {_toml(v)}\n"
+                for k, v in {
+                    "id": job.id,
+                    "nodes": job.nodes,
+                    "trials": job.trials,
+                    "patience": job.trials,
+                    "power_limits_w": [150, 250],
+                    "search_power_cap": job.search_power_cap,
+                    "drift_sustained_s": DRIFT_SUSTAINED_S,
+                    "ack_timeout_s": 5,
+                    "trial_timeout_s": 20,
+                    "seed": 1,
+                }.items()
+            )
+            text += _section(
+                "coordinator.jobs.plan",
+                {
+                    "settle_steps": 3,
+                    "settle_s": 2 * job.step_s,
+                    "measure_steps": 8,
+                    "measure_s": 8 * job.step_s,
+                    "windows": 2,
+                    "max_windows": 2,
+                },
+            )
+        path.write_text(text)
+        return path
+
+    def socket(self, node: str) -> Path:
+        return self.root / node / "job.sock"
+
+    # -- processes -----------------------------------------------------------------------
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        log = (self.logs / f"{name}.log").open("ab")
+        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        self.processes[name] = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})},
+        )
+        log.close()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 20) -> None:
+        process = self.processes.pop(name, None)
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGCONT)  # a stalled job still hears SIGTERM
+                os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def start_agent(self, node: str) -> None:
+        (self.root / node / "state").mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "hyperagent.cli", "agent", "--config", str(self.config(node))]
+        argv += ["--replay", str(self.capture), "--node", node]
+        self.spawn(f"agent-{node}", argv, {FAULTS_ENV: str(self.faults_file(node))})
+
+    def start_coordinator(self) -> None:
+        argv = [sys.executable, "-m", "hyperagent.cli", "coordinator"]
+        argv += ["--config", str(self.config("coordinator"))]
+        self.spawn("coordinator", argv, {"NOTIFY_SOCKET": str(self.status.path)})
+
+    def start_ranks(self, job: JobShape, node: str) -> None:
+        argv = [sys.executable, str(REPO / "tests" / "production" / "ranks.py")]
+        argv += ["--job", job.id, "--node-rank", str(job.nodes.index(node))]
+        argv += ["--ranks", str(RANKS_PER_NODE), "--nodes", str(len(job.nodes))]
+        argv += ["--socket", str(self.socket(node)), "--step-s", str(job.step_s)]
+        argv += ["--wall-step-s", str(job.wall_step_s), "--seed", str(NODES.index(node))]
+        argv += ["--log", str(self.logs / f"ranks-{node}.jsonl")]
+        self.spawn(f"ranks-{node}", argv)
+
+    def restart_agent(self, node: str, sig: int = signal.SIGKILL, down_s: float = 1.0) -> None:
+        """The node's agent killed with ``sig`` and started again ``down_s`` later."""
+        self.kill(f"agent-{node}", sig)
+        time.sleep(down_s)
+        self.start_agent(node)
+
+    # -- faults --------------------------------------------------------------------------
+
+    def faults_file(self, node: str) -> Path:
+        return self.root / "faults" / f"{node}.json"
+
+    def inject(self, node: str, faults: dict[str, Any]) -> None:
+        """The node's fake NVML faults from now on (``{}``: none)."""
+        path = self.faults_file(node)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(faults))
+        os.replace(tmp, path)
+
+    def stall(self, node: str) -> None:
+        """The node's ranks stop stepping (their connections stay open)."""
+        os.killpg(self.processes[f"ranks-{node}"].pid, signal.SIGSTOP)
+
+    def resume(self, node: str) -> None:
+        os.killpg(self.processes[f"ranks-{node}"].pid, signal.SIGCONT)
+
+    # -- looking inside ------------------------------------------------------------------
+
+    def scrape(self, name: str, timeout_s: float = 5.0) -> str:
+        """The /metrics of a node's agent, or of "coordinator"; "" when it does not answer."""
+        url = f"http://127.0.0.1:{self.ports[name]}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                return str(response.read().decode())
+        except OSError:
+            return ""
+
+    def metric(self, name: str, metric: str) -> list[tuple[dict[str, str], float]]:
+        return samples(self.scrape(name), metric)
+
+    def paused(self, job: str) -> dict[str, float]:
+        """reason -> 1 for each reason the coordinator's /metrics says ``job`` is paused."""
+        return {
+            labels.get("reason", ""): value
+            for labels, value in self.metric("coordinator", TUNER_PAUSED)
+            if labels.get("job_id") == job and value > 0
+        }
+
+    def journal(self, job: str) -> list[dict[str, Any]]:
+        path = self.state / f"{job}.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line being written
+                out.append(json.loads(line))
+        return out
+
+    def trials(self, job: str) -> list[dict[str, Any]]:
+        return [e for e in self.journal(job) if e.get("type") == "trial"]
+
+    def tuned(self, job: str) -> bool:
+        """The job's latest tuning round ended (its best settings were published)."""
+        kinds = [e.get("type") for e in self.journal(job)][::-1]
+        return "final" in kinds and "start" in kinds and kinds.index("final") < kinds.index("start")
+
+    def retunes(self, job: str) -> int:
+        """Tuning rounds begun after the first (each re-tune journals a new start)."""
+        return max(0, sum(e.get("type") == "start" for e in self.journal(job)) - 1)
+
+    def tuning_s(self, job: str) -> float | None:
+        """From the cluster's start to the job's first published best settings."""
+        final = next((e for e in self.journal(job) if e.get("type") == "final"), None)
+        return None if final is None else float(final["ts"]) - self.started_at
+
+    def lost_trials(self, job: str) -> list[dict[str, Any]]:
+        """Trials of the budget (or confirmations) that a fault cost: they measured nothing."""
+        return [t for t in self.trials(job) if t["status"] not in MEASURED]
+
+    def partial_trials(self, job: str) -> list[dict[str, Any]]:
+        """Measured trials scored on fewer nodes than the job has (a node was excluded)."""
+        nodes = set(next(j for j in JOBS if j.id == job).nodes)
+        return [
+            t
+            for t in self.trials(job)
+            if t["status"] in MEASURED and set(t.get("reports", {})) != nodes
+        ]
+
+    def in_trial(self, job: str, index: int) -> bool:
+        """Trial ``index`` of ``job`` is published and not finished."""
+        entries = self.journal(job)
+        published = [
+            i
+            for i, e in enumerate(entries)
+            if e.get("type") == "published" and e.get("trial") == index
+        ]
+        return bool(published) and not any(
+            e.get("type") == "trial" and e.get("index") == index for e in entries[published[0] :]
+        )
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def status_since(self, ts: float) -> list[str]:
+        return [line for at, line in self.status.lines if at >= ts]
+
+
+@contextlib.contextmanager
+def scenario(root: Path, faults: dict[str, dict[str, Any]] | None = None) -> Iterator[Scenario]:
+    """A started cluster under ``root``, stopped on the way out."""
+    with Scenario(root, dict(faults or {})) as s:
+        yield s
