@@ -204,6 +204,8 @@ class PowerCapActuator:
             except (nv.NVMLError, DeviceCallError) as e:
                 if setting and not isinstance(e, DeviceCallError):
                     previous.pop()  # NVML refused the set: that GPU kept its limit
+                    if self.original_mw.get(uuid, (None, None))[1] == current:
+                        del self.original_mw[uuid]
                 self._put_back(previous)
                 raise self._translate(e, f"GPU {index} ({uuid}) power limit") from e
             results.append(AppliedCap(index, uuid, watts, target / 1000, changed))

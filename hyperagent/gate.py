@@ -52,13 +52,19 @@ class _Call:
     future: Future[Any]
 
 
-@dataclass(frozen=True)
+@dataclass
 class InFlight:
-    """The call the worker is running: what it is, since when (monotonic), its timeout."""
+    """The call the worker is running: what it is, since when (monotonic), its timeout, and
+    whether its caller stopped waiting for it (it is overdue from then on)."""
 
     what: str
     since: float
     timeout_s: float
+    future: Future[Any]
+    abandoned: bool = False
+
+    def overdue(self, now: float) -> bool:
+        return self.abandoned or now - self.since > self.timeout_s
 
 
 class DeviceGate:
@@ -127,11 +133,10 @@ class DeviceGate:
 
     def overdue_s(self) -> float | None:
         """How long the call in flight has run, when longer than its timeout; else None."""
-        current = self.in_flight
-        if current is None:
+        current, now = self.in_flight, self._clock()
+        if current is None or not current.overdue(now):
             return None
-        age = self._clock() - current.since
-        return age if age > current.timeout_s else None
+        return now - current.since
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -141,14 +146,13 @@ class DeviceGate:
     def _submit(
         self, call: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, what: str
     ) -> Future[Any]:
-        current = self.in_flight
-        if current is not None:
-            age = self._clock() - current.since
-            if age > current.timeout_s:
-                self.busy += 1
-                raise DeviceBusy(
-                    f"{self.name} busy: a call ({current.what}) has been in flight for {age:.1f} s"
-                )
+        current, now = self.in_flight, self._clock()
+        if current is not None and current.overdue(now):
+            self.busy += 1
+            raise DeviceBusy(
+                f"{self.name} busy: a call ({current.what}) has been in flight for"
+                f" {now - current.since:.1f} s"
+            )
         future: Future[Any] = Future()
         with self._lock:
             self._queue.put(_Call(call, args, timeout_s, what or _name(call), future))
@@ -164,6 +168,9 @@ class DeviceGate:
         self.timeouts += 1
         if future.cancel():
             return DeviceTimeout(f"{self.name} {what}: waited {timeout_s:g} s behind another call")
+        current = self.in_flight
+        if current is not None and current.future is future:
+            current.abandoned = True
         return DeviceTimeout(f"{self.name} {what}: timed out after {timeout_s:g} s")
 
     def _work(self) -> None:
@@ -180,10 +187,11 @@ class DeviceGate:
                 continue
             with self._lock:
                 self._queued -= 1
-            if not item.future.set_running_or_notify_cancel():
-                continue  # its caller gave up while it waited
             began = self._clock()
-            self.in_flight = InFlight(item.what, began, item.timeout_s)
+            self.in_flight = InFlight(item.what, began, item.timeout_s, item.future)
+            if not item.future.set_running_or_notify_cancel():
+                self.in_flight = None
+                continue  # its caller gave up while it waited
             try:
                 result = item.call(*item.args)
             except BaseException as e:  # handed to the caller, who may have left
