@@ -126,10 +126,7 @@ class SourceRunner:
         interval = self.intervals.get(source.name)
         now = time.monotonic()
         if health.task is not None and not health.task.done():
-            stuck = SourceTimeout(
-                f"read in flight for {now - health.task_began:.1f}s, past its timeout"
-            )
-            self._note_failure(source, stuck, "read")
+            self._note_failure(source, self._stuck(), "read")
             return None
         if interval is not None:
             if now - health.read_at < DUE_FRACTION * interval:
@@ -148,10 +145,12 @@ class SourceRunner:
             raise
         if not done:
             task.cancel()
-            stuck = SourceTimeout(f"read ignored its {self.timeout_s:g}s timeout")
-            self._note_failure(source, stuck, "read")
+            self._note_failure(source, self._stuck(), "read")
             return None
         return task.result()
+
+    def _stuck(self) -> SourceTimeout:
+        return SourceTimeout(f"still in flight past its {self.timeout_s:g}s timeout")
 
     @staticmethod
     def _read_ended(health: _Health, task: asyncio.Task[list[Reading] | None]) -> None:
