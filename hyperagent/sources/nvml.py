@@ -458,8 +458,10 @@ class NvmlSource:
     the power-cap actuator and the agent's own NVML calls): start, each read, close and
     ``total_energy_j`` are one gated call each, bounded by ``timeout_s``; a read that times out
     leaves its call running there, and while it has been in flight past its timeout every call
-    to the library fails at once as busy. The one call outside the gate is the XID watcher's
-    wait, which blocks by design in its own thread. Every reading that has an NVML field id is read
+    to the library fails at once as busy. Only the XID watcher calls NVML outside the gate:
+    its wait blocks by design, in its one thread of its own. A start whose caller stopped
+    waiting still finishes on the gate's thread, and a later start then finds NVML started.
+    Every reading that has an NVML field id is read
     through ``nvmlDeviceGetFieldValues``, one call per GPU for a whole set, each field with its
     own return code; the rest takes one call each. Per GPU and read, at steady state:
 
