@@ -230,9 +230,13 @@ class SourceRunner:
         return out
 
     async def close(self) -> None:
-        """Close every started source; errors are logged."""
+        """Close every started source (a read still in flight is cancelled first); errors are
+        logged."""
         for source in self.sources:
-            if not self._health[id(source)].started:
+            health = self._health[id(source)]
+            if health.task is not None:
+                health.task.cancel()
+            if not health.started:
                 continue
             try:
                 async with asyncio.timeout(self.timeout_s):
