@@ -72,8 +72,8 @@ class DeviceGate:
 
     ``name`` names the library in errors and logs ("nvml"). :meth:`run` is for the event loop,
     :meth:`call` for code already in a worker thread (the actuator); both raise DeviceTimeout
-    or DeviceBusy (``HyperagentError``\\ s) besides what the call itself raises. A call made from
-    the gate's own worker thread (a gated function calling another) runs at once, in place.
+    or DeviceBusy (DeviceCallError) besides what the call itself raises. A call made from the
+    gate's own worker thread (a gated function calling another) runs at once, in place.
     """
 
     def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
@@ -114,11 +114,16 @@ class DeviceGate:
         if self._on_worker():
             return call(*args)
         future = self._submit(call, args, timeout_s, what)
+        answer = asyncio.wrap_future(future)
         try:
-            async with asyncio.timeout(timeout_s):
-                return await asyncio.wrap_future(future)
-        except TimeoutError:
-            raise self._gave_up(future, what or _name(call), timeout_s) from None
+            done, _ = await asyncio.wait({answer}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            answer.cancel()  # a call still queued never runs
+            raise
+        if not done:
+            answer.cancel()
+            raise self._gave_up(future, what or _name(call), timeout_s)
+        return answer.result()
 
     def call(self, call: Callable[..., _T], *args: Any, timeout_s: float, what: str = "") -> _T:
         """``call(*args)`` on the gate's worker, waited for at most ``timeout_s`` (blocking:
@@ -130,13 +135,6 @@ class DeviceGate:
             return future.result(timeout_s)
         except FutureTimeout:
             raise self._gave_up(future, what or _name(call), timeout_s) from None
-
-    def overdue_s(self) -> float | None:
-        """How long the call in flight has run, when longer than its timeout; else None."""
-        current, now = self.in_flight, self._clock()
-        if current is None or not current.overdue(now):
-            return None
-        return now - current.since
 
     # -- the worker -----------------------------------------------------------------------------
 
