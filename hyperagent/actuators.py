@@ -2,25 +2,31 @@
 
 Reads before it writes, skips no-op writes, remembers each GPU's original limit the first
 time it changes it, and puts them back on ``restore``. The originals are also kept in a state
-file until restored, so that after a crash the next start puts them back. After a change it
-measures how long the GPUs took to obey it (see ``PowerCapActuator.apply``). Blocking: call
-from a worker thread.
+file (written durably: fsynced, then renamed) until restored, so that after a crash the next
+start puts them back. A node's caps change all or nothing: when one GPU fails, the GPUs this
+``apply`` changed get their previous limits back. After a change it measures how long the GPUs
+took to obey it (see ``PowerCapActuator.apply``). Every NVML call goes through the library's
+:class:`~hyperagent.gate.DeviceGate` with ``timeout_s``, so a hung driver costs a timeout, not a
+thread. Blocking: call from a worker thread.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
-from hyperagent.errors import ActuationError, NoPermission, NotSupported
+from hyperagent import durable
+from hyperagent.errors import ActuationError, DeviceCallError, NoPermission, NotSupported
+from hyperagent.gate import DeviceGate
 from hyperagent.sources.nvml import instant_power_w, nvml_error_code
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,8 @@ class PowerCapActuator:
 
     ``latency_timeout_s`` bounds the wait for the GPUs to obey a new limit, polling their
     instant power (NVML_FI_DEV_POWER_INSTANT) every ``poll_s`` seconds of ``clock``.
+    ``timeout_s`` bounds each NVML call (the agent passes ``sources.timeout_s``); a call over it,
+    or refused because another has hung, fails as an NVML error would.
     """
 
     def __init__(
@@ -56,8 +64,11 @@ class PowerCapActuator:
         poll_s: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = time.sleep,
+        timeout_s: float = 2.0,
     ) -> None:
         self.nvml = nvml
+        self.gate = DeviceGate.of(nvml)
+        self.timeout_s = timeout_s
         self.state_file = state_file
         self.latency_timeout_s = latency_timeout_s
         self.poll_s = poll_s
@@ -71,7 +82,13 @@ class PowerCapActuator:
         measured it: how long this node's GPUs take to draw under a new cap, for the settle
         window of a trial."""
 
+    def _call(self, call: Callable[..., _T], *args: Any) -> _T:
+        """One NVML call through the gate; raises pynvml.NVMLError or DeviceCallError."""
+        return self.gate.call(call, *args, timeout_s=self.timeout_s)
+
     def _save(self) -> None:
+        """Keep the originals in the state file (fsynced, renamed over the old one); none left:
+        remove it."""
         if self.state_file is None:
             return
         data = {uuid: mw for uuid, (_, mw) in self.original_mw.items()}
@@ -79,10 +96,7 @@ class PowerCapActuator:
             if not data:
                 self.state_file.unlink(missing_ok=True)
                 return
-            self.state_file.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.state_file.with_suffix(".tmp")
-            partial.write_bytes(orjson.dumps(data))
-            os.replace(partial, self.state_file)
+            durable.write_file(self.state_file, orjson.dumps(data))
         except OSError as e:
             log.error("cannot keep the original power limits in %s: %s", self.state_file, e)
 
@@ -103,8 +117,8 @@ class PowerCapActuator:
             return 0
         for uuid, mw in saved.items():
             try:
-                handle = nv.nvmlDeviceGetHandleByUUID(uuid)
-            except nv.NVMLError as e:
+                handle = self._call(nv.nvmlDeviceGetHandleByUUID, uuid)
+            except (nv.NVMLError, DeviceCallError) as e:
                 log.error("GPU %s from the power-limit state is gone: %s", uuid, e)
                 continue
             if isinstance(mw, int):
@@ -112,6 +126,8 @@ class PowerCapActuator:
         return self.restore()
 
     def _translate(self, error: Exception, what: str) -> ActuationError:
+        if isinstance(error, DeviceCallError):
+            return ActuationError(f"{what}: {error}")
         code = nvml_error_code(error)
         nv = self.nvml
         if code == nv.NVML_ERROR_NO_PERMISSION:
@@ -124,16 +140,21 @@ class PowerCapActuator:
         if self._handles is None:
             nv = self.nvml
             try:
-                nv.nvmlInit()
-                handles = []
-                for i in range(nv.nvmlDeviceGetCount()):
-                    h = nv.nvmlDeviceGetHandleByIndex(i)
-                    uuid = nv.nvmlDeviceGetUUID(h)
-                    handles.append((i, uuid.decode() if isinstance(uuid, bytes) else uuid, h))
-            except nv.NVMLError as e:
+                handles = self._call(self._enumerate)
+            except (nv.NVMLError, DeviceCallError) as e:
                 raise self._translate(e, "enumerating GPUs") from e
             self._handles = handles
         return self._handles
+
+    def _enumerate(self) -> list[tuple[int, str, Any]]:
+        nv = self.nvml
+        nv.nvmlInit()
+        handles = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            uuid = nv.nvmlDeviceGetUUID(h)
+            handles.append((i, uuid.decode() if isinstance(uuid, bytes) else uuid, h))
+        return handles
 
     def limits_w(self) -> tuple[float, float] | None:
         """The power-limit range every GPU of the node accepts (intersection), or None."""
@@ -141,8 +162,8 @@ class PowerCapActuator:
         lows, highs = [], []
         for index, _, h in self._devices():
             try:
-                low, high = nv.nvmlDeviceGetPowerManagementLimitConstraints(h)
-            except nv.NVMLError as e:
+                low, high = self._call(nv.nvmlDeviceGetPowerManagementLimitConstraints, h)
+            except (nv.NVMLError, DeviceCallError) as e:
                 raise self._translate(e, f"GPU {index} limit constraints") from e
             lows.append(low / 1000)
             highs.append(high / 1000)
@@ -151,31 +172,42 @@ class PowerCapActuator:
         return max(lows), min(highs)
 
     def apply(self, watts: float) -> list[AppliedCap]:
-        """Set ``watts`` (clamped to each GPU's [min, max]) on every GPU; raises ActuationError.
+        """Set ``watts`` (clamped to each GPU's [min, max]) on every GPU, all or nothing.
 
-        Returns once every changed GPU's instant power is at or under its new limit (or after
-        ``latency_timeout_s``), with each one's latency in ``AppliedCap.latency_s``, the
-        longest in ``last_latency_s``.
+        When a GPU fails (an NVML error, a call over ``timeout_s``), the GPUs this call changed
+        get their previous limits back (best effort: a put-back that fails is logged) and
+        ActuationError names the GPU (index and UUID) and the error. Returns once every changed
+        GPU's instant power is at or under its new limit (or after ``latency_timeout_s``), with
+        each one's latency in ``AppliedCap.latency_s``, the longest in ``last_latency_s``.
         """
         nv = self.nvml
         results = []
         changes: dict[int, tuple[Any, float, float]] = {}
+        previous: list[tuple[int, str, Any, int]] = []
+        """(index, uuid, handle, limit before this call) of every GPU a set call was made on."""
         for index, uuid, h in self._devices():
-            what = f"GPU {index} power limit"
+            setting = False
             try:
-                low, high = nv.nvmlDeviceGetPowerManagementLimitConstraints(h)
+                low, high = self._call(nv.nvmlDeviceGetPowerManagementLimitConstraints, h)
                 target = round(min(max(watts * 1000, low), high))
-                current = nv.nvmlDeviceGetPowerManagementLimit(h)
+                current = self._call(nv.nvmlDeviceGetPowerManagementLimit, h)
                 changed = current != target
                 if changed:
                     if uuid not in self.original_mw:
                         self.original_mw[uuid] = (h, current)
                         self._save()
                     began = self._clock()
-                    nv.nvmlDeviceSetPowerManagementLimit(h, target)
+                    setting = True
+                    previous.append((index, uuid, h, current))
+                    self._call(nv.nvmlDeviceSetPowerManagementLimit, h, target)
                     changes[index] = (h, target / 1000, began)
-            except nv.NVMLError as e:
-                raise self._translate(e, what) from e
+            except (nv.NVMLError, DeviceCallError) as e:
+                if setting and not isinstance(e, DeviceCallError):
+                    previous.pop()  # NVML refused the set: that GPU kept its limit
+                    if self.original_mw.get(uuid, (None, None))[1] == current:
+                        del self.original_mw[uuid]
+                self._put_back(previous)
+                raise self._translate(e, f"GPU {index} ({uuid}) power limit") from e
             results.append(AppliedCap(index, uuid, watts, target / 1000, changed))
         if not changes:
             return results
@@ -183,6 +215,27 @@ class PowerCapActuator:
         if latencies:
             self.last_latency_s = max(latencies.values())
         return [replace(r, latency_s=latencies.get(r.gpu)) for r in results]
+
+    def _put_back(self, previous: list[tuple[int, str, Any, int]]) -> None:
+        """Give the GPUs of a failed ``apply`` the limits they had before it; each failure is
+        logged and the rest still tried."""
+        nv = self.nvml
+        for index, uuid, h, limit_mw in previous:
+            try:
+                self._call(nv.nvmlDeviceSetPowerManagementLimit, h, limit_mw)
+            except (nv.NVMLError, DeviceCallError) as e:
+                log.error(
+                    "GPU %d (%s): could not put back its %.0f W power limit: %s",
+                    index,
+                    uuid,
+                    limit_mw / 1000,
+                    e,
+                )
+                continue
+            original = self.original_mw.get(uuid)
+            if original is not None and original[1] == limit_mw:
+                del self.original_mw[uuid]
+        self._save()
 
     def _latencies(self, changes: dict[int, tuple[Any, float, float]]) -> dict[int, float]:
         """Seconds from each set call until the GPU's instant power was at or under its new
@@ -195,8 +248,8 @@ class PowerCapActuator:
         while waiting:
             for index, (h, limit_w, began) in list(waiting.items()):
                 try:
-                    power_w = instant_power_w(nv, h)
-                except nv.NVMLError as e:
+                    power_w = self._call(instant_power_w, nv, h)
+                except (nv.NVMLError, DeviceCallError) as e:
                     log.debug("GPU %d: no instant power to time the new cap: %s", index, e)
                     power_w = None
                 if power_w is None:
@@ -222,11 +275,11 @@ class PowerCapActuator:
         restored = 0
         for uuid, (h, original) in list(self.original_mw.items()):
             try:
-                if nv.nvmlDeviceGetPowerManagementLimit(h) != original:
-                    nv.nvmlDeviceSetPowerManagementLimit(h, original)
+                if self._call(nv.nvmlDeviceGetPowerManagementLimit, h) != original:
+                    self._call(nv.nvmlDeviceSetPowerManagementLimit, h, original)
                 restored += 1
                 del self.original_mw[uuid]
-            except nv.NVMLError as e:
+            except (nv.NVMLError, DeviceCallError) as e:
                 log.error("could not restore the power limit of %s: %s", uuid, e)
         self._save()
         return restored

@@ -8,17 +8,19 @@ import math
 import statistics
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
 from hyperagent import bus, durable
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.config import Config
-from hyperagent.errors import ActuationError, PayloadError
+from hyperagent.errors import ActuationError, DeviceCallError, PayloadError
 from hyperagent.exporter import MetricsServer, SnapshotCollector
+from hyperagent.gate import DeviceGate
 from hyperagent.indicators import JobWindows, derive
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.notify import Notifier
@@ -45,6 +47,11 @@ STALL_MIN_S = 2.0
 
 STALL_CHECK_S = 0.1
 """How often running trials are checked for a stalled job."""
+
+LAST_COLLECTION = "hyperagent_agent_last_collection_timestamp_seconds"
+DEVICE_CALL_FAILURES = "hyperagent_device_call_failures_total"
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -122,7 +129,9 @@ class Agent:
         self.actuator = None
         if config.actuation.power_cap and hardware.nvml is not None:
             state_file = None if hardware.replayed else config.agent.state_dir / "power-limits.json"
-            self.actuator = PowerCapActuator(hardware.nvml, state_file)
+            self.actuator = PowerCapActuator(
+                hardware.nvml, state_file, timeout_s=config.sources.timeout_s
+            )
         self.link = link
         self.settings_key = settings_key
         self.metrics = metrics
@@ -148,6 +157,8 @@ class Agent:
         self._telemetry_at = -math.inf
         self._gpu_pids: dict[str, list[int]] = {}
         self._gpu_pids_at = -math.inf
+        self._device_problems: set[tuple[str, str]] = set()
+        """(call, error type) of the agent's own NVML calls that failed, each logged once."""
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
@@ -314,6 +325,7 @@ class Agent:
         readings = [r for batch in by_source.values() for r in batch]
         readings += self.runner.health_readings()
         readings += self._self_readings()
+        readings += self._collection_readings(now)
         readings += await self._gpu_job_readings(readings)
         snapshot = Snapshot(now, self.node, tuple(readings))
         indicators = derive(
@@ -355,9 +367,12 @@ class Agent:
         if self.job_source is None or not self.job_source.peers:
             return []
         now = time.monotonic()
-        if now - self._gpu_pids_at >= GPU_PROCESSES_INTERVAL_S:
+        if now - self._gpu_pids_at >= GPU_PROCESSES_INTERVAL_S and self.hardware.nvml is not None:
             self._gpu_pids_at = now
-            self._gpu_pids = await asyncio.to_thread(self._running_pids)
+            found = await self._device_call(
+                self.hardware.nvml, self._running_pids, "running processes"
+            )
+            self._gpu_pids = found or {}
         pids = self.job_source.job_pids()
         owners: dict[str, str] = {}
         for gpu, running in self._gpu_pids.items():
@@ -382,8 +397,40 @@ class Agent:
             if gpu in uuids
         ]
 
+    async def _device_call(self, library: Any, call: Callable[[], _T], what: str) -> _T | None:
+        """``call`` through ``library``'s device gate, bounded by ``sources.timeout_s``; None
+        when it timed out or the library is busy with a hung call (logged once, counted by the
+        gate on /metrics)."""
+        gate = DeviceGate.of(library)
+        try:
+            result = await gate.run(call, timeout_s=self.config.sources.timeout_s, what=what)
+        except DeviceCallError as e:
+            problem = (what, type(e).__name__)
+            if problem not in self._device_problems:
+                self._device_problems.add(problem)
+                log.warning("%s: %s", what, e)
+            return None
+        self._device_problems = {p for p in self._device_problems if p[0] != what}
+        return result
+
+    def _collection_readings(self, now: float) -> list[Reading]:
+        """When this collection ran, and the device gates' refused and timed-out calls."""
+        out = [Reading(LAST_COLLECTION, now, {}, unit="s")]
+        found = (self.hardware.nvml, self._nvml_library())
+        libraries = {id(lib): lib for lib in found if lib is not None}
+        for library in libraries.values():
+            gate = DeviceGate.of(library)
+            for reason, count in (("timeout", gate.timeouts), ("busy", gate.busy)):
+                labels = {"library": gate.name, "reason": reason}
+                out.append(Reading(DEVICE_CALL_FAILURES, count, labels, Kind.COUNTER))
+        return out
+
+    def _nvml_library(self) -> Any:
+        return None if self.nvml_source is None else self.nvml_source.nvml
+
     def _running_pids(self) -> dict[str, list[int]]:
-        """GPU index -> pids of its compute processes (empty without NVML's process list)."""
+        """GPU index -> pids of its compute processes (empty without NVML's process list).
+        Blocking: run it through the NVML gate."""
         nvml = self.hardware.nvml
         if nvml is None or not hasattr(nvml, "nvmlDeviceGetComputeRunningProcesses"):
             return {}
@@ -639,11 +686,13 @@ class Agent:
             self._publish_report(trial, None, partial=True)
 
     async def _energy_j(self) -> float | None:
-        """The GPUs' energy counter now; without an NVML source (GPU readings replayed as
-        recorded), as of the latest collection."""
-        if self.nvml_source is None:
+        """The GPUs' energy counter now (None when NVML did not answer within
+        ``sources.timeout_s``); without an NVML source (GPU readings replayed as recorded), as
+        of the latest collection."""
+        source = self.nvml_source
+        if source is None:
             return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
-        return await asyncio.to_thread(self.nvml_source.total_energy_j)
+        return await self._device_call(source.nvml, source.total_energy_j, "total energy")
 
     async def _trial_loop(self) -> None:
         while True:

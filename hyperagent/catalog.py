@@ -85,11 +85,22 @@ _CORE: dict[str, str] = {
         "GPU energy per training sample over the job's last whole steps (held between them)."
     ),
     # Self-monitoring
-    "hyperagent_source_up": "1 when the source's last read succeeded.",
+    "hyperagent_source_up": (
+        "1 when the source's last read succeeded and no read is overdue (in flight past its"
+        " timeout)."
+    ),
     "hyperagent_source_duration_seconds": "Duration of the source's last read.",
     "hyperagent_source_errors_total": "Failed reads of the source.",
     "hyperagent_source_last_success_timestamp_seconds": (
-        "Unix time of the source's last successful read."
+        "Unix time of the source's last successful read (stops advancing while it fails)."
+    ),
+    "hyperagent_agent_last_collection_timestamp_seconds": (
+        "Unix time of the agent's last collection cycle (stops advancing when the loop stalls;"
+        " /metrics then serves that cycle's snapshot)."
+    ),
+    "hyperagent_device_call_failures_total": (
+        "Calls into a device library (NVML) that timed out (reason timeout) or were refused at"
+        " once because another call had hung past its timeout (reason busy)."
     ),
     "hyperagent_mqtt_connected": "1 while connected to the MQTT broker.",
     "hyperagent_mqtt_dropped_total": "Outgoing MQTT messages dropped because the outbox was full.",

@@ -50,6 +50,18 @@ class PublishError(HyperagentError):
     """A message could not be handed to the broker."""
 
 
+class DeviceCallError(HyperagentError):
+    """A call into a device library (NVML) did not answer in time (see hyperagent.gate)."""
+
+
+class DeviceTimeout(DeviceCallError):
+    """The call did not return within its timeout; it may still be running."""
+
+
+class DeviceBusy(DeviceCallError):
+    """Refused at once: another call to the library has been in flight past its timeout."""
+
+
 class ActuationError(HyperagentError):
     """A setting could not be applied to the hardware or the job."""
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pynvml
 import pytest
 
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.capture.fake_nvml import FakeNvml
-from hyperagent.errors import NoPermission
+from hyperagent.errors import ActuationError, NoPermission
 
 
 def limits_w(nvml: FakeNvml) -> list[float]:
@@ -148,3 +152,84 @@ def test_without_instant_power_the_latency_is_unknown_and_nothing_waits(
     nvml = NoInstantPower(gpus, clock=clock, cap_response_s=60)
     (cap,) = PowerCapActuator(nvml, clock=clock, sleep=clock.sleep).apply(100)
     assert cap.changed and cap.latency_s is None and clock.slept == 0
+
+
+def test_a_failure_on_gpu_3_of_8_puts_every_gpu_back_and_names_it(
+    nvidia_smi_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "power-limits.json"
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    actuator = PowerCapActuator(nvml, state)
+    actuator.apply(175)
+    assert limits_w(nvml) == [175.0] * 8
+    nvml.set_faults(
+        {"nvmlDeviceSetPowerManagementLimit": {"error": "NVML_ERROR_UNKNOWN", "gpus": [3]}}
+    )
+    with pytest.raises(ActuationError) as e:
+        actuator.apply(150)
+    uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(3))
+    assert f"GPU 3 ({uuid})" in str(e.value) and "Unknown Error" in str(e.value)
+    assert e.value.vendor_code == pynvml.NVML_ERROR_UNKNOWN
+    assert limits_w(nvml) == [175.0] * 8  # the limits before this apply, on every GPU
+    nvml.set_faults(None)
+    assert actuator.restore() == 8 and limits_w(nvml) == [250.0] * 8 and not state.exists()
+
+
+def test_a_failure_on_the_first_change_leaves_the_originals_and_no_state(
+    nvidia_smi_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "power-limits.json"
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    nvml.set_faults(
+        {"nvmlDeviceSetPowerManagementLimit": {"error": "NVML_ERROR_GPU_IS_LOST", "gpus": [5]}}
+    )
+    actuator = PowerCapActuator(nvml, state)
+    lost = r"GPU 5 \(GPU-[0-9a-f-]+\) power limit: GPU is lost"
+    with pytest.raises(ActuationError, match=lost):
+        actuator.apply(150)
+    assert limits_w(nvml) == [250.0] * 8
+    assert actuator.original_mw == {} and not state.exists()  # nothing left to restore
+
+
+def test_a_set_call_that_hangs_times_out_and_its_originals_stay_for_restore(
+    nvidia_smi_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    nvml.set_faults({"nvmlDeviceSetPowerManagementLimit": {"block_s": 1.0, "gpus": [2]}})
+    actuator = PowerCapActuator(nvml, tmp_path / "power-limits.json", timeout_s=0.2)
+    hung = r"GPU 2 \(GPU-.*\) power limit: nvml nvmlDeviceSetPowerManagementLimit: timed out"
+    with pytest.raises(ActuationError, match=hung):
+        actuator.apply(150)
+    # the library is busy with the hung call: the put-backs fail at once, each one logged
+    put_back = [r.getMessage() for r in caplog.records if "could not put back" in r.getMessage()]
+    assert [m.split(":")[0] for m in put_back] == [
+        f"GPU {i} ({nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))})" for i in (0, 1, 2)
+    ]
+    assert all("busy: a call (nvmlDeviceSetPowerManagementLimit)" in m for m in put_back)
+    assert len(actuator.original_mw) == 3  # kept, in memory and in the state file
+    nvml.set_faults(None)
+    while actuator.gate.in_flight is not None:  # the hung call returns after its 1 s
+        time.sleep(0.01)
+    assert actuator.restore() == 3 and limits_w(nvml) == [250.0] * 8
+
+
+def test_the_restore_file_is_fsynced_before_it_replaces_the_old_one(
+    nvidia_smi_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "power-limits.json"
+    synced: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        assert str(src) in synced, "renamed over the state file before it was on disk"
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    PowerCapActuator(FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml"), state).apply(150)
+    assert orjson.loads(state.read_bytes()) and synced
+    assert all(Path(p).parent == tmp_path for p in synced)

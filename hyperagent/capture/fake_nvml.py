@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import logging
 import math
+import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -29,6 +32,11 @@ from hyperagent.capture.nvidia_smi import (
 )
 from hyperagent.readings import Reading
 from hyperagent.sources import nvml as source
+
+log = logging.getLogger(__name__)
+
+FAULTS_ENV = "HYPERAGENT_FAKE_NVML_FAULTS"
+"""Names a JSON file of faults every FakeNvml of the process injects (see `FakeNvml`)."""
 
 
 class FakeNvmlHandle:
@@ -204,6 +212,103 @@ _NO_GPU_INSTANCE = getattr(pynvml, "NVML_GPU_INSTANCE_ID_ANY", ctypes.c_uint(-1)
 _NO_COMPUTE_INSTANCE = getattr(pynvml, "NVML_COMPUTE_INSTANCE_ID_ANY", ctypes.c_uint(-1).value)
 
 
+@dataclass(frozen=True)
+class Fault:
+    """What an injected fault does to a call: sleep `block_s` in the calling thread, then raise
+    `pynvml.NVMLError(error)` (None: proceed); only on the handles of `gpus` (None: any call)."""
+
+    block_s: float = 0.0
+    error: int | None = None
+    gpus: frozenset[int] | None = None
+
+    def applies(self, args: tuple[Any, ...]) -> bool:
+        if self.gpus is None:
+            return True
+        handle = args[0] if args else None
+        return isinstance(handle, FakeNvmlHandle) and handle.index in self.gpus
+
+
+def parse_faults(data: object) -> dict[str, Fault]:
+    """Faults by NVML function name ("*": every function) from their JSON form, e.g.
+    ``{"nvmlDeviceGetPowerUsage": {"block_s": 5}, "*": {"error": "NVML_ERROR_GPU_IS_LOST",
+    "gpus": [3]}}``. Raises ValueError naming what is wrong."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError("faults must be a JSON object: NVML function name -> fault")
+    faults: dict[str, Fault] = {}
+    for name, spec in data.items():
+        if name != "*" and name not in NVML_FUNCTIONS:
+            raise ValueError(f"{name!r}: no such NVML function in FakeNvml")
+        if not isinstance(spec, dict) or not spec:
+            raise ValueError(f"{name}: a fault is an object with block_s and/or error")
+        unknown = set(spec) - {"block_s", "error", "gpus"}
+        if unknown:
+            raise ValueError(f"{name}: unknown keys {sorted(unknown)} (block_s, error, gpus)")
+        if not {"block_s", "error"} & set(spec):
+            raise ValueError(f"{name}: a fault needs block_s or error")
+        block_s = spec.get("block_s", 0.0)
+        if isinstance(block_s, bool) or not isinstance(block_s, int | float):
+            raise ValueError(f"{name}.block_s: a number of seconds, not {block_s!r}")
+        if not 0 <= block_s < math.inf:
+            raise ValueError(f"{name}.block_s: must be >= 0 and finite, not {block_s}")
+        error = spec.get("error")
+        code = None
+        if error is not None:
+            code = getattr(pynvml, error, None) if isinstance(error, str) else None
+            if not isinstance(error, str) or not error.startswith("NVML_ERROR_") or code is None:
+                raise ValueError(f"{name}.error: {error!r} is no pynvml NVML_ERROR_* name")
+        gpus = spec.get("gpus")
+        if gpus is not None and (
+            not isinstance(gpus, list)
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)
+        ):
+            raise ValueError(f"{name}.gpus: a list of GPU indices, not {gpus!r}")
+        faults[name] = Fault(float(block_s), code, None if gpus is None else frozenset(gpus))
+    return faults
+
+
+class _FaultFile:
+    """Faults read from a JSON file, read again whenever its mtime, size or inode change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.faults: dict[str, Fault] = {}
+        self._seen: tuple[int, int, int] | None = None
+        self._problem = ""
+        self._lock = threading.Lock()
+
+    def current(self) -> dict[str, Fault]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._seen, self.faults = None, {}
+            return self.faults
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if key == self._seen:
+            return self.faults
+        with self._lock:
+            if key != self._seen:
+                self.faults = self._load()
+                self._seen = key
+        return self.faults
+
+    def _load(self) -> dict[str, Fault]:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+            faults = parse_faults(json.loads(text) if text.strip() else None)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            problem = f"{FAULTS_ENV} file {self.path}: {e}; injecting no faults"
+            if problem != self._problem:
+                log.error("%s", problem)
+                self._problem = problem
+            return {}
+        self._problem = ""
+        return faults
+
+
 class FakeNvml:
     """The subset of `pynvml` a monitoring agent and a power-cap actuator use, over recorded GPUs.
 
@@ -251,9 +356,34 @@ class FakeNvml:
     first set that registers the device (NVML would drop it; a replay must not).
     `nvmlEventSetWait_v2` blocks for real time, not `clock` time.
 
+    Faults: any NVML function can be made to block or fail. A fault is ``{"block_s": float}``
+    (the call sleeps that long in its calling thread, holding no lock of the fake, then
+    proceeds), ``{"error": "NVML_ERROR_UNKNOWN"}`` (any pynvml ``NVML_ERROR_*`` name: the call
+    raises that `pynvml.NVMLError` subclass; with ``block_s`` too, after the sleep), with an
+    optional ``"gpus": [indices]`` limiting it to calls whose first argument is a handle of
+    those GPUs (or of a MIG device on them). Faults are keyed by function name, ``"*"`` for
+    every function (a named entry wins over ``"*"``). Two ways to set them:
+
+    - a JSON file of that mapping, named by `faults_file` or, by default, by the environment
+      variable ``HYPERAGENT_FAKE_NVML_FAULTS`` (so agents started as processes over fake GPUs
+      take it). Each call checks the file's mtime, size and inode (one ``stat``) and reads it
+      again when they changed, so a test injects and clears faults while the agent runs
+      (replace the file atomically: write, then rename). A missing or empty file means no
+      faults; a malformed one (not JSON, an unknown function or error name) is logged once as
+      an error and injects nothing;
+    - in process: `set_faults(mapping)` (the same JSON form, checked at once: ValueError), or
+      the `faults` argument. These are looked up before the file's.
+
+    Which functions a read calls: `NvmlSource` reads power, energy and the power limit through
+    `nvmlDeviceGetFieldValues` (`nvmlDeviceGetPowerUsage` only on drivers without the field),
+    utilisation through `nvmlDeviceGetUtilizationRates`; the agent's GPU attribution calls
+    `nvmlDeviceGetComputeRunningProcesses`, a trial's energy
+    `nvmlDeviceGetTotalEnergyConsumption`, a power cap `nvmlDeviceSetPowerManagementLimit`.
+    `call_counts()` tells which were called.
+
     Simulation controls (not NVML): `set_load`, `set_clock_event_reasons`, `inject_xid`, `fail`,
-    `recover` and `update_from_readings`. All state is guarded by a lock, so a worker thread may
-    read while a simulator changes the load.
+    `recover`, `set_faults` and `update_from_readings`. All state is guarded by a lock, so a
+    worker thread may read while a simulator changes the load.
 
     Attributes named like pynvml's constants, structs and exception classes (`NVML_*`,
     `NVMLError*`, `nvmlMemory_v2`, `nvmlClocksEventReason*`, `nvmlEventType*`, `c_nvml*`) are
@@ -267,6 +397,8 @@ class FakeNvml:
         clock: Callable[[], float] = time.monotonic,
         writable: bool = True,
         cap_response_s: float = 0.0,
+        faults: Mapping[str, Any] | None = None,
+        faults_file: Path | None = None,
     ) -> None:
         if cap_response_s < 0:
             raise ValueError(f"cap_response_s must be >= 0, got {cap_response_s}")
@@ -289,6 +421,10 @@ class FakeNvml:
         self._gpm_samples: dict[int, _GpmSample] = {}
         self._refcount = 0
         self._last_frame: _Frame | None = None
+        self._faults = parse_faults(dict(faults) if faults is not None else None)
+        if faults_file is None and os.environ.get(FAULTS_ENV):
+            faults_file = Path(os.environ[FAULTS_ENV])
+        self._fault_file = None if faults_file is None else _FaultFile(faults_file)
         now = clock()
         self._devices = [
             _Device(
@@ -480,6 +616,19 @@ class FakeNvml:
         )
         for event_set in listeners:
             event_set.pending.append(event)
+
+    def set_faults(self, faults: Mapping[str, Any] | None) -> None:
+        """Inject `faults` (see the class doc) from now on, replacing those set before (not the
+        file's); None or {} clears them. Raises ValueError for a malformed mapping."""
+        self._faults = parse_faults(dict(faults) if faults is not None else None)
+
+    def _fault(self, name: str, args: tuple[Any, ...]) -> Fault | None:
+        """The fault a call of `name` with `args` gets now, if any."""
+        found = self._faults.get(name) or self._faults.get("*")
+        if found is None and self._fault_file is not None:
+            from_file = self._fault_file.current()
+            found = from_file.get(name) or from_file.get("*")
+        return found if found is not None and found.applies(args) else None
 
     def set_processes(self, index: int, pids: Iterable[int]) -> None:
         """Make ``pids`` the compute processes running on device ``index``."""
@@ -1199,14 +1348,25 @@ def _counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         with self._counts_lock:
             self._calls[name] += 1
+        if self._faults or self._fault_file is not None:
+            fault = self._fault(name, args)
+            if fault is not None:
+                if fault.block_s:
+                    time.sleep(fault.block_s)
+                if fault.error is not None:
+                    raise _error(fault.error)
         return method(self, *args, **kwargs)
 
     return call
 
 
-for _name, _method in list(vars(FakeNvml).items()):
-    if _name.startswith("nvml") and callable(_method):
-        setattr(FakeNvml, _name, _counted(_name, _method))
+NVML_FUNCTIONS = frozenset(
+    name for name, method in vars(FakeNvml).items() if name.startswith("nvml") and callable(method)
+)
+"""The NVML functions FakeNvml serves (and counts, and can inject faults into)."""
+
+for _name in NVML_FUNCTIONS:
+    setattr(FakeNvml, _name, _counted(_name, vars(FakeNvml)[_name]))
 
 
 # -- recordings -> records ---------------------------------------------------------------------

@@ -132,7 +132,11 @@ def job_source(config: Config) -> JobSource:
 
 SOURCES: dict[str, SourceFactory] = {
     "nvml": lambda config, hw: [
-        NvmlSource(hw.nvml, health_interval_s=config.sources.nvml.health_interval_s)
+        NvmlSource(
+            hw.nvml,
+            health_interval_s=config.sources.nvml.health_interval_s,
+            timeout_s=config.sources.timeout_s,
+        )
     ],
     "host": lambda config, hw: [HostSource()],
     "job": lambda config, hw: [job_source(config)],
@@ -205,7 +209,12 @@ def capture_sources(
     if enabled.nvml.enabled and smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
         sources.append(
-            NvmlSource(nvml, clock=clock, health_interval_s=config.sources.nvml.health_interval_s)
+            NvmlSource(
+                nvml,
+                clock=clock,
+                health_interval_s=config.sources.nvml.health_interval_s,
+                timeout_s=config.sources.timeout_s,
+            )
         )
     if enabled.rdma.enabled and (directory / "sys" / "class" / "infiniband").is_dir():
         sources.append(

@@ -21,7 +21,8 @@ from functools import partial
 from types import ModuleType
 from typing import Any
 
-from hyperagent.errors import SourceError, SourceUnavailable
+from hyperagent.errors import DeviceCallError, SourceError, SourceTimeout, SourceUnavailable
+from hyperagent.gate import DeviceGate
 from hyperagent.readings import Kind, Reading
 
 log = logging.getLogger(__name__)
@@ -453,7 +454,14 @@ def _refresh(batch: _Batch, state: _GpuState) -> None:
 class NvmlSource:
     """Per-GPU telemetry through NVML; see the module docstring for what is read.
 
-    Every NVML call runs in a worker thread. Every reading that has an NVML field id is read
+    Every NVML call runs on the worker thread of the library's :class:`DeviceGate` (shared with
+    the power-cap actuator and the agent's own NVML calls): start, each read, close and
+    ``total_energy_j`` are one gated call each, bounded by ``timeout_s``; a read that times out
+    leaves its call running there, and while it has been in flight past its timeout every call
+    to the library fails at once as busy. Only the XID watcher calls NVML outside the gate:
+    its wait blocks by design, in its one thread of its own. A start whose caller stopped
+    waiting still finishes on the gate's thread, and a later start then finds NVML started.
+    Every reading that has an NVML field id is read
     through ``nvmlDeviceGetFieldValues``, one call per GPU for a whole set, each field with its
     own return code; the rest takes one call each. Per GPU and read, at steady state:
 
@@ -474,7 +482,8 @@ class NvmlSource:
     older call where there is one (``nvmlDeviceGetPowerUsage`` for power, ...). Any other NVML
     error, a field's included, fails the whole read with NvmlSourceError (the runner reports
     the source down) and the next read tries again. A read still running when the next is due
-    makes that next read fail instead of piling up.
+    makes that next read fail instead of piling up; a read over ``timeout_s`` fails with
+    SourceTimeout.
 
     Units: power fields are mW (scope 0, the GPU alone), energy mJ, throttle counters ns, NVLink
     traffic KiB (scope = link), as nvml.h defines them. ``hyperagent_gpu_power_watts`` is NVML's
@@ -509,9 +518,12 @@ class NvmlSource:
         event_wait_ms: int = 5000,
         health_interval_s: float = 10.0,
         slow_interval_s: float | None = None,
+        timeout_s: float = 2.0,
     ) -> None:
         nv = nvml
         self.nvml = nvml
+        self.gate = DeviceGate.of(nvml)
+        self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
         self.slow_interval_s = health_interval_s if slow_interval_s is None else slow_interval_s
         self.gpus: list[GpuIdentity] = []
@@ -547,9 +559,18 @@ class NvmlSource:
 
     async def start(self) -> None:
         """Initialise NVML, enumerate GPUs and their links, prime GPM, start the XID watcher."""
-        await asyncio.to_thread(self._start_sync)
+        await self._gated(self._start_sync, "start")
+
+    async def _gated(self, call: Callable[[], Any], what: str) -> Any:
+        """``call`` through the library's gate; a timeout or a busy library is a SourceTimeout."""
+        try:
+            return await self.gate.run(call, timeout_s=self.timeout_s, what=what)
+        except DeviceCallError as e:
+            raise SourceTimeout(str(e)) from e
 
     def _start_sync(self) -> None:
+        if self._initialised:  # a start whose caller stopped waiting finished after all
+            return
         nv = self.nvml
         try:
             nv.nvmlInit()
@@ -824,7 +845,7 @@ class NvmlSource:
         """Wait for a read in flight, stop the XID watcher, free GPM samples, shut NVML down."""
         if self._inflight is not None and not self._inflight.done():
             await asyncio.wait({self._inflight})
-        await asyncio.to_thread(self._shutdown_sync)
+        await self._gated(self._shutdown_sync, "close")
 
     def _shutdown_sync(self) -> None:
         nv = self.nvml
@@ -848,11 +869,12 @@ class NvmlSource:
     # -- reading --------------------------------------------------------------------------------
 
     async def read(self) -> list[Reading]:
-        """One sample of every GPU; raises NvmlSourceError when NVML fails."""
+        """One sample of every GPU; raises NvmlSourceError when NVML fails, SourceTimeout when
+        it does not answer within ``timeout_s``."""
         if self._inflight is not None and not self._inflight.done():
             raise SourceError("previous NVML read still running")
         task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._read_sync), name="nvml-read"
+            self._gated(self._read_sync, "read"), name="nvml-read"
         )
         task.add_done_callback(_retrieve)
         self._inflight = task
@@ -1250,7 +1272,7 @@ class NvmlSource:
             return {key: count for key, (_, count) in self._xids.items()}
 
     def total_energy_j(self) -> float | None:
-        """Sum of the energy counters of every GPU (blocking: call from a worker thread)."""
+        """Sum of the energy counters of every GPU (blocking: run it through ``gate``)."""
         nv = self.nvml
         total = 0.0
         try:

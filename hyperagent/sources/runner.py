@@ -1,4 +1,10 @@
-"""Runs every source under a time bound and reports failures as data, never as crashes."""
+"""Runs every source under a time bound and reports failures as data, never as crashes.
+
+Staleness is visible: ``hyperagent_source_last_success_timestamp_seconds`` stops advancing
+while a source fails, and ``hyperagent_source_up`` is 0 while a read is overdue (in flight past
+its timeout, or no success for ``STALE_INTERVALS`` of a source's interval). Every log line names
+the source and its target in its text.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,9 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
-from hyperagent.errors import SourceError, SourceUnavailable
+from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Kind, Reading
 from hyperagent.sources.base import Source
 
@@ -36,6 +43,11 @@ class _Health:
     """Monotonic time the last read began."""
     readings: list[Reading] = field(default_factory=list)
     """What the last successful read returned."""
+    succeeded_at: float = -math.inf
+    """Monotonic time of the last successful read."""
+    task: asyncio.Task[list[Reading] | None] | None = None
+    """The read in progress, kept until it ends even when the cycle stopped waiting for it."""
+    task_began: float = 0.0
 
     def reading(self, name: str, value: float, kind: Kind = Kind.GAUGE) -> Reading:
         found = self.cached.get(name)
@@ -46,6 +58,13 @@ class _Health:
 
 DUE_FRACTION = 0.95
 """A source with an interval is read again once this fraction of it has passed (cycles jitter)."""
+
+STALE_INTERVALS = 3.0
+"""A source with an interval and no successful read for this many intervals is down (up 0)."""
+
+GRACE_S = 0.5
+"""How long past its timeout a cycle waits for a read that ignores cancellation (a source that
+blocks in a call its cancellation cannot reach) before it goes on without it."""
 
 
 class SourceRunner:
@@ -102,14 +121,47 @@ class SourceRunner:
         return readings
 
     async def _read(self, source: Source) -> list[Reading] | None:
-        """The source's readings, or None when it failed."""
+        """The source's readings, or None when it failed; never waits much past the timeout."""
         health = self._health[id(source)]
         interval = self.intervals.get(source.name)
+        now = time.monotonic()
+        if health.task is not None and not health.task.done():
+            self._note_failure(source, self._stuck(), "read")
+            return None
         if interval is not None:
-            now = time.monotonic()
             if now - health.read_at < DUE_FRACTION * interval:
                 return health.readings if health.up else None
             health.read_at = now
+        task = asyncio.get_running_loop().create_task(
+            self._bounded_read(source), name=f"read-{source.name}-{source.target}"
+        )
+        health.task, health.task_began = task, now
+        task.add_done_callback(partial(self._read_ended, health))
+        bound = self.timeout_s * (1 if health.started else 2) + GRACE_S  # a start comes first
+        try:
+            done, _ = await asyncio.wait({task}, timeout=bound)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            self._note_failure(source, self._stuck(), "read")
+            return None
+        return task.result()
+
+    def _stuck(self) -> SourceTimeout:
+        return SourceTimeout(f"still in flight past its {self.timeout_s:g}s timeout")
+
+    @staticmethod
+    def _read_ended(health: _Health, task: asyncio.Task[list[Reading] | None]) -> None:
+        if health.task is task:
+            health.task = None
+        if not task.cancelled():
+            task.exception()  # seen: a read the cycle left behind fails quietly
+
+    async def _bounded_read(self, source: Source) -> list[Reading] | None:
+        health = self._health[id(source)]
+        interval = self.intervals.get(source.name)
         began = time.perf_counter()
         try:
             if not health.started and not await self._start(source):
@@ -122,9 +174,10 @@ class SourceRunner:
             return None
         health.duration_s = time.perf_counter() - began
         health.last_success = time.time()
+        health.succeeded_at = time.monotonic()
         if not health.up:
             if health.last_problem:
-                log.info("source recovered", extra={"source": source.name, "target": source.target})
+                log.info("source %s (%s) recovered", source.name, source.target)
             health.up = True
             health.last_problem = ""
         if interval is not None:
@@ -148,12 +201,28 @@ class SourceRunner:
             log.log(level, "source %s (%s) down: %s", source.name, source.target, problem)
         health.last_problem = problem
 
+    def overdue(self, source: Source, now: float | None = None) -> bool:
+        """A read of ``source`` has been in flight past its timeout, or (a source with an
+        interval) no read succeeded for ``STALE_INTERVALS`` intervals."""
+        h = self._health[id(source)]
+        now = time.monotonic() if now is None else now
+        if h.task is not None and now - h.task_began > self.timeout_s:
+            return True
+        interval = self.intervals.get(source.name)
+        return (
+            interval is not None
+            and h.succeeded_at > -math.inf
+            and now - h.succeeded_at > STALE_INTERVALS * max(interval, self.timeout_s)
+        )
+
     def health_readings(self) -> list[Reading]:
-        """up, duration, errors and last success time of every source."""
+        """up (0 while overdue), duration, errors and last success time of every source."""
         out = []
+        now = time.monotonic()
         for source in self.sources:
             h = self._health[id(source)]
-            out.append(h.reading(UP, 1.0 if h.up else 0.0))
+            up = h.up and not self.overdue(source, now)
+            out.append(h.reading(UP, 1.0 if up else 0.0))
             out.append(Reading(DURATION, h.duration_s, h.labels, unit="s"))
             out.append(h.reading(ERRORS, h.errors, Kind.COUNTER))
             if h.last_success:
@@ -161,12 +230,19 @@ class SourceRunner:
         return out
 
     async def close(self) -> None:
-        """Close every started source; errors are logged."""
+        """Close every started source (a read still in flight is cancelled first); errors are
+        logged."""
         for source in self.sources:
-            if not self._health[id(source)].started:
+            health = self._health[id(source)]
+            if health.task is not None:
+                health.task.cancel()
+            if not health.started:
                 continue
             try:
                 async with asyncio.timeout(self.timeout_s):
                     await source.close()
             except Exception as e:
-                log.warning("closing source %s failed: %s", source.name, e)
+                problem = str(e) or type(e).__name__
+                log.warning(
+                    "closing source %s (%s) failed: %s", source.name, source.target, problem
+                )

@@ -857,3 +857,86 @@ def test_from_readings_rejects_what_no_source_produced(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         FakeNvml.from_readings(readings)
+
+
+# -- fault injection ------------------------------------------------------------------------------
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace ``path`` atomically, as a test injecting faults into a running agent does."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def test_faults_from_the_environment_file_come_and_go_while_the_fake_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    faults = tmp_path / "faults.json"
+    monkeypatch.setenv("HYPERAGENT_FAKE_NVML_FAULTS", str(faults))
+    nvml = FakeNvml.from_capture(FIXTURES / "gtx-8card.xml")  # the file does not exist yet
+    nvml.nvmlInit()
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(8)]
+    assert nvml.nvmlDeviceGetPowerUsage(handles[3]) > 0
+
+    _write(faults, '{"nvmlDeviceGetPowerUsage": {"error": "NVML_ERROR_GPU_IS_LOST", "gpus": [3]}}')
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlDeviceGetPowerUsage(handles[3])
+    assert nvml.nvmlDeviceGetPowerUsage(handles[2]) > 0  # only GPU 3's handle
+    assert nvml.nvmlDeviceGetTemperature(handles[3], pynvml.NVML_TEMPERATURE_GPU) > 0
+
+    _write(faults, '{"*": {"error": "NVML_ERROR_UNKNOWN"}}')
+    with pytest.raises(pynvml.NVMLError_Unknown):
+        nvml.nvmlDeviceGetCount()
+
+    _write(faults, "")  # empty: no faults
+    assert nvml.nvmlDeviceGetCount() == 8
+
+    _write(faults, '{"nvmlDeviceGetPowerUsag": {"block_s": 1}}')
+    for _ in range(3):
+        assert nvml.nvmlDeviceGetPowerUsage(handles[0]) > 0
+    problems = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(problems) == 1  # a malformed file is said once, and injects nothing
+    assert "HYPERAGENT_FAKE_NVML_FAULTS" in problems[0].getMessage()
+    assert "'nvmlDeviceGetPowerUsag': no such NVML function" in problems[0].getMessage()
+
+    faults.unlink()
+    assert nvml.nvmlDeviceGetPowerUsage(handles[3]) > 0
+
+
+def test_a_blocking_fault_sleeps_in_the_calling_thread_only(tmp_path: Path) -> None:
+    faults = tmp_path / "faults.json"
+    _write(faults, '{"nvmlDeviceSetPowerManagementLimit": {"block_s": 0.3}}')
+    nvml = FakeNvml.from_capture(FIXTURES / "gtx-8card.xml", faults_file=faults)
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    setter = threading.Thread(target=nvml.nvmlDeviceSetPowerManagementLimit, args=(handle, 150000))
+    setter.start()
+    while nvml.call_counts().get("nvmlDeviceSetPowerManagementLimit", 0) == 0:
+        threading.Event().wait(0.001)
+    # another thread's calls are not held by the blocked one (no lock is held while it sleeps)
+    assert nvml.nvmlDeviceGetPowerManagementLimit(handle) == 250000
+    setter.join(10)
+    assert not setter.is_alive()
+    assert nvml.nvmlDeviceGetPowerManagementLimit(handle) == 150000  # then it proceeded
+
+
+def test_faults_set_in_process_are_checked_and_cleared() -> None:
+    nvml = FakeNvml.from_capture(FIXTURES / "gtx-8card.xml")
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(5)
+    nvml.set_faults({"nvmlDeviceGetTotalEnergyConsumption": {"error": "NVML_ERROR_TIMEOUT"}})
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    nvml.set_faults(None)
+    assert nvml.nvmlDeviceGetTotalEnergyConsumption(handle) >= 0
+    for bad, reason in (
+        ({"nvmlDeviceGetPowerUsage": {"error": "GPU_IS_LOST"}}, "no pynvml NVML_ERROR_"),
+        ({"nvmlDeviceGetPowerUsage": {"block_s": -1}}, "must be >= 0"),
+        ({"nvmlDeviceGetPowerUsage": {"gpus": [1]}}, "needs block_s or error"),
+        ({"nvmlDeviceGetPowerUsage": {"block_s": 1, "gpu": [1]}}, "unknown keys"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            nvml.set_faults(bad)
+    with pytest.raises(ValueError, match="no such NVML function"):
+        FakeNvml.from_capture(FIXTURES / "gtx-1card.xml", faults={"nvmlBogus": {"block_s": 1}})
