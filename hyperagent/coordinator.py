@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hyperagent import bus
 from hyperagent.config import Config, JobTuningSection
@@ -32,7 +32,9 @@ from hyperagent.exporter import SnapshotCollector
 from hyperagent.job import KNOBS, common_knobs
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
+from hyperagent.tuner import lifecycle
 from hyperagent.tuner.journal import Journal, JournalState
+from hyperagent.tuner.lifecycle import NOT_TRIALS, TRIALS, Backoff, Trial, Tuned
 from hyperagent.tuner.optimizer import Tuner
 from hyperagent.tuner.space import SearchSpace
 from hyperagent.tuner.trial import (
@@ -57,8 +59,9 @@ interleaved (baseline, best, best, baseline, ...), and compared on those measure
 CLOCK_TICK_S = 0.5
 """Trial deadlines count only time connected to the broker, checked this often."""
 
-ROLLBACK_ON = frozenset({"no_ack", "refused", "timeout", "nonfinite_loss", "xid", "lost_nodes"})
-"""Trial outcomes after which the job goes back to its last known good settings at once."""
+READMIT = frozenset({"silent", "no measurement", "stalled"})
+"""Why a node may be out of scoring while its agent is online: its next ack, report or step
+(telemetry whose samples grew) brings it back. "offline" ends with its status saying online."""
 
 
 def announced(knobs: Any) -> tuple[str, ...] | None:
@@ -113,6 +116,12 @@ class TrialRecord:
     confirmation: bool = False
     """A re-measurement after tuning (the baseline or the best, interleaved), not a trial of
     the budget."""
+    acks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The nodes' acks of its version (not journaled)."""
+    nodes: tuple[str, ...] = ()
+    """The nodes behind an outcome that is not a trial (refusing, silent, not measured)."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """What refusing nodes said."""
 
     def to_journal(self) -> dict[str, Any]:
         reports = {
@@ -147,6 +156,18 @@ class TrialRecord:
         )
 
 
+class Progress(NamedTuple):
+    """A node's running totals of one job, from its telemetry."""
+
+    samples: float
+    """Samples, summed over the node's ranks."""
+    step_s: float
+    """Step seconds, summed over the node's ranks."""
+    ts: float
+    ranks: int = 1
+    """How many ranks' steps the sums count (1 when the agent does not say)."""
+
+
 @dataclass
 class JobState:
     """What the coordinator knows about one job's tuning."""
@@ -164,7 +185,8 @@ class JobState:
     baseline: float | None = None
     best: tuple[dict[str, Any], float] | None = None
     final_version: int | None = None
-    done: bool = False
+    phase: lifecycle.State | None = None
+    """Where the tuning is (None: not started)."""
     rounds: int = 0
     current: dict[str, Any] = field(default_factory=dict)
     """The settings last published."""
@@ -180,9 +202,18 @@ class JobState:
     acks: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     reports: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     partials: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    progress: dict[str, tuple[float, float, float]] = field(default_factory=dict)
-    """node -> (samples, step seconds, wall time) of the last telemetry, for drift."""
-    drifting_since: float | None = None
+    progress: dict[str, Progress] = field(default_factory=dict)
+    """node -> its last telemetry's totals, for drift and to see it step."""
+    running: dict[str, Any] | None = None
+    """The settings of the trial being run (a retry runs them again)."""
+    confirm_order: list[dict[str, Any]] = field(default_factory=list)
+    """The settings the confirmations measure, in order."""
+    start_settings: dict[str, Any] | None = None
+    """Where the search starts (a warm start, or the configured start), once known."""
+    rollback: tuple[int, dict[str, dict[str, Any]]] | None = None
+    """The last rollback's version and the acks it got."""
+    retries: int = 0
+    """Runs retried after a pause."""
     cap_latency_s: float | None = None
     """The slowest power-cap change a node measured (its acks' ``power_cap_latency_s``)."""
     knobs: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
@@ -200,6 +231,30 @@ class JobState:
         if members is None or members[0] is not nodes:
             members = self._members = (nodes, frozenset(nodes))
         return node in members[1]
+
+    @property
+    def done(self) -> bool:
+        """The tuning ended: its settings are out (or, in recommend mode, reported)."""
+        return isinstance(self.phase, Tuned)
+
+    @property
+    def paused(self) -> lifecycle.Paused | None:
+        """The pause the job is in, if any."""
+        phase = self.phase
+        if isinstance(phase, lifecycle.WaitingForQuorum):
+            return phase.paused
+        return phase if isinstance(phase, lifecycle.Paused) else None
+
+    def in_play(self, version: int) -> bool:
+        """Whether acks and reports of ``version`` still matter: only the latest published
+        (a trial's, a rollback's or the final settings') does."""
+        return version == self.version
+
+    def prune(self) -> None:
+        """Forget acks, reports and partials of versions no longer in play."""
+        for table in (self.acks, self.reports, self.partials):
+            for version in [v for v in table if not self.in_play(v)]:
+                del table[version]
 
     @property
     def active_nodes(self) -> list[str]:
@@ -281,6 +336,18 @@ def job_readings(state: JobState) -> list[Reading]:
     if "allreduce" in state.current:
         algorithm = {**job, "algorithm": str(state.current["allreduce"])}
         out.append(Reading("hyperagent_tuner_allreduce_info", 1.0, algorithm, Kind.INFO))
+    out.append(
+        Reading("hyperagent_tuner_state", 1.0, {**job, "state": lifecycle.name(state.phase)})
+    )
+    out.append(Reading("hyperagent_tuner_retries_total", state.retries, job, Kind.COUNTER))
+    paused = state.paused
+    if paused is not None:
+        reason = {**job, "reason": paused.reason}
+        out.append(Reading("hyperagent_tuner_paused", 1.0, reason))
+        for node in paused.nodes:
+            out.append(Reading("hyperagent_tuner_paused_node", 1.0, {**reason, "node": node}))
+        retry_at = time.time() + paused.retry_at - time.monotonic()
+        out.append(Reading("hyperagent_tuner_retry_timestamp_seconds", retry_at, job))
     return out
 
 
@@ -294,8 +361,11 @@ class Coordinator:
         settings_key: bytes,
         on_trial: TrialCallback | None = None,
         notifier: Notifier | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self.config = config
+        self.backoff = backoff or Backoff()
+        """How a paused job's retries space out."""
         self.notifier = notifier or Notifier()
         self.link = link
         self.key = settings_key
@@ -304,7 +374,9 @@ class Coordinator:
         self.invalid_payloads = 0
         self.collector = SnapshotCollector()
         self.nodes: dict[str, tuple[bool, float]] = {}
-        """node -> (online, time of its last status message), from the retained status topics."""
+        """node -> (online, time of its last status message), from the retained status topics;
+        only the nodes of configured jobs (a broker's other nodes are not tracked)."""
+        self.members = frozenset(n for job in config.coordinator.jobs for n in job.nodes)
         self.jobs: dict[str, JobState] = {}
         state_dir = config.coordinator.state_dir
         for job in config.coordinator.jobs:
@@ -394,6 +466,16 @@ class Coordinator:
         if state is None or not state.has_node(message["node"]):
             return
         node = message["node"]
+        if not state.in_play(message["version"]):
+            log.debug(
+                "%s: %s of v%d from %s ignored (v%d in play)",
+                state.config.id,
+                kind,
+                message["version"],
+                node,
+                state.version,
+            )
+            return
         if kind == "ack":
             table = state.acks
             applied = message.get("applied") or {}
@@ -422,13 +504,7 @@ class Coordinator:
                     table.setdefault(message["version"], {})[node] = message
                 state.changed.notify_all()
             return
-        readmit = {
-            "ack": ("silent", "stalled"),
-            "report": ("silent", "no measurement", "stalled"),
-        }[kind]
-        if state.lost.get(node) in readmit:
-            del state.lost[node]
-            log.info("%s: node %s answers again", state.config.id, node)
+        self._readmit(state, node, f"its {kind}")
         async with state.changed:
             # keyed by node: a redelivered message replaces itself, it never counts twice
             table.setdefault(message["version"], {})[message["node"]] = message
@@ -443,6 +519,8 @@ class Coordinator:
         except PayloadError as e:
             self.invalid_payloads += 1
             log.warning("dropped an invalid status: %s", e)
+            return
+        if node not in self.members:
             return
         online = message["state"] == "online"
         self.nodes[node] = (online, float(message["ts"]))
@@ -478,10 +556,32 @@ class Coordinator:
                 continue
             samples, step_s = totals.get("samples"), totals.get("step_s")
             if isinstance(samples, int | float) and isinstance(step_s, int | float):
-                state.progress[node] = (float(samples), float(step_s), float(message["ts"]))
+                ranks = totals.get("ranks")
+                if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+                    ranks = 1
+                before = state.progress.get(node)
+                state.progress[node] = Progress(
+                    float(samples), float(step_s), float(message["ts"]), ranks
+                )
+                if before is not None and samples > before.samples:
+                    self._readmit(state, node, "its job steps")
+                    async with state.changed:
+                        state.changed.notify_all()
             knobs = announced(totals.get("knobs"))
             if knobs is not None:
                 state.knobs[node] = knobs
+
+    @staticmethod
+    def _readmit(state: JobState, node: str, why: str) -> None:
+        """Bring ``node`` back into scoring if it was out for a reason ``why`` answers."""
+        if state.lost.get(node) in READMIT:
+            log.info(
+                "%s: node %s is back (%s; it was out: %s)",
+                state.config.id,
+                node,
+                why,
+                state.lost.pop(node),
+            )
 
     # -- metrics -------------------------------------------------------------------------
 
@@ -568,6 +668,7 @@ class Coordinator:
         trial: int | None,
     ) -> int:
         state.version += 1
+        state.prune()
         state.journal.append(
             {"type": "published", "version": state.version, "trial": trial, "settings": settings}
         )
@@ -646,11 +747,11 @@ class Coordinator:
             version, acks = await self._publish_acked(state, settings, plan, index)
         else:
             acks = await self._collect(state, state.acks, version, cfg.ack_timeout_s)
-        record = TrialRecord(index, version, settings, None, "ok")
-        refused = {n: a.get("error") for n, a in acks.items() if not a["ok"]}
+        record = TrialRecord(index, version, settings, None, "ok", acks=acks)
+        refused = {n: str(a.get("error")) for n, a in acks.items() if not a["ok"]}
         if refused:
-            record.status = "refused"
-            log.warning("%s v%d refused by %s", cfg.id, version, refused)
+            record.status, record.errors = "refused", refused
+            log.debug("%s v%d refused by %s", cfg.id, version, refused)
         else:
             self._lose(state, set(state.active_nodes) - set(acks), "silent", version)
             if not acks:
@@ -659,6 +760,12 @@ class Coordinator:
                 record.status = "lost_nodes"
         if record.status == "ok":
             await self._measure(state, record, abortable)
+        if record.status == "refused":
+            record.nodes = tuple(sorted(refused))
+        elif record.status in ("no_ack", "lost_nodes"):
+            record.nodes = tuple(n for n in cfg.nodes if n not in acks)
+        elif record.status == "timeout":
+            record.nodes = tuple(n for n in cfg.nodes if n not in record.reports)
         record.seconds = time.monotonic() - began
         state.trial_started = None
         return record
@@ -710,11 +817,17 @@ class Coordinator:
     def _quorum(self, state: JobState) -> bool:
         return len(state.active_nodes) * 2 >= len(state.config.nodes) and bool(state.active_nodes)
 
-    async def _rollback(self, state: JobState, why: str) -> None:
+    async def _rollback(self, state: JobState, why: str, quiet: bool = False) -> None:
         """Put the job back on its last known good settings, without measuring."""
         good = state.last_good or state.space.defaults()
-        log.warning("%s: %s; rolling back to %s", state.config.id, why, good)
-        await self._publish_acked(state, good, None, None)
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "%s: %s; rolling back to %s",
+            state.config.id,
+            why,
+            good,
+        )
+        state.rollback = await self._publish_acked(state, good, None, None)
 
     def _resume(self, state: JobState, journal: JournalState) -> None:
         """Bring the tuner and the running best up to what the journal says happened."""
@@ -740,7 +853,8 @@ class Coordinator:
         return 0.5 * min(scores) if scores else 0.0
 
     def _warm_start(self, state: JobState) -> dict[str, Any]:
-        """The best settings of a finished tuning with the same fingerprint, else the start."""
+        """The best settings of a finished tuning with the same fingerprint, else the start.
+        Reads other journals: call it off the event loop."""
         start = state.config.start.model_dump()
         if start["power_cap_w"] is None and state.config.power_limits_w:
             start["power_cap_w"] = state.config.power_limits_w[1]
@@ -749,16 +863,20 @@ class Coordinator:
             if path == state.journal.path:
                 continue
             other = Journal(path).load()
-            if other.fingerprint == mine and other.final is not None:
+            if other.fingerprint == mine and other.final is not None and other.measured:
                 log.info("%s: warm start from %s", state.config.id, path)
                 return state.space.snap(other.final["settings"])
         return state.space.snap(start)
+
+    def _start(self, state: JobState) -> dict[str, Any]:
+        return state.start_settings or state.space.snap(state.space.defaults())
 
     async def tune(self, state: JobState) -> JobState:
         """The whole tuning of one job (resumed from its journal); ends by publishing the best
         settings, or, in recommend mode, by reporting them without publishing anything."""
         cfg = state.config
-        journal = state.journal.load()
+        journal = await asyncio.to_thread(state.journal.load)
+        state.start_settings = await asyncio.to_thread(self._warm_start, state)
         if cfg.mode == "recommend":
             return self._recommend(state, journal)
         await self.link.connected.wait()
@@ -769,17 +887,30 @@ class Coordinator:
                 cfg.id,
             )
             journal = JournalState(version=journal.version)
-        if journal.final is not None and journal.fingerprint == fingerprint(cfg):
+        elif any(t["status"] in NOT_TRIALS for t in journal.trials):
+            log.warning(
+                "%s: the journal counts refusals or missing measurements as trials; the tuning"
+                " starts over",
+                cfg.id,
+            )
+            journal = JournalState(version=journal.version)
+        if (
+            journal.final is not None
+            and journal.measured
+            and journal.fingerprint == fingerprint(cfg)
+        ):
             self._resume(state, journal)
             state.best = (journal.final["settings"], journal.final["score"])
             state.baseline = journal.final.get("baseline")
             state.last_good = journal.final["settings"]
+            state.phase = Tuned()
             await self._finish(state, journal.final["settings"], announce=False)
             return state
-        if not journal.trials and journal.in_flight is None:
+        if not journal.trials or journal.final is not None:
             state.journal.append({"type": "start", "fingerprint": fingerprint(cfg)})
+            journal = JournalState(version=journal.version, in_flight=journal.in_flight)
         state.tuner = Tuner(
-            state.space, seed=cfg.seed, start=self._warm_start(state), objective=cfg.objective
+            state.space, seed=cfg.seed, start=self._start(state), objective=cfg.objective
         )
         self._resume(state, journal)
         await self._trials(state, journal.in_flight)
@@ -794,37 +925,175 @@ class Coordinator:
         )
 
     async def _trials(self, state: JobState, in_flight: dict[str, Any] | None = None) -> None:
-        cfg = state.config
+        """Run the job's lifecycle from its trials so far until it is tuned: trials, pauses
+        and their retries, confirmations, the final settings."""
         state.rounds += 1
-        while len(state.trials) < cfg.trials:
-            if in_flight is not None:
-                # measured anew under a new version: what the dead process had received of it
-                # is gone, and half a measurement must not count
-                settings, index = in_flight["settings"], in_flight["trial"]
-                record = await self.run_trial(state, settings, index)
-                in_flight = None
-            else:
-                self._follow_knobs(state)
-                settings = state.tuner.ask()
-                record = await self.run_trial(state, settings, len(state.trials))
+        round_ = state.rounds
+        if len(state.trials) < state.config.trials:
+            state.phase = Trial(round_, "search", len(state.trials))
+        elif self._confirm_pair(state) is not None:
+            self._begin_confirm(state)
+            state.phase = Trial(round_, "confirm", len(state.trials) + len(state.confirmations))
+        else:
+            state.phase = Tuned(round_)
+            await self._conclude(state, lifecycle.Trial(round_, "search", len(state.trials)))
+        self.update_metrics()
+        while not isinstance(state.phase, Tuned):
+            phase = state.phase
+            if not isinstance(phase, Trial):
+                await self._wait_to_retry(state)
+                continue
+            settings = self._settings_for(state, phase, in_flight)
+            in_flight = None
+            record = await self.run_trial(
+                state, settings, phase.trial, abortable=phase.phase == "search"
+            )
+            await self._ended(state, phase, record)
+
+    def _settings_for(
+        self, state: JobState, phase: Trial, in_flight: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """What a run of ``phase`` measures: a resumed trial's, a retried one's, the next
+        confirmation's, or the tuner's next ask."""
+        if in_flight is not None and in_flight.get("trial") == phase.trial:
+            # measured anew under a new version: what the dead process had received of it
+            # is gone, and half a measurement must not count
+            settings: dict[str, Any] = in_flight["settings"]
+        elif phase.phase == "confirm":
+            settings = state.confirm_order[len(state.confirmations)]
+        elif phase.retrying is not None and state.running is not None:
+            settings = state.running
+        else:
+            self._follow_knobs(state)
+            settings = state.tuner.ask()
+        state.running = settings
+        return settings
+
+    async def _ended(self, state: JobState, phase: Trial, record: TrialRecord) -> None:
+        """Account one run and do what the lifecycle says comes next."""
+        cfg = state.config
+        confirm = phase.phase == "confirm"
+        if record.status in TRIALS:
+            record.confirmation = confirm
             state.journal.append(record.to_journal())
-            state.record(record, self._penalty(state))
-            self.update_metrics()
+            if confirm:
+                state.confirmations.append(record)
+            else:
+                state.record(record, self._penalty(state))
             if self.on_trial:
                 self.on_trial(state, record)
             best = f"{state.best[1]:.4g}" if state.best else "none"
             self.notifier.status(f"{cfg.id}: trial {len(state.trials)}/{cfg.trials}, best {best}")
-            if record.status in ROLLBACK_ON:
-                await self._rollback(state, f"trial {record.index} {record.status}")
-                if not self._quorum(state):
-                    await self._wait_for_quorum(state)
-            if state.tuner.n_told >= cfg.patience and state.tuner.converged(cfg.patience):
-                log.info("%s converged after %d trials", cfg.id, len(state.trials))
-                break
-        if cfg.confirm_best and state.best is not None:
-            await self._confirm(state)
-        final = state.best[0] if state.best else (state.last_good or state.trials[0].settings)
-        await self._finish(state, final, announce=True)
+        if confirm:
+            more = len(state.confirmations) < 2 * CONFIRM_ROUNDS
+            converged = False
+        else:
+            more = len(state.trials) < cfg.trials
+            converged = (
+                state.best is not None
+                and state.tuner.n_told >= cfg.patience
+                and state.tuner.converged(cfg.patience)
+            )
+        ends = not confirm and record.status in TRIALS and (not more or converged)
+        event = lifecycle.Ended(
+            record.status,
+            time.monotonic(),
+            record.nodes,
+            more=more,
+            converged=converged,
+            confirm=ends and cfg.confirm_best and self._confirm_pair(state) is not None,
+        )
+        state.phase, actions = lifecycle.advance(phase, event, self.backoff)
+        self.update_metrics()
+        # a retry that fails again for the same reason says nothing new
+        quiet = phase.retrying is not None and not any(
+            isinstance(a, lifecycle.Pause) for a in actions
+        )
+        for action in actions:
+            await self._act(state, phase, record, action, quiet)
+
+    async def _act(
+        self,
+        state: JobState,
+        phase: Trial,
+        record: TrialRecord,
+        action: lifecycle.Action,
+        quiet: bool,
+    ) -> None:
+        cfg = state.config
+        if isinstance(action, lifecycle.Rollback):
+            await self._rollback(state, action.why, quiet=quiet)
+        elif isinstance(action, lifecycle.Pause):
+            paused = action.paused
+            detail = "; ".join(f"{n}: {e}" for n, e in record.errors.items())
+            delay = max(0.0, paused.retry_at - time.monotonic())
+            log.warning(
+                "%s: paused (%s: %s%s); retrying the same settings in %.0fs, then with back-off",
+                cfg.id,
+                paused.reason,
+                ", ".join(paused.nodes) or "no node answered",
+                f"; {detail}" if detail else "",
+                delay,
+            )
+            self.notifier.status(
+                f"{cfg.id}: paused, {paused.reason}: {', '.join(paused.nodes) or 'no node'}"
+            )
+            state.journal.append(
+                {
+                    "type": "paused",
+                    "trial": paused.trial,
+                    "version": record.version,
+                    "reason": paused.reason,
+                    "nodes": list(paused.nodes),
+                    "errors": record.errors,
+                }
+            )
+        elif isinstance(action, lifecycle.Resume):
+            log.info(
+                "%s: resumed after %d retr%s (%s)",
+                cfg.id,
+                action.paused.attempt + 1,
+                "y" if action.paused.attempt == 0 else "ies",
+                action.paused.reason,
+            )
+        elif isinstance(action, lifecycle.Confirm):
+            self._begin_confirm(state)
+        elif isinstance(action, lifecycle.Finish):
+            if phase.phase == "search":
+                log.info("%s: the search ended after %d trials", cfg.id, len(state.trials))
+            await self._conclude(state, phase)
+        self.update_metrics()
+
+    async def _wait_to_retry(self, state: JobState) -> None:
+        """Paused: wait for the retry to be due and half the nodes to answer."""
+        while True:
+            phase = state.phase
+            assert isinstance(phase, lifecycle.Paused | lifecycle.WaitingForQuorum)
+            tick = lifecycle.Tick(time.monotonic(), self._quorum(state))
+            state.phase, actions = lifecycle.advance(phase, tick, self.backoff)
+            if isinstance(phase, lifecycle.Paused) and isinstance(
+                state.phase, lifecycle.WaitingForQuorum
+            ):
+                log.warning(
+                    "%s: fewer than half the nodes answer (out: %s); waiting for them",
+                    state.config.id,
+                    ", ".join(f"{n} {why}" for n, why in sorted(state.lost.items())),
+                )
+                self.notifier.status(f"{state.config.id}: paused, waiting for nodes")
+            if actions:
+                state.retries += 1
+                log.debug("%s: retrying after a pause", state.config.id)
+                self.update_metrics()
+                return
+            self.update_metrics()
+            paused = state.paused
+            wait_s = CLOCK_TICK_S if paused is None else paused.retry_at - time.monotonic()
+            try:
+                async with asyncio.timeout(max(0.01, min(wait_s, CLOCK_TICK_S * 20))):
+                    async with state.changed:
+                        await state.changed.wait()
+            except TimeoutError:
+                pass
 
     def _follow_knobs(self, state: JobState) -> None:
         """Narrow the search space to the knobs the job's ranks announced (the others stay
@@ -835,7 +1104,7 @@ class Coordinator:
             return
         cfg = state.config
         full = job_space(cfg)
-        start = full.snap(state.trials[0].settings) if state.trials else self._warm_start(state)
+        start = full.snap(state.trials[0].settings) if state.trials else self._start(state)
         pinned = [k for k in KNOBS if k not in announced and len(full.values(k)) > 1]
         space = full.pin(start, pinned)
         if space == state.space:
@@ -856,36 +1125,43 @@ class Coordinator:
         if state.best is not None and not space.contains(state.best[0]):
             state.best = tuner.best
 
-    async def _confirm(self, state: JobState) -> None:
-        """Measure the baseline and the best settings again, interleaved (``CONFIRM_ROUNDS``
-        each), and keep the best only when its gain's interval lies above zero; otherwise the
-        baseline stays, reported as no worse than anything tried. When the baseline itself
-        scored best, the best of the other settings is measured against it."""
-        assert state.best is not None
+    def _confirm_pair(self, state: JobState) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The start and the settings to confirm against it: the best, or, when the start
+        measured best once (not interleaved), the best of the others; None when there is
+        nothing to compare (then the start is the best)."""
+        if state.best is None:
+            return None
         baseline = next((t for t in state.trials if t.index == 0), None)
         start = baseline.settings if baseline is not None else state.space.defaults()
         best = (state.tuner.best or state.best)[0]
-        if best == start:
-            # the start measured best once, not interleaved: test the runner-up against it
-            others = [t for t in state.trials if t.status == "ok" and t.settings != start]
+        if best != start:
+            return start, best
+        others = [t for t in state.trials if t.status == "ok" and t.settings != start]
+        if not others:
             state.best = (start, state.baseline or state.best[1])
-            if not others:
-                return
-            best = max(others, key=lambda t: t.score or 0.0).settings
-        order = [start, best, best, start] * CONFIRM_ROUNDS
-        for settings in order[: 2 * CONFIRM_ROUNDS]:
-            index = len(state.trials) + len(state.confirmations)
-            record = await self.run_trial(state, settings, index, abortable=False)
-            record.confirmation = True
-            state.journal.append(record.to_journal())
-            state.confirmations.append(record)
-            self.update_metrics()
-            if self.on_trial:
-                self.on_trial(state, record)
-            if record.status in ROLLBACK_ON:
-                await self._rollback(state, f"confirmation {record.index} {record.status}")
-                if not self._quorum(state):
-                    await self._wait_for_quorum(state)
+            return None
+        return start, max(others, key=lambda t: t.score or 0.0).settings
+
+    def _begin_confirm(self, state: JobState) -> None:
+        """Measure the baseline and the best settings again, interleaved (``CONFIRM_ROUNDS``
+        each); the best is kept only when its gain's interval lies above zero."""
+        pair = self._confirm_pair(state)
+        assert pair is not None
+        start, best = pair
+        state.confirm_order = ([start, best, best, start] * CONFIRM_ROUNDS)[: 2 * CONFIRM_ROUNDS]
+
+    async def _conclude(self, state: JobState, phase: Trial) -> None:
+        """The lifecycle's end: judge the confirmations (if any), publish the final settings."""
+        if phase.phase == "confirm":
+            self._judge_confirmations(state)
+        final = state.best[0] if state.best else (state.last_good or self._first_settings(state))
+        await self._finish(state, final, announce=True)
+
+    def _first_settings(self, state: JobState) -> dict[str, Any]:
+        return state.trials[0].settings if state.trials else self._start(state)
+
+    def _judge_confirmations(self, state: JobState) -> None:
+        start, best = state.confirm_order[0], state.confirm_order[1]
         gain = self.confirmed_gain(state, start, best)
         state.confirmed = gain
         if gain is None:
@@ -917,12 +1193,6 @@ class Coordinator:
             samples[which] += trial_samples(reports, cfg.objective, len(cfg.nodes))
         return compare(samples["start"], samples["best"])
 
-    async def _wait_for_quorum(self, state: JobState) -> None:
-        log.warning("%s: fewer than half the nodes answer; pausing the tuning", state.config.id)
-        self.notifier.status(f"{state.config.id}: paused, waiting for nodes")
-        async with state.changed:
-            await state.changed.wait_for(lambda: self._quorum(state))
-
     async def _finish(self, state: JobState, final: dict[str, Any], announce: bool) -> None:
         cfg = state.config
         state.final_version, _ = await self._publish_acked(state, final, None, None)
@@ -947,7 +1217,6 @@ class Coordinator:
                 ),
             }
         )
-        state.done = True
         state.last_good = final
         self.update_metrics()
         if announce:
@@ -960,15 +1229,14 @@ class Coordinator:
             state.recommendation = journal.final["settings"]
             state.why = f"the last finished tuning of this job ({state.journal.path})"
         else:
-            warm = self._warm_start(state)
-            table = state.space.recommended(len(cfg.nodes), warm)
+            table = state.space.recommended(len(cfg.nodes), self._start(state))
             state.recommendation = table
             state.why = (
                 f"BACKGROUND.md's table for {len(cfg.nodes)} nodes on {cfg.backend} "
                 f"({table.get('allreduce')}, {table.get('chunk_kb')} KiB chunks) over the "
                 "starting settings; no measurement yet"
             )
-        state.done = True
+        state.phase = Tuned()
         log.info("%s: recommend %s because %s", cfg.id, state.recommendation, state.why)
         self.notifier.status(f"{cfg.id}: recommending {state.recommendation}")
         self.update_metrics()
@@ -976,17 +1244,18 @@ class Coordinator:
 
     # -- after tuning --------------------------------------------------------------------
 
-    def job_throughput(
-        self, state: JobState, previous: dict[str, tuple[float, float, float]]
-    ) -> float | None:
-        """The job's samples/s since ``previous`` from its nodes' telemetry, scaled like a
-        trial's score; None without two points from any node."""
+    def job_throughput(self, state: JobState, previous: dict[str, Progress]) -> float | None:
+        """The job's samples/s since ``previous`` from its nodes' telemetry, in a trial
+        score's unit: a node's rate is the sum over its ranks (its samples over its step time
+        per rank), the nodes' mean scaled to the job's node count; None without two points
+        from any node."""
         rates = []
-        for node, (samples, step_s, _) in state.progress.items():
-            if node in previous and node not in state.lost:
-                d_samples, d_step = samples - previous[node][0], step_s - previous[node][1]
+        for node, now in state.progress.items():
+            before = previous.get(node)
+            if before is not None and node not in state.lost:
+                d_samples, d_step = now.samples - before.samples, now.step_s - before.step_s
                 if d_step > 0 and d_samples >= 0:
-                    rates.append(d_samples / d_step)
+                    rates.append(d_samples / (d_step / now.ranks))
         if not rates:
             return None
         return statistics.fmean(rates) * len(state.config.nodes)
@@ -1005,20 +1274,23 @@ class Coordinator:
             previous = dict(state.progress)
             if now is None or state.best is None or not math.isfinite(now):
                 continue
-            if now < (1 - cfg.drift_threshold) * state.best[1]:
-                state.drifting_since = state.drifting_since or time.monotonic()
-                if time.monotonic() - state.drifting_since >= cfg.drift_sustained_s:
-                    log.warning(
-                        "%s: throughput %.4g is %.0f%% below the tuned %.4g for %.0fs; re-tuning",
-                        cfg.id,
-                        now,
-                        100 * (1 - now / state.best[1]),
-                        state.best[1],
-                        cfg.drift_sustained_s,
-                    )
-                    await self.retune(state)
-            else:
-                state.drifting_since = None
+            if not isinstance(state.phase, Tuned):
+                continue
+            tuned = state.best[1]
+            below = now < (1 - cfg.drift_threshold) * tuned
+            drift = lifecycle.Drift(time.monotonic(), below, cfg.drift_sustained_s)
+            state.phase, actions = lifecycle.advance(state.phase, drift, self.backoff)
+            if actions:
+                log.warning(
+                    "%s: throughput %.4g is %.0f%% below the tuned %.4g for %.0fs; re-tuning",
+                    cfg.id,
+                    now,
+                    100 * (1 - now / tuned),
+                    tuned,
+                    cfg.drift_sustained_s,
+                )
+                await self.retune(state)
+                previous = dict(state.progress)
 
     async def retune(self, state: JobState) -> None:
         """A new round of trials from the current best (earlier scores no longer hold)."""
@@ -1031,6 +1303,5 @@ class Coordinator:
         )
         state.trials, state.best, state.baseline = [], None, None
         state.confirmations, state.confirmed = [], None
-        state.done, state.drifting_since = False, None
         state.journal.append({"type": "start", "fingerprint": fingerprint(state.config)})
         await self._trials(state)
