@@ -51,7 +51,10 @@ def test_telemetry_tracks_progress_of_the_jobs_nodes(tmp_path: Path) -> None:
         )
 
     asyncio.run(feed())
-    assert coordinator.jobs["j"].progress == {"n0": (64.0, 0.2, 5.0), "n4999": (64.0, 0.2, 5.0)}
+    assert coordinator.jobs["j"].progress == {
+        "n0": (64.0, 0.2, 5.0, 1),
+        "n4999": (64.0, 0.2, 5.0, 1),
+    }
     assert coordinator.jobs["other"].progress == {}
     assert coordinator.invalid_payloads == 0
 
@@ -74,7 +77,7 @@ def test_invalid_telemetry_is_counted_not_fatal(tmp_path: Path) -> None:
 
     asyncio.run(feed())
     assert coordinator.invalid_payloads == len(bad)
-    assert coordinator.jobs["j"].progress == {"n0": (1.0, 1.0, 5.0)}
+    assert coordinator.jobs["j"].progress == {"n0": (1.0, 1.0, 5.0, 1)}
 
 
 def test_job_membership_follows_the_jobs_config(tmp_path: Path) -> None:
@@ -144,6 +147,7 @@ def test_a_cap_change_settles_for_the_latency_the_nodes_measured(tmp_path: Path)
     capped = {"bucket_mb": 25, "chunk_kb": 4096, "power_cap_w": 300, "allreduce": "ring"}
     # nothing measured yet: three of NVML's 1 s averaging windows
     assert coordinator._plan(state, capped).settle_s == 3.0
+    state.version = 1  # v1 published
 
     async def acks() -> None:
         for node, latency in (("n0", 0.42), ("n1", 2.5), ("stranger", 9.0)):

@@ -35,7 +35,7 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         # throughput without a power budget: no trial is spent on a lower power cap
         assert {t.settings["power_cap_w"] for t in state.trials} == {250}
         for trial in [*state.trials, *state.confirmations]:
-            acks = state.acks[trial.version]
+            acks = trial.acks
             assert set(acks) == names and all(a["ok"] for a in acks.values())
             assert set(trial.reports) == names
         assert set(state.acks[state.final_version]) == names  # the final settings were acked
