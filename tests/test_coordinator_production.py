@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +284,32 @@ async def test_a_journal_of_refusals_alone_does_not_resume_as_tuned(
     log = entries(journal)
     assert [e["type"] for e in log].count("start") == 2
     assert log[-1]["type"] == "final" and log[-1]["score"] == state.best[1]
+
+
+def test_an_unreadable_journal_ends_the_coordinator_with_one_clear_line(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    key = tmp_path / "settings.key"
+    key.write_bytes(b"ab" * 32)
+    key.chmod(0o600)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    journal = state_dir / "j.jsonl"
+    journal.write_bytes(b'{"type": "start"}\n{"type": "published", "vers\n{"type": "start"}\n')
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        f'cluster = "c"\nnode = "coordinator"\n[mqtt]\nurl = "{mosquitto.url}"\n'
+        f'[security]\nsettings_key_file = "{key}"\n'
+        f'[coordinator]\nstate_dir = "{state_dir}"\nmetrics_address = ""\n'
+        '[[coordinator.jobs]]\nid = "j"\nnodes = ["n0"]\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "coordinator", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "ExceptionGroup" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if str(journal) in line]
+    assert len(lines) == 1 and f"{journal}:2:" in lines[0], done.stderr
