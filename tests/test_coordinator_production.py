@@ -172,17 +172,28 @@ async def test_a_node_that_refuses_every_version_pauses_the_job(
         coordinator.notifier = Notifier({"NOTIFY_SOCKET": str(notify.path)})
         state = coordinator.jobs[JOB]
         tuning = asyncio.create_task(coordinator.run(until_tuned=True))
+
+        def published() -> int:
+            return [e["type"] for e in entries(state.journal.path)].count("published")
+
+        def paused() -> bool:
+            state_ = {"job_id": JOB, "state": "paused"}
+            return metrics(coordinator)("hyperagent_tuner_state", state_) == 1
+
         try:
             async with asyncio.timeout(60):
-                while state.retries < 4 or state.paused is None:
-                    assert not tuning.done()
+                # each attempt publishes the trial's settings and the rollback's: five attempts
+                while not tuning.done() and (published() < 10 or not paused()):
                     await asyncio.sleep(0.05)
+            ended = tuning.done()
             get = metrics(coordinator)
-            paused = state.paused
+            paused_then = None if ended else state.paused
         finally:
             tuning.cancel()
             await asyncio.gather(tuning, return_exceptions=True)
         journal = entries(state.journal.path)
+    assert not ended  # a refusal is not a trial: the tuning cannot end on refusals
+    paused = paused_then
     # no trial counted, none told, the tuning not over
     assert state.trials == [] and state.tuner.n_told == 0 and not state.done
     assert [e["type"] for e in journal if e["type"] in ("trial", "final", "paused")] == ["paused"]
