@@ -929,14 +929,19 @@ class Coordinator:
         and their retries, confirmations, the final settings."""
         state.rounds += 1
         round_ = state.rounds
+        index = len(state.trials) + len(state.confirmations)
         if len(state.trials) < state.config.trials:
             state.phase = Trial(round_, "search", len(state.trials))
-        elif self._confirm_pair(state) is not None:
+        elif state.config.confirm_best and self._confirm_pair(state) is not None:
+            # resumed after the search: the confirmations left, or their verdict
             self._begin_confirm(state)
-            state.phase = Trial(round_, "confirm", len(state.trials) + len(state.confirmations))
+            state.phase = Trial(round_, "confirm", index)
+            if len(state.confirmations) >= len(state.confirm_order):
+                state.phase = Tuned(round_)
+                await self._conclude(state, Trial(round_, "confirm", index))
         else:
             state.phase = Tuned(round_)
-            await self._conclude(state, lifecycle.Trial(round_, "search", len(state.trials)))
+            await self._conclude(state, Trial(round_, "search", index))
         self.update_metrics()
         while not isinstance(state.phase, Tuned):
             phase = state.phase
