@@ -324,3 +324,37 @@ def test_an_unreadable_journal_ends_the_coordinator_with_one_clear_line(
     assert "Traceback" not in done.stderr and "ExceptionGroup" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if str(journal) in line]
     assert len(lines) == 1 and f"{journal}:2:" in lines[0], done.stderr
+
+
+def test_a_journal_with_pauses_reads_back_and_reports(tmp_path: Path) -> None:
+    from hyperagent.report import read_journal
+    from hyperagent.tuner.journal import Journal
+
+    settings = {"bucket_mb": 32, "chunk_kb": 4096, "power_cap_w": 250, "allreduce": "ring"}
+    trial = {
+        "type": "trial",
+        "index": 0,
+        "version": 3,
+        "settings": settings,
+        "score": 400.0,
+        "status": "ok",
+        "reports": {},
+        "seconds": 9.0,
+        "noise": None,
+    }
+    lines = [
+        {"type": "start", "fingerprint": "nccl/1n/?B/?"},
+        {"type": "published", "version": 1, "trial": 0, "settings": settings},
+        {"type": "paused", "trial": 0, "version": 1, "reason": "refused", "nodes": ["n0"]},
+        {"type": "published", "version": 2, "trial": None, "settings": settings},
+        {"type": "published", "version": 3, "trial": 0, "settings": settings},
+        trial,
+        {"type": "published", "version": 4, "trial": None, "settings": settings},
+        {"type": "final", "version": 4, "settings": settings, "score": 400.0},
+    ]
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    state = Journal(path).load()
+    assert [t["index"] for t in state.trials] == [0] and state.measured and state.version == 4
+    _, trials, final, in_flight = read_journal(path)
+    assert [t.status for t in trials] == ["ok"] and final is not None and in_flight is None
