@@ -3,14 +3,19 @@
 ask -> journal + publish signed settings v (retained) -> wait for every active node's ack of v
 -> the agents settle and measure (partial reports after each window) -> wait for every active
 node's report of v, aborting early when the partial score falls below ``abort_below`` x the
-baseline -> score -> journal -> tell. A failed trial (missing ack, refusal, timeout, NaN loss,
+baseline -> score -> journal -> tell. A run that fails (missing ack, refusal, timeout, NaN loss,
 XID) rolls the job back to the last known good settings at once. Nodes that go offline, stop
 answering, or whose job stops stepping (their agent says "stalled") are excluded from scoring
-while they are away. The search space follows the knobs the job's ranks announce (the others
-stay at their starting value). After the trial budget or on convergence the starting and the
-best settings are measured again, interleaved, and the best is kept only when its gain's
-interval lies above zero; the chosen settings are published without a measurement plan; the
-coordinator keeps watching the job and re-tunes when its throughput drifts.
+while they are away, and back at their next ack, report or step. The search space follows the
+knobs the job's ranks announce (the others stay at their starting value). After the trial
+budget or on convergence the starting and the best settings are measured again, interleaved,
+and the best is kept only when its gain's interval lies above zero; the chosen settings are
+published without a measurement plan; the coordinator keeps watching the job and re-tunes when
+its throughput drifts (a node's throughput being the sum over its ranks, as in a score).
+
+Which of these the job is in is :mod:`hyperagent.tuner.lifecycle`'s pure state machine; this
+module is the I/O around it. A refusal, a missing ack or a missing measurement is not a trial:
+the job pauses with the reason and the nodes, and retries the same settings with back-off.
 """
 
 from __future__ import annotations
@@ -1076,8 +1081,10 @@ class Coordinator:
             assert isinstance(phase, lifecycle.Paused | lifecycle.WaitingForQuorum)
             tick = lifecycle.Tick(time.monotonic(), self._quorum(state))
             state.phase, actions = lifecycle.advance(phase, tick, self.backoff)
-            if isinstance(phase, lifecycle.Paused) and isinstance(
-                state.phase, lifecycle.WaitingForQuorum
+            if (
+                isinstance(phase, lifecycle.Paused)
+                and isinstance(state.phase, lifecycle.WaitingForQuorum)
+                and phase.attempt == 0
             ):
                 log.warning(
                     "%s: fewer than half the nodes answer (out: %s); waiting for them",
