@@ -64,6 +64,9 @@ interleaved (baseline, best, best, baseline, ...), and compared on those measure
 CLOCK_TICK_S = 0.5
 """Trial deadlines count only time connected to the broker, checked this often."""
 
+QUORUM_RECHECK_S = 10.0
+"""A job waiting for its nodes looks again this often (and whenever a node comes back)."""
+
 READMIT = frozenset({"silent", "no measurement", "stalled"})
 """Why a node may be out of scoring while its agent is online: its next ack, report or step
 (telemetry whose samples grew) brings it back. "offline" ends with its status saying online."""
@@ -1098,10 +1101,13 @@ class Coordinator:
                 self.update_metrics()
                 return
             self.update_metrics()
-            paused = state.paused
-            wait_s = CLOCK_TICK_S if paused is None else paused.retry_at - time.monotonic()
+            now = state.phase
+            # paused: until the retry is due; waiting for a quorum: until a node comes back
+            wait_s = QUORUM_RECHECK_S
+            if isinstance(now, lifecycle.Paused):
+                wait_s = min(wait_s, now.retry_at - time.monotonic())
             try:
-                async with asyncio.timeout(max(0.01, min(wait_s, CLOCK_TICK_S * 20))):
+                async with asyncio.timeout(max(0.01, wait_s)):
                     async with state.changed:
                         await state.changed.wait()
             except TimeoutError:
