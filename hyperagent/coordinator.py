@@ -139,6 +139,8 @@ class Coordinator:
         only the nodes of configured jobs (a broker's other nodes are not tracked)."""
         self.members = frozenset(n for job in config.coordinator.jobs for n in job.nodes)
         self.jobs: dict[str, JobState] = {}
+        self._journals: dict[str, JournalState] = {}
+        """Each job's journal as ``run`` read it before starting, until its tuning takes it."""
         state_dir = config.coordinator.state_dir
         for job in config.coordinator.jobs:
             space = job_space(job)
@@ -155,8 +157,12 @@ class Coordinator:
 
     async def run(self, until_tuned: bool = False) -> None:
         """Run the MQTT link and every job's tuning; afterwards keep watching the jobs (or,
-        with ``until_tuned``, return once every tuning is finished and its settings sent)."""
+        with ``until_tuned``, return once every tuning is finished and its settings sent).
+        The journals are read first, off the event loop: one that cannot be read raises
+        JournalError before anything goes on the network."""
         try:
+            for job, state in self.jobs.items():
+                self._journals[job] = await asyncio.to_thread(state.journal.load)
             async with asyncio.TaskGroup() as tasks:
                 link_task = tasks.create_task(self.link.run(), name="mqtt")
                 watchdog = tasks.create_task(self.notifier.watchdog(lambda: True), name="watchdog")
@@ -636,7 +642,9 @@ class Coordinator:
         """The whole tuning of one job (resumed from its journal); ends by publishing the best
         settings, or, in recommend mode, by reporting them without publishing anything."""
         cfg = state.config
-        journal = await asyncio.to_thread(state.journal.load)
+        journal = self._journals.pop(cfg.id, None)
+        if journal is None:
+            journal = await asyncio.to_thread(state.journal.load)
         state.start_settings = await asyncio.to_thread(self._warm_start, state)
         if cfg.mode == "recommend":
             return self._recommend(state, journal)
