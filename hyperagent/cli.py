@@ -198,6 +198,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from hyperagent.coordinator import Coordinator, coordinator_link
     from hyperagent.exporter import MetricsServer
+    from hyperagent.tuner.journal import JournalError
 
     config = load_config(args.config, _overrides(args))
     if args.recommend:
@@ -220,20 +221,32 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     assert key is not None
     link = coordinator_link(config)
     coordinator = Coordinator(config, link, key)
-    if args.recommend:
-        _run(coordinator.run(until_tuned=True))
-        for job, state in coordinator.jobs.items():
-            print(f"{job}: would set {_describe(state.recommendation or {})}, because {state.why}")
-        return 0
-    address = config.coordinator.metrics_address
-    if not address:
-        return _run(coordinator.run())
-    metrics = MetricsServer(address, coordinator.collector)
-    metrics.start()
     try:
-        return _run(coordinator.run())
-    finally:
-        metrics.stop()
+        if args.recommend:
+            _run(coordinator.run(until_tuned=True))
+            for job, state in coordinator.jobs.items():
+                print(
+                    f"{job}: would set {_describe(state.recommendation or {})}, because {state.why}"
+                )
+            return 0
+        address = config.coordinator.metrics_address
+        if not address:
+            return _run(coordinator.run())
+        metrics = MetricsServer(address, coordinator.collector)
+        metrics.start()
+        try:
+            return _run(coordinator.run())
+        finally:
+            metrics.stop()
+    except (JournalError, BaseExceptionGroup) as e:
+        # a journal that cannot be read or written ends the coordinator with one line
+        journal = e.subgroup(JournalError) if isinstance(e, BaseExceptionGroup) else e
+        if journal is None:
+            raise
+        while isinstance(journal, BaseExceptionGroup):
+            journal = journal.exceptions[0]
+        print(f"hyperagent coordinator: tuning journal: {journal}", file=sys.stderr)
+        return 2
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -3,14 +3,19 @@
 ask -> journal + publish signed settings v (retained) -> wait for every active node's ack of v
 -> the agents settle and measure (partial reports after each window) -> wait for every active
 node's report of v, aborting early when the partial score falls below ``abort_below`` x the
-baseline -> score -> journal -> tell. A failed trial (missing ack, refusal, timeout, NaN loss,
+baseline -> score -> journal -> tell. A run that fails (missing ack, refusal, timeout, NaN loss,
 XID) rolls the job back to the last known good settings at once. Nodes that go offline, stop
 answering, or whose job stops stepping (their agent says "stalled") are excluded from scoring
-while they are away. The search space follows the knobs the job's ranks announce (the others
-stay at their starting value). After the trial budget or on convergence the starting and the
-best settings are measured again, interleaved, and the best is kept only when its gain's
-interval lies above zero; the chosen settings are published without a measurement plan; the
-coordinator keeps watching the job and re-tunes when its throughput drifts.
+while they are away, and back at their next ack, report or step. The search space follows the
+knobs the job's ranks announce (the others stay at their starting value). After the trial
+budget or on convergence the starting and the best settings are measured again, interleaved,
+and the best is kept only when its gain's interval lies above zero; the chosen settings are
+published without a measurement plan; the coordinator keeps watching the job and re-tunes when
+its throughput drifts (a node's throughput being the sum over its ranks, as in a score).
+
+Which of these the job is in is :mod:`hyperagent.tuner.lifecycle`'s pure state machine; this
+module is the I/O around it. A refusal, a missing ack or a missing measurement is not a trial:
+the job pauses with the reason and the nodes, and retries the same settings with back-off.
 """
 
 from __future__ import annotations
@@ -20,19 +25,26 @@ import logging
 import math
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from hyperagent import bus
 from hyperagent.config import Config, JobTuningSection
 from hyperagent.errors import PayloadError
 from hyperagent.exporter import SnapshotCollector
-from hyperagent.job import KNOBS, common_knobs
+from hyperagent.job import KNOBS
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
+from hyperagent.tuner import lifecycle
+from hyperagent.tuner.jobstate import (
+    JobState,
+    Progress,
+    TrialCallback,
+    TrialRecord,
+    job_readings,
+)
 from hyperagent.tuner.journal import Journal, JournalState
+from hyperagent.tuner.lifecycle import NOT_TRIALS, TRIALS, Backoff, Trial, Tuned
 from hyperagent.tuner.optimizer import Tuner
 from hyperagent.tuner.space import SearchSpace
 from hyperagent.tuner.trial import (
@@ -57,8 +69,12 @@ interleaved (baseline, best, best, baseline, ...), and compared on those measure
 CLOCK_TICK_S = 0.5
 """Trial deadlines count only time connected to the broker, checked this often."""
 
-ROLLBACK_ON = frozenset({"no_ack", "refused", "timeout", "nonfinite_loss", "xid", "lost_nodes"})
-"""Trial outcomes after which the job goes back to its last known good settings at once."""
+QUORUM_RECHECK_S = 10.0
+"""A job waiting for its nodes looks again this often (and whenever a node comes back)."""
+
+READMIT = frozenset({"silent", "no measurement", "stalled"})
+"""Why a node may be out of scoring while its agent is online: its next ack, report or step
+(telemetry whose samples grew) brings it back. "offline" ends with its status saying online."""
 
 
 def announced(knobs: Any) -> tuple[str, ...] | None:
@@ -96,194 +112,6 @@ def job_space(job: JobTuningSection) -> SearchSpace:
     return full.for_objective(job.objective, job.power_budget_w, job.search_power_cap)
 
 
-@dataclass
-class TrialRecord:
-    """One finished trial of one job."""
-
-    index: int
-    version: int
-    settings: dict[str, Any]
-    score: float | None
-    status: str
-    """ok, aborted, infeasible, refused, no_ack, timeout, nonfinite_loss, xid or lost_nodes."""
-    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
-    seconds: float = 0.0
-    noise: float | None = None
-    """Standard error of the score, from the spread of the measurement windows."""
-    confirmation: bool = False
-    """A re-measurement after tuning (the baseline or the best, interleaved), not a trial of
-    the budget."""
-
-    def to_journal(self) -> dict[str, Any]:
-        reports = {
-            node: {k: r.get(k) for k in ("throughput", "samples", "seconds", "energy_j", "windows")}
-            for node, r in self.reports.items()
-        }
-        return {
-            "type": "trial",
-            "index": self.index,
-            "version": self.version,
-            "settings": self.settings,
-            "score": self.score,
-            "status": self.status,
-            "reports": reports,
-            "seconds": self.seconds,
-            "noise": self.noise,
-            **({"confirmation": True} if self.confirmation else {}),
-        }
-
-    @classmethod
-    def from_journal(cls, entry: dict[str, Any]) -> TrialRecord:
-        return cls(
-            entry["index"],
-            entry["version"],
-            entry["settings"],
-            entry["score"],
-            entry["status"],
-            entry.get("reports", {}),
-            entry.get("seconds", 0.0),
-            entry.get("noise"),
-            bool(entry.get("confirmation", False)),
-        )
-
-
-@dataclass
-class JobState:
-    """What the coordinator knows about one job's tuning."""
-
-    config: JobTuningSection
-    space: SearchSpace
-    tuner: Tuner
-    journal: Journal
-    version: int = 0
-    trials: list[TrialRecord] = field(default_factory=list)
-    confirmations: list[TrialRecord] = field(default_factory=list)
-    """The baseline and the best settings measured again after tuning, interleaved."""
-    confirmed: Gain | None = None
-    """The best settings' gain over the baseline from the confirmations; None without them."""
-    baseline: float | None = None
-    best: tuple[dict[str, Any], float] | None = None
-    final_version: int | None = None
-    done: bool = False
-    rounds: int = 0
-    current: dict[str, Any] = field(default_factory=dict)
-    """The settings last published."""
-    last_good: dict[str, Any] | None = None
-    trial_started: float | None = None
-    """Unix time the running trial's settings went out; None between trials."""
-    recommendation: dict[str, Any] | None = None
-    why: str = ""
-    lost: dict[str, str] = field(default_factory=dict)
-    """Nodes excluded from scoring, and why: "offline" (its status says so; back when it says
-    online), "silent" (no ack; back at its next ack) or "no measurement" (its job reported
-    nothing in time; back at its next report)."""
-    acks: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    reports: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    partials: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    progress: dict[str, tuple[float, float, float]] = field(default_factory=dict)
-    """node -> (samples, step seconds, wall time) of the last telemetry, for drift."""
-    drifting_since: float | None = None
-    cap_latency_s: float | None = None
-    """The slowest power-cap change a node measured (its acks' ``power_cap_latency_s``)."""
-    knobs: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
-    """node -> the knobs its job's ranks said they apply (None: they did not say)."""
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    _members: tuple[tuple[str, ...], frozenset[str]] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
-
-    def has_node(self, node: str) -> bool:
-        """Whether ``node`` is one of the job's nodes (a set lookup: telemetry from thousands
-        of nodes asks this for every message)."""
-        nodes = self.config.nodes
-        members = self._members
-        if members is None or members[0] is not nodes:
-            members = self._members = (nodes, frozenset(nodes))
-        return node in members[1]
-
-    @property
-    def active_nodes(self) -> list[str]:
-        return [n for n in self.config.nodes if n not in self.lost]
-
-    @property
-    def gain(self) -> float | None:
-        """Best score over the baseline (the starting settings), minus one: once confirmed,
-        both measured the same way (0 when no setting was better than the baseline)."""
-        if self.confirmed is not None:
-            return self.confirmed.value if self.confirmed.better else 0.0
-        if self.best is None or not self.baseline:
-            return None
-        return self.best[1] / self.baseline - 1
-
-    @property
-    def announced_knobs(self) -> tuple[str, ...] | None:
-        """The knobs the job applies on every node whose ranks said (None: none said)."""
-        return common_knobs(self.knobs.values())
-
-    def record(self, trial: TrialRecord, penalty: float | None) -> None:
-        """Account a finished trial in the tuner and the running best."""
-        self.trials.append(trial)
-        if trial.score is not None and trial.status == "ok":
-            self.tuner.tell(trial.settings, trial.score, noise=trial.noise)
-            if self.baseline is None and trial.index == 0:
-                self.baseline = trial.score
-            if self.best is None or trial.score > self.best[1]:
-                self.best = (trial.settings, trial.score)
-            if self.last_good is None or self.best[0] == trial.settings:
-                self.last_good = trial.settings
-        elif trial.score is not None:  # aborted: a real, bad partial measurement
-            self.tuner.tell(trial.settings, trial.score)
-        else:
-            self.tuner.tell(trial.settings, penalty if penalty is not None else 0.0)
-
-
-TrialCallback = Callable[[JobState, TrialRecord], None]
-
-
-def job_readings(state: JobState) -> list[Reading]:
-    """The tuning of one job as readings (trials by outcome, scores, settings, nodes)."""
-    job = {"job_id": state.config.id}
-    scored = {**job, "objective": state.config.objective}
-    out = [
-        Reading("hyperagent_tuner_settings_version", state.version, job),
-        Reading("hyperagent_tuner_done", float(state.done), job),
-        Reading("hyperagent_tuner_rounds_total", state.rounds, job, Kind.COUNTER),
-        Reading("hyperagent_tuner_lost_nodes", len(state.lost), job),
-        Reading(
-            "hyperagent_tuner_trial_deadline_seconds",
-            state.config.ack_timeout_s + state.config.trial_timeout_s,
-            job,
-        ),
-    ]
-    for status, count in sorted(Counter(t.status for t in state.trials).items()):
-        out.append(
-            Reading("hyperagent_tuner_trials_total", count, {**job, "status": status}, Kind.COUNTER)
-        )
-    if state.baseline is not None:
-        out.append(Reading("hyperagent_tuner_baseline_score", state.baseline, scored))
-    if state.best is not None:
-        out.append(Reading("hyperagent_tuner_best_score", state.best[1], scored))
-    last = next((t for t in reversed(state.trials) if t.score is not None), None)
-    if last is not None and last.score is not None:
-        out.append(Reading("hyperagent_tuner_last_score", last.score, scored))
-    if state.trial_started is not None:
-        out.append(
-            Reading("hyperagent_tuner_trial_started_timestamp_seconds", state.trial_started, job)
-        )
-    for metric, settings in (
-        ("hyperagent_tuner_setting", state.current),
-        ("hyperagent_tuner_recommended_setting", state.recommendation or {}),
-    ):
-        for knob in ("bucket_mb", "chunk_kb", "power_cap_w"):
-            value = settings.get(knob)
-            if isinstance(value, int | float):
-                out.append(Reading(metric, float(value), {**job, "knob": knob}))
-    if "allreduce" in state.current:
-        algorithm = {**job, "algorithm": str(state.current["allreduce"])}
-        out.append(Reading("hyperagent_tuner_allreduce_info", 1.0, algorithm, Kind.INFO))
-    return out
-
-
 class Coordinator:
     """Tunes every job of ``config.coordinator.jobs``."""
 
@@ -294,8 +122,11 @@ class Coordinator:
         settings_key: bytes,
         on_trial: TrialCallback | None = None,
         notifier: Notifier | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self.config = config
+        self.backoff = backoff or Backoff()
+        """How a paused job's retries space out."""
         self.notifier = notifier or Notifier()
         self.link = link
         self.key = settings_key
@@ -304,8 +135,12 @@ class Coordinator:
         self.invalid_payloads = 0
         self.collector = SnapshotCollector()
         self.nodes: dict[str, tuple[bool, float]] = {}
-        """node -> (online, time of its last status message), from the retained status topics."""
+        """node -> (online, time of its last status message), from the retained status topics;
+        only the nodes of configured jobs (a broker's other nodes are not tracked)."""
+        self.members = frozenset(n for job in config.coordinator.jobs for n in job.nodes)
         self.jobs: dict[str, JobState] = {}
+        self._journals: dict[str, JournalState] = {}
+        """Each job's journal as ``run`` read it before starting, until its tuning takes it."""
         state_dir = config.coordinator.state_dir
         for job in config.coordinator.jobs:
             space = job_space(job)
@@ -322,8 +157,12 @@ class Coordinator:
 
     async def run(self, until_tuned: bool = False) -> None:
         """Run the MQTT link and every job's tuning; afterwards keep watching the jobs (or,
-        with ``until_tuned``, return once every tuning is finished and its settings sent)."""
+        with ``until_tuned``, return once every tuning is finished and its settings sent).
+        The journals are read first, off the event loop: one that cannot be read raises
+        JournalError before anything goes on the network."""
         try:
+            for job, state in self.jobs.items():
+                self._journals[job] = await asyncio.to_thread(state.journal.load)
             async with asyncio.TaskGroup() as tasks:
                 link_task = tasks.create_task(self.link.run(), name="mqtt")
                 watchdog = tasks.create_task(self.notifier.watchdog(lambda: True), name="watchdog")
@@ -394,6 +233,16 @@ class Coordinator:
         if state is None or not state.has_node(message["node"]):
             return
         node = message["node"]
+        if not state.in_play(message["version"]):
+            log.debug(
+                "%s: %s of v%d from %s ignored (v%d in play)",
+                state.config.id,
+                kind,
+                message["version"],
+                node,
+                state.version,
+            )
+            return
         if kind == "ack":
             table = state.acks
             applied = message.get("applied") or {}
@@ -422,13 +271,7 @@ class Coordinator:
                     table.setdefault(message["version"], {})[node] = message
                 state.changed.notify_all()
             return
-        readmit = {
-            "ack": ("silent", "stalled"),
-            "report": ("silent", "no measurement", "stalled"),
-        }[kind]
-        if state.lost.get(node) in readmit:
-            del state.lost[node]
-            log.info("%s: node %s answers again", state.config.id, node)
+        self._readmit(state, node, f"its {kind}")
         async with state.changed:
             # keyed by node: a redelivered message replaces itself, it never counts twice
             table.setdefault(message["version"], {})[message["node"]] = message
@@ -443,6 +286,8 @@ class Coordinator:
         except PayloadError as e:
             self.invalid_payloads += 1
             log.warning("dropped an invalid status: %s", e)
+            return
+        if node not in self.members:
             return
         online = message["state"] == "online"
         self.nodes[node] = (online, float(message["ts"]))
@@ -478,10 +323,32 @@ class Coordinator:
                 continue
             samples, step_s = totals.get("samples"), totals.get("step_s")
             if isinstance(samples, int | float) and isinstance(step_s, int | float):
-                state.progress[node] = (float(samples), float(step_s), float(message["ts"]))
+                ranks = totals.get("ranks")
+                if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+                    ranks = 1
+                before = state.progress.get(node)
+                state.progress[node] = Progress(
+                    float(samples), float(step_s), float(message["ts"]), ranks
+                )
+                if before is not None and samples > before.samples:
+                    self._readmit(state, node, "its job steps")
+                    async with state.changed:
+                        state.changed.notify_all()
             knobs = announced(totals.get("knobs"))
             if knobs is not None:
                 state.knobs[node] = knobs
+
+    @staticmethod
+    def _readmit(state: JobState, node: str, why: str) -> None:
+        """Bring ``node`` back into scoring if it was out for a reason ``why`` answers."""
+        if state.lost.get(node) in READMIT:
+            log.info(
+                "%s: node %s is back (%s; it was out: %s)",
+                state.config.id,
+                node,
+                why,
+                state.lost.pop(node),
+            )
 
     # -- metrics -------------------------------------------------------------------------
 
@@ -569,6 +436,7 @@ class Coordinator:
         trial: int | None,
     ) -> int:
         state.version += 1
+        state.prune()
         state.journal.append(
             {"type": "published", "version": state.version, "trial": trial, "settings": settings}
         )
@@ -647,11 +515,11 @@ class Coordinator:
             version, acks = await self._publish_acked(state, settings, plan, index)
         else:
             acks = await self._collect(state, state.acks, version, cfg.ack_timeout_s)
-        record = TrialRecord(index, version, settings, None, "ok")
-        refused = {n: a.get("error") for n, a in acks.items() if not a["ok"]}
+        record = TrialRecord(index, version, settings, None, "ok", acks=acks)
+        refused = {n: str(a.get("error")) for n, a in acks.items() if not a["ok"]}
         if refused:
-            record.status = "refused"
-            log.warning("%s v%d refused by %s", cfg.id, version, refused)
+            record.status, record.errors = "refused", refused
+            log.debug("%s v%d refused by %s", cfg.id, version, refused)
         else:
             self._lose(state, set(state.active_nodes) - set(acks), "silent", version)
             if not acks:
@@ -660,6 +528,12 @@ class Coordinator:
                 record.status = "lost_nodes"
         if record.status == "ok":
             await self._measure(state, record, abortable)
+        if record.status == "refused":
+            record.nodes = tuple(sorted(refused))
+        elif record.status in ("no_ack", "lost_nodes"):
+            record.nodes = tuple(n for n in cfg.nodes if n not in acks)
+        elif record.status == "timeout":
+            record.nodes = tuple(n for n in cfg.nodes if n not in record.reports)
         record.seconds = time.monotonic() - began
         state.trial_started = None
         return record
@@ -711,11 +585,17 @@ class Coordinator:
     def _quorum(self, state: JobState) -> bool:
         return len(state.active_nodes) * 2 >= len(state.config.nodes) and bool(state.active_nodes)
 
-    async def _rollback(self, state: JobState, why: str) -> None:
+    async def _rollback(self, state: JobState, why: str, quiet: bool = False) -> None:
         """Put the job back on its last known good settings, without measuring."""
         good = state.last_good or state.space.defaults()
-        log.warning("%s: %s; rolling back to %s", state.config.id, why, good)
-        await self._publish_acked(state, good, None, None)
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "%s: %s; rolling back to %s",
+            state.config.id,
+            why,
+            good,
+        )
+        state.rollback = await self._publish_acked(state, good, None, None)
 
     def _resume(self, state: JobState, journal: JournalState) -> None:
         """Bring the tuner and the running best up to what the journal says happened."""
@@ -741,7 +621,8 @@ class Coordinator:
         return 0.5 * min(scores) if scores else 0.0
 
     def _warm_start(self, state: JobState) -> dict[str, Any]:
-        """The best settings of a finished tuning with the same fingerprint, else the start."""
+        """The best settings of a finished tuning with the same fingerprint, else the start.
+        Reads other journals: call it off the event loop."""
         start = state.config.start.model_dump()
         if start["power_cap_w"] is None and state.config.power_limits_w:
             start["power_cap_w"] = state.config.power_limits_w[1]
@@ -750,16 +631,22 @@ class Coordinator:
             if path == state.journal.path:
                 continue
             other = Journal(path).load()
-            if other.fingerprint == mine and other.final is not None:
+            if other.fingerprint == mine and other.final is not None and other.measured:
                 log.info("%s: warm start from %s", state.config.id, path)
                 return state.space.snap(other.final["settings"])
         return state.space.snap(start)
+
+    def _start(self, state: JobState) -> dict[str, Any]:
+        return state.start_settings or state.space.snap(state.space.defaults())
 
     async def tune(self, state: JobState) -> JobState:
         """The whole tuning of one job (resumed from its journal); ends by publishing the best
         settings, or, in recommend mode, by reporting them without publishing anything."""
         cfg = state.config
-        journal = state.journal.load()
+        journal = self._journals.pop(cfg.id, None)
+        if journal is None:
+            journal = await asyncio.to_thread(state.journal.load)
+        state.start_settings = await asyncio.to_thread(self._warm_start, state)
         if cfg.mode == "recommend":
             return self._recommend(state, journal)
         await self.link.connected.wait()
@@ -770,17 +657,30 @@ class Coordinator:
                 cfg.id,
             )
             journal = JournalState(version=journal.version)
-        if journal.final is not None and journal.fingerprint == fingerprint(cfg):
+        elif any(t["status"] in NOT_TRIALS for t in journal.trials):
+            log.warning(
+                "%s: the journal counts refusals or missing measurements as trials; the tuning"
+                " starts over",
+                cfg.id,
+            )
+            journal = JournalState(version=journal.version)
+        if (
+            journal.final is not None
+            and journal.measured
+            and journal.fingerprint == fingerprint(cfg)
+        ):
             self._resume(state, journal)
             state.best = (journal.final["settings"], journal.final["score"])
             state.baseline = journal.final.get("baseline")
             state.last_good = journal.final["settings"]
+            state.phase = Tuned()
             await self._finish(state, journal.final["settings"], announce=False)
             return state
-        if not journal.trials and journal.in_flight is None:
+        if not journal.trials or journal.final is not None:
             state.journal.append({"type": "start", "fingerprint": fingerprint(cfg)})
+            journal = JournalState(version=journal.version, in_flight=journal.in_flight)
         state.tuner = Tuner(
-            state.space, seed=cfg.seed, start=self._warm_start(state), objective=cfg.objective
+            state.space, seed=cfg.seed, start=self._start(state), objective=cfg.objective
         )
         self._resume(state, journal)
         await self._trials(state, journal.in_flight)
@@ -795,37 +695,185 @@ class Coordinator:
         )
 
     async def _trials(self, state: JobState, in_flight: dict[str, Any] | None = None) -> None:
-        cfg = state.config
+        """Run the job's lifecycle from its trials so far until it is tuned: trials, pauses
+        and their retries, confirmations, the final settings."""
         state.rounds += 1
-        while len(state.trials) < cfg.trials:
-            if in_flight is not None:
-                # measured anew under a new version: what the dead process had received of it
-                # is gone, and half a measurement must not count
-                settings, index = in_flight["settings"], in_flight["trial"]
-                record = await self.run_trial(state, settings, index)
-                in_flight = None
-            else:
-                self._follow_knobs(state)
-                settings = state.tuner.ask()
-                record = await self.run_trial(state, settings, len(state.trials))
+        round_ = state.rounds
+        index = len(state.trials) + len(state.confirmations)
+        if len(state.trials) < state.config.trials:
+            state.phase = Trial(round_, "search", len(state.trials))
+        elif state.config.confirm_best and self._confirm_pair(state) is not None:
+            # resumed after the search: the confirmations left, or their verdict
+            self._begin_confirm(state)
+            state.phase = Trial(round_, "confirm", index)
+            if len(state.confirmations) >= len(state.confirm_order):
+                state.phase = Tuned(round_)
+                await self._conclude(state, Trial(round_, "confirm", index))
+        else:
+            state.phase = Tuned(round_)
+            await self._conclude(state, Trial(round_, "search", index))
+        self.update_metrics()
+        while not isinstance(state.phase, Tuned):
+            phase = state.phase
+            if not isinstance(phase, Trial):
+                await self._wait_to_retry(state)
+                continue
+            settings = self._settings_for(state, phase, in_flight)
+            in_flight = None
+            record = await self.run_trial(
+                state, settings, phase.trial, abortable=phase.phase == "search"
+            )
+            await self._ended(state, phase, record)
+
+    def _settings_for(
+        self, state: JobState, phase: Trial, in_flight: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """What a run of ``phase`` measures: a resumed trial's, a retried one's, the next
+        confirmation's, or the tuner's next ask."""
+        if in_flight is not None and in_flight.get("trial") == phase.trial:
+            # measured anew under a new version: what the dead process had received of it
+            # is gone, and half a measurement must not count
+            settings: dict[str, Any] = in_flight["settings"]
+        elif phase.phase == "confirm":
+            settings = state.confirm_order[len(state.confirmations)]
+        elif phase.retrying is not None and state.running is not None:
+            settings = state.running
+        else:
+            self._follow_knobs(state)
+            settings = state.tuner.ask()
+        state.running = settings
+        return settings
+
+    async def _ended(self, state: JobState, phase: Trial, record: TrialRecord) -> None:
+        """Account one run and do what the lifecycle says comes next."""
+        cfg = state.config
+        confirm = phase.phase == "confirm"
+        if record.status in TRIALS:
+            record.confirmation = confirm
             state.journal.append(record.to_journal())
-            state.record(record, self._penalty(state))
-            self.update_metrics()
+            if confirm:
+                state.confirmations.append(record)
+            else:
+                state.record(record, self._penalty(state))
             if self.on_trial:
                 self.on_trial(state, record)
             best = f"{state.best[1]:.4g}" if state.best else "none"
             self.notifier.status(f"{cfg.id}: trial {len(state.trials)}/{cfg.trials}, best {best}")
-            if record.status in ROLLBACK_ON:
-                await self._rollback(state, f"trial {record.index} {record.status}")
-                if not self._quorum(state):
-                    await self._wait_for_quorum(state)
-            if state.tuner.n_told >= cfg.patience and state.tuner.converged(cfg.patience):
-                log.info("%s converged after %d trials", cfg.id, len(state.trials))
-                break
-        if cfg.confirm_best and state.best is not None:
-            await self._confirm(state)
-        final = state.best[0] if state.best else (state.last_good or state.trials[0].settings)
-        await self._finish(state, final, announce=True)
+        if confirm:
+            more = len(state.confirmations) < 2 * CONFIRM_ROUNDS
+            converged = False
+        else:
+            more = len(state.trials) < cfg.trials
+            converged = (
+                state.best is not None
+                and state.tuner.n_told >= cfg.patience
+                and state.tuner.converged(cfg.patience)
+            )
+        ends = not confirm and record.status in TRIALS and (not more or converged)
+        event = lifecycle.Ended(
+            record.status,
+            time.monotonic(),
+            record.nodes,
+            more=more,
+            converged=converged,
+            confirm=ends and cfg.confirm_best and self._confirm_pair(state) is not None,
+        )
+        state.phase, actions = lifecycle.advance(phase, event, self.backoff)
+        self.update_metrics()
+        # a retry that fails again for the same reason says nothing new
+        quiet = phase.retrying is not None and not any(
+            isinstance(a, lifecycle.Pause) for a in actions
+        )
+        for action in actions:
+            await self._act(state, phase, record, action, quiet)
+
+    async def _act(
+        self,
+        state: JobState,
+        phase: Trial,
+        record: TrialRecord,
+        action: lifecycle.Action,
+        quiet: bool,
+    ) -> None:
+        cfg = state.config
+        if isinstance(action, lifecycle.Rollback):
+            await self._rollback(state, action.why, quiet=quiet)
+        elif isinstance(action, lifecycle.Pause):
+            paused = action.paused
+            detail = "; ".join(f"{n}: {e}" for n, e in record.errors.items())
+            delay = max(0.0, paused.retry_at - time.monotonic())
+            log.warning(
+                "%s: paused (%s: %s%s); retrying the same settings in %.0fs, then with back-off",
+                cfg.id,
+                paused.reason,
+                ", ".join(paused.nodes) or "no node answered",
+                f"; {detail}" if detail else "",
+                delay,
+            )
+            self.notifier.status(
+                f"{cfg.id}: paused, {paused.reason}: {', '.join(paused.nodes) or 'no node'}"
+            )
+            state.journal.append(
+                {
+                    "type": "paused",
+                    "trial": paused.trial,
+                    "version": record.version,
+                    "reason": paused.reason,
+                    "nodes": list(paused.nodes),
+                    "errors": record.errors,
+                }
+            )
+        elif isinstance(action, lifecycle.Resume):
+            log.info(
+                "%s: resumed after %d retr%s (%s)",
+                cfg.id,
+                action.paused.attempt + 1,
+                "y" if action.paused.attempt == 0 else "ies",
+                action.paused.reason,
+            )
+        elif isinstance(action, lifecycle.Confirm):
+            self._begin_confirm(state)
+        elif isinstance(action, lifecycle.Finish):
+            if phase.phase == "search":
+                log.info("%s: the search ended after %d trials", cfg.id, len(state.trials))
+            await self._conclude(state, phase)
+        self.update_metrics()
+
+    async def _wait_to_retry(self, state: JobState) -> None:
+        """Paused: wait for the retry to be due and half the nodes to answer."""
+        while True:
+            phase = state.phase
+            assert isinstance(phase, lifecycle.Paused | lifecycle.WaitingForQuorum)
+            tick = lifecycle.Tick(time.monotonic(), self._quorum(state))
+            state.phase, actions = lifecycle.advance(phase, tick, self.backoff)
+            if (
+                isinstance(phase, lifecycle.Paused)
+                and isinstance(state.phase, lifecycle.WaitingForQuorum)
+                and phase.attempt == 0
+            ):
+                log.warning(
+                    "%s: fewer than half the nodes answer (out: %s); waiting for them",
+                    state.config.id,
+                    ", ".join(f"{n} {why}" for n, why in sorted(state.lost.items())),
+                )
+                self.notifier.status(f"{state.config.id}: paused, waiting for nodes")
+            if actions:
+                state.retries += 1
+                log.debug("%s: retrying after a pause", state.config.id)
+                self.update_metrics()
+                return
+            self.update_metrics()
+            now = state.phase
+            # paused: until the retry is due; waiting for a quorum: until a node comes back
+            wait_s = QUORUM_RECHECK_S
+            if isinstance(now, lifecycle.Paused):
+                wait_s = min(wait_s, now.retry_at - time.monotonic())
+            try:
+                async with asyncio.timeout(max(0.01, wait_s)):
+                    async with state.changed:
+                        await state.changed.wait()
+            except TimeoutError:
+                pass
 
     def _follow_knobs(self, state: JobState) -> None:
         """Narrow the search space to the knobs the job's ranks announced (the others stay
@@ -836,7 +884,7 @@ class Coordinator:
             return
         cfg = state.config
         full = job_space(cfg)
-        start = full.snap(state.trials[0].settings) if state.trials else self._warm_start(state)
+        start = full.snap(state.trials[0].settings) if state.trials else self._start(state)
         pinned = [k for k in KNOBS if k not in announced and len(full.values(k)) > 1]
         space = full.pin(start, pinned)
         if space == state.space:
@@ -857,36 +905,43 @@ class Coordinator:
         if state.best is not None and not space.contains(state.best[0]):
             state.best = tuner.best
 
-    async def _confirm(self, state: JobState) -> None:
-        """Measure the baseline and the best settings again, interleaved (``CONFIRM_ROUNDS``
-        each), and keep the best only when its gain's interval lies above zero; otherwise the
-        baseline stays, reported as no worse than anything tried. When the baseline itself
-        scored best, the best of the other settings is measured against it."""
-        assert state.best is not None
+    def _confirm_pair(self, state: JobState) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The start and the settings to confirm against it: the best, or, when the start
+        measured best once (not interleaved), the best of the others; None when there is
+        nothing to compare (then the start is the best)."""
+        if state.best is None:
+            return None
         baseline = next((t for t in state.trials if t.index == 0), None)
         start = baseline.settings if baseline is not None else state.space.defaults()
         best = (state.tuner.best or state.best)[0]
-        if best == start:
-            # the start measured best once, not interleaved: test the runner-up against it
-            others = [t for t in state.trials if t.status == "ok" and t.settings != start]
+        if best != start:
+            return start, best
+        others = [t for t in state.trials if t.status == "ok" and t.settings != start]
+        if not others:
             state.best = (start, state.baseline or state.best[1])
-            if not others:
-                return
-            best = max(others, key=lambda t: t.score or 0.0).settings
-        order = [start, best, best, start] * CONFIRM_ROUNDS
-        for settings in order[: 2 * CONFIRM_ROUNDS]:
-            index = len(state.trials) + len(state.confirmations)
-            record = await self.run_trial(state, settings, index, abortable=False)
-            record.confirmation = True
-            state.journal.append(record.to_journal())
-            state.confirmations.append(record)
-            self.update_metrics()
-            if self.on_trial:
-                self.on_trial(state, record)
-            if record.status in ROLLBACK_ON:
-                await self._rollback(state, f"confirmation {record.index} {record.status}")
-                if not self._quorum(state):
-                    await self._wait_for_quorum(state)
+            return None
+        return start, max(others, key=lambda t: t.score or 0.0).settings
+
+    def _begin_confirm(self, state: JobState) -> None:
+        """Measure the baseline and the best settings again, interleaved (``CONFIRM_ROUNDS``
+        each); the best is kept only when its gain's interval lies above zero."""
+        pair = self._confirm_pair(state)
+        assert pair is not None
+        start, best = pair
+        state.confirm_order = ([start, best, best, start] * CONFIRM_ROUNDS)[: 2 * CONFIRM_ROUNDS]
+
+    async def _conclude(self, state: JobState, phase: Trial) -> None:
+        """The lifecycle's end: judge the confirmations (if any), publish the final settings."""
+        if phase.phase == "confirm":
+            self._judge_confirmations(state)
+        final = state.best[0] if state.best else (state.last_good or self._first_settings(state))
+        await self._finish(state, final, announce=True)
+
+    def _first_settings(self, state: JobState) -> dict[str, Any]:
+        return state.trials[0].settings if state.trials else self._start(state)
+
+    def _judge_confirmations(self, state: JobState) -> None:
+        start, best = state.confirm_order[0], state.confirm_order[1]
         gain = self.confirmed_gain(state, start, best)
         state.confirmed = gain
         if gain is None:
@@ -918,12 +973,6 @@ class Coordinator:
             samples[which] += trial_samples(reports, cfg.objective, len(cfg.nodes))
         return compare(samples["start"], samples["best"])
 
-    async def _wait_for_quorum(self, state: JobState) -> None:
-        log.warning("%s: fewer than half the nodes answer; pausing the tuning", state.config.id)
-        self.notifier.status(f"{state.config.id}: paused, waiting for nodes")
-        async with state.changed:
-            await state.changed.wait_for(lambda: self._quorum(state))
-
     async def _finish(self, state: JobState, final: dict[str, Any], announce: bool) -> None:
         cfg = state.config
         state.final_version, _ = await self._publish_acked(state, final, None, None)
@@ -948,7 +997,6 @@ class Coordinator:
                 ),
             }
         )
-        state.done = True
         state.last_good = final
         self.update_metrics()
         if announce:
@@ -961,15 +1009,14 @@ class Coordinator:
             state.recommendation = journal.final["settings"]
             state.why = f"the last finished tuning of this job ({state.journal.path})"
         else:
-            warm = self._warm_start(state)
-            table = state.space.recommended(len(cfg.nodes), warm)
+            table = state.space.recommended(len(cfg.nodes), self._start(state))
             state.recommendation = table
             state.why = (
                 f"BACKGROUND.md's table for {len(cfg.nodes)} nodes on {cfg.backend} "
                 f"({table.get('allreduce')}, {table.get('chunk_kb')} KiB chunks) over the "
                 "starting settings; no measurement yet"
             )
-        state.done = True
+        state.phase = Tuned()
         log.info("%s: recommend %s because %s", cfg.id, state.recommendation, state.why)
         self.notifier.status(f"{cfg.id}: recommending {state.recommendation}")
         self.update_metrics()
@@ -977,17 +1024,18 @@ class Coordinator:
 
     # -- after tuning --------------------------------------------------------------------
 
-    def job_throughput(
-        self, state: JobState, previous: dict[str, tuple[float, float, float]]
-    ) -> float | None:
-        """The job's samples/s since ``previous`` from its nodes' telemetry, scaled like a
-        trial's score; None without two points from any node."""
+    def job_throughput(self, state: JobState, previous: dict[str, Progress]) -> float | None:
+        """The job's samples/s since ``previous`` from its nodes' telemetry, in a trial
+        score's unit: a node's rate is the sum over its ranks (its samples over its step time
+        per rank), the nodes' mean scaled to the job's node count; None without two points
+        from any node."""
         rates = []
-        for node, (samples, step_s, _) in state.progress.items():
-            if node in previous and node not in state.lost:
-                d_samples, d_step = samples - previous[node][0], step_s - previous[node][1]
+        for node, now in state.progress.items():
+            before = previous.get(node)
+            if before is not None and node not in state.lost:
+                d_samples, d_step = now.samples - before.samples, now.step_s - before.step_s
                 if d_step > 0 and d_samples >= 0:
-                    rates.append(d_samples / d_step)
+                    rates.append(d_samples / (d_step / now.ranks))
         if not rates:
             return None
         return statistics.fmean(rates) * len(state.config.nodes)
@@ -1006,20 +1054,23 @@ class Coordinator:
             previous = dict(state.progress)
             if now is None or state.best is None or not math.isfinite(now):
                 continue
-            if now < (1 - cfg.drift_threshold) * state.best[1]:
-                state.drifting_since = state.drifting_since or time.monotonic()
-                if time.monotonic() - state.drifting_since >= cfg.drift_sustained_s:
-                    log.warning(
-                        "%s: throughput %.4g is %.0f%% below the tuned %.4g for %.0fs; re-tuning",
-                        cfg.id,
-                        now,
-                        100 * (1 - now / state.best[1]),
-                        state.best[1],
-                        cfg.drift_sustained_s,
-                    )
-                    await self.retune(state)
-            else:
-                state.drifting_since = None
+            if not isinstance(state.phase, Tuned):
+                continue
+            tuned = state.best[1]
+            below = now < (1 - cfg.drift_threshold) * tuned
+            drift = lifecycle.Drift(time.monotonic(), below, cfg.drift_sustained_s)
+            state.phase, actions = lifecycle.advance(state.phase, drift, self.backoff)
+            if actions:
+                log.warning(
+                    "%s: throughput %.4g is %.0f%% below the tuned %.4g for %.0fs; re-tuning",
+                    cfg.id,
+                    now,
+                    100 * (1 - now / tuned),
+                    tuned,
+                    cfg.drift_sustained_s,
+                )
+                await self.retune(state)
+                previous = dict(state.progress)
 
     async def retune(self, state: JobState) -> None:
         """A new round of trials from the current best (earlier scores no longer hold)."""
@@ -1032,6 +1083,5 @@ class Coordinator:
         )
         state.trials, state.best, state.baseline = [], None, None
         state.confirmations, state.confirmed = [], None
-        state.done, state.drifting_since = False, None
         state.journal.append({"type": "start", "fingerprint": fingerprint(state.config)})
         await self._trials(state)

@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hyperagent import durable
 from hyperagent.agent import Agent
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
@@ -271,6 +272,7 @@ async def simulated_cluster(
         finally:
             for n in sim_nodes:
                 n.reporter.close()
+            await asyncio.to_thread(durable.wait)  # nothing is written into a removed folder
 
 
 async def run_demo(

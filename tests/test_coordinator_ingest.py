@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from hyperagent import bus
 from hyperagent.config import build_config
@@ -51,7 +52,10 @@ def test_telemetry_tracks_progress_of_the_jobs_nodes(tmp_path: Path) -> None:
         )
 
     asyncio.run(feed())
-    assert coordinator.jobs["j"].progress == {"n0": (64.0, 0.2, 5.0), "n4999": (64.0, 0.2, 5.0)}
+    assert coordinator.jobs["j"].progress == {
+        "n0": (64.0, 0.2, 5.0, 1),
+        "n4999": (64.0, 0.2, 5.0, 1),
+    }
     assert coordinator.jobs["other"].progress == {}
     assert coordinator.invalid_payloads == 0
 
@@ -74,7 +78,7 @@ def test_invalid_telemetry_is_counted_not_fatal(tmp_path: Path) -> None:
 
     asyncio.run(feed())
     assert coordinator.invalid_payloads == len(bad)
-    assert coordinator.jobs["j"].progress == {"n0": (1.0, 1.0, 5.0)}
+    assert coordinator.jobs["j"].progress == {"n0": (1.0, 1.0, 5.0, 1)}
 
 
 def test_job_membership_follows_the_jobs_config(tmp_path: Path) -> None:
@@ -144,6 +148,7 @@ def test_a_cap_change_settles_for_the_latency_the_nodes_measured(tmp_path: Path)
     capped = {"bucket_mb": 25, "chunk_kb": 4096, "power_cap_w": 300, "allreduce": "ring"}
     # nothing measured yet: three of NVML's 1 s averaging windows
     assert coordinator._plan(state, capped).settle_s == 3.0
+    state.version = 1  # v1 published
 
     async def acks() -> None:
         for node, latency in (("n0", 0.42), ("n1", 2.5), ("stranger", 9.0)):
@@ -161,3 +166,118 @@ def test_a_cap_change_settles_for_the_latency_the_nodes_measured(tmp_path: Path)
     assert coordinator._plan(state, capped).settle_s == 2.5 + 1.0
     state.current = dict(capped)
     assert coordinator._plan(state, capped).settle_s == state.config.plan.settle_s  # no change
+
+
+def _ack(node: str, version: int, job: str = "j") -> bytes:
+    return bus.encode(
+        {"job": job, "node": node, "version": version, "ok": True, "applied": {}, "ts": 1.0}
+    )
+
+
+def _report(node: str, version: int, partial: bool = False) -> bytes:
+    return bus.encode(
+        {
+            "job": "j",
+            "node": node,
+            "version": version,
+            "trial": 0,
+            "samples": 64,
+            "seconds": 1.0,
+            "throughput": 64.0,
+            "windows": [64.0],
+            "steps": 4,
+            "energy_j": None,
+            "nonfinite_loss": False,
+            "xid_errors": 0.0,
+            "partial": partial,
+            "stalled": False,
+            "ts": 1.0,
+        }
+    )
+
+
+def test_acks_and_reports_are_kept_only_for_the_version_in_play(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path, ["n0", "n1"])
+    state = coordinator.jobs["j"]
+
+    async def scenario() -> None:
+        # never published: a node naming v7 (a bug, a replay, another coordinator) is ignored
+        await coordinator._on_ack(TOPICS.ack("j", "n0"), _ack("n0", 7))
+        await coordinator._on_report(TOPICS.report("j", "n0"), _report("n0", 7))
+        assert state.acks == {} and state.reports == {}
+        for _ in range(300):  # a long tuning: trials, rollbacks, re-tunes
+            version = coordinator._publish_settings(state, state.space.defaults(), None, None)
+            for node in ("n0", "n1"):
+                await coordinator._on_ack(TOPICS.ack("j", node), _ack(node, version))
+                await coordinator._on_report(TOPICS.report("j", node), _report(node, version))
+                await coordinator._on_report(
+                    TOPICS.report("j", node), _report(node, version, partial=True)
+                )
+        # late messages of a version long gone change nothing
+        await coordinator._on_ack(TOPICS.ack("j", "n0"), _ack("n0", 3))
+        await coordinator._on_report(TOPICS.report("j", "n1"), _report("n1", 299))
+
+    asyncio.run(scenario())
+    assert state.version == 300
+    for table in (state.acks, state.reports, state.partials):
+        assert list(table) == [300] and set(table[300]) == {"n0", "n1"}
+
+
+def test_only_the_nodes_of_configured_jobs_are_tracked(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    coordinator = _coordinator(tmp_path, ["n0", "n1"])
+
+    async def statuses() -> None:
+        for i in range(2000):  # a shared broker's other nodes, coming and going
+            node = f"elsewhere-{i}"
+            await coordinator._on_status(
+                TOPICS.status(node), bus.status_message(TOPICS, node, "online").payload
+            )
+        for node in ("n0", "x"):
+            await coordinator._on_status(
+                TOPICS.status(node), bus.status_message(TOPICS, node, "online").payload
+            )
+
+    asyncio.run(statuses())
+    assert set(coordinator.nodes) == {"n0", "x"}
+    registry = CollectorRegistry()
+    coordinator.update_metrics()
+    registry.register(coordinator.collector)
+    online = [
+        s.labels["node"]
+        for m in registry.collect()
+        for s in m.samples
+        if s.name == "hyperagent_node_online"
+    ]
+    assert sorted(online) == ["n0", "x"]
+
+
+def test_the_journal_is_loaded_off_the_event_loop(tmp_path: Path) -> None:
+    import threading
+
+    from hyperagent.tuner.journal import Journal
+
+    coordinator = _coordinator(tmp_path, ["n0"])
+    state = coordinator.jobs["j"]
+    threads: list[threading.Thread] = []
+    load = Journal.load
+
+    def recording_load(self: Journal) -> Any:
+        threads.append(threading.current_thread())
+        return load(self)
+
+    async def start() -> None:
+        task = asyncio.create_task(coordinator.tune(state))
+        async with asyncio.timeout(10):
+            while not threads:
+                await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    Journal.load = recording_load  # type: ignore[method-assign]
+    try:
+        asyncio.run(start())
+    finally:
+        Journal.load = load  # type: ignore[method-assign]
+    assert threads and threading.main_thread() not in threads

@@ -28,14 +28,13 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         assert len(state.trials) == 10 and not any(t.confirmation for t in state.trials)
         start = state.trials[0].settings
         candidate = next((c.settings for c in state.confirmations if c.settings != start), start)
-        if state.confirmations:
-            assert [c.settings for c in state.confirmations] == [start, candidate, candidate, start]
-            assert all(c.confirmation and c.status == "ok" for c in state.confirmations)
+        assert [c.settings for c in state.confirmations] == [start, candidate, candidate, start]
+        assert all(c.confirmation and c.status == "ok" for c in state.confirmations)
         assert {t.status for t in state.trials} <= {"ok", "aborted"}
         # throughput without a power budget: no trial is spent on a lower power cap
         assert {t.settings["power_cap_w"] for t in state.trials} == {250}
         for trial in [*state.trials, *state.confirmations]:
-            acks = state.acks[trial.version]
+            acks = trial.acks
             assert set(acks) == names and all(a["ok"] for a in acks.values())
             assert set(trial.reports) == names
         assert set(state.acks[state.final_version]) == names  # the final settings were acked
@@ -59,14 +58,19 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
             # the rank switched versions in order, at step boundaries
             assert node.versions_run == sorted(node.versions_run)
 
-        # the best trial's settings are published only when their gain over the start, both
-        # measured the same way, has an interval above zero; otherwise the start stays
+        # the landscape's optimum is about 10% above the start (longer chunks and buckets on
+        # three nodes): ten trials find part of it, and the best trial's settings are published
+        # because their gain over the start, both measured the same way, has an interval above
+        # zero
+        space = state.space
+        optimum = model.optimum(space)[1] / model.throughput(start) - 1
+        assert optimum > 0.05
         confirmed = state.confirmed
-        if confirmed is not None and confirmed.better:
-            assert best == candidate and state.gain == confirmed.value > 0
-            assert model.throughput(best) > model.throughput(start)
-        else:
-            assert best == start and state.gain == 0.0
+        assert confirmed is not None and confirmed.better and confirmed.low > 0
+        assert best == candidate != start and state.gain == confirmed.value > 0
+        chosen = model.throughput(best) / model.throughput(start) - 1
+        assert chosen > optimum / 2
+        print(f"optimum {optimum:+.1%}, chosen {chosen:+.1%}, confirmed {confirmed.describe()}")
     for node in nodes:  # agents stopped: the original limits are back
         assert limits_w(node.nvml) == {250.0}
 

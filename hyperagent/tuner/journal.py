@@ -10,9 +10,12 @@ Entries::
     {"type": "published", "version": 7, "trial": 5, "settings": {...}, "ts": ...}
     {"type": "trial", "index": 5, "version": 7, "settings": {...}, "score": 812.4,
      "status": "ok", "reports": {...}, "seconds": 9.1, "ts": ...}
+    {"type": "paused", "trial": 5, "version": 8, "reason": "refused", "nodes": [...], ...}
     {"type": "final", "version": 31, "settings": {...}, "score": 840.2, "baseline": 771.0}
 
-A ``published`` entry with a trial index but no ``trial`` entry is a trial in flight.
+A ``published`` entry with a trial index but no ``trial`` entry is a trial in flight. A
+``paused`` entry says why a run of a trial could not be measured (not a trial: the same
+trial runs again); it changes nothing on replay.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import orjson
 
 from hyperagent import durable
 from hyperagent.errors import HyperagentError
+from hyperagent.tuner.lifecycle import MEASURED
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,12 @@ class JournalState:
     in_flight: dict[str, Any] | None = None
     """The ``published`` entry of a trial that has no result yet."""
     final: dict[str, Any] | None = None
+
+    @property
+    def measured(self) -> bool:
+        """Whether a trial of this round measured its settings (a tuning without one has
+        not ended, whatever its ``final`` says)."""
+        return any(t.get("status") in MEASURED and not t.get("confirmation") for t in self.trials)
 
 
 class Journal:
@@ -109,6 +119,8 @@ class Journal:
             state.trials.append(dict(entry))
             if state.in_flight is not None and state.in_flight["trial"] == entry["index"]:
                 state.in_flight = None
+        elif kind == "paused":
+            pass
         elif kind == "final":
             state.final = dict(entry)
             state.in_flight = None
