@@ -135,6 +135,14 @@ _CORE: dict[str, str] = {
     ),
     "hyperagent_tuner_setting": "Numeric knob of the settings last published (bucket, chunk, cap).",
     "hyperagent_tuner_allreduce_info": "AllReduce algorithm of the settings last published.",
+    "hyperagent_tuner_state": (
+        "1 for the job's lifecycle state (searching, confirming, paused, waiting_for_quorum,"
+        " tuned, retuning, ...)."
+    ),
+    "hyperagent_tuner_paused": "1 while the job's tuning is paused, by reason.",
+    "hyperagent_tuner_paused_node": "1 for each node the job's pause names.",
+    "hyperagent_tuner_retry_timestamp_seconds": "Unix time the paused job is tried again.",
+    "hyperagent_tuner_retries_total": "Runs of a paused job tried again (not trials).",
 }
 
 
