@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,26 +45,24 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def _speed(text: str) -> float:
-    """A replay speed factor: a positive number."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
-    return value
+def _positive(unit: str) -> Callable[[str], float]:
+    """An argparse type for a positive, finite number of ``unit`` (0 is not "as fast as
+    possible")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {unit}: {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive {unit}, not {text}")
+        return value
+
+    return parse
 
 
-def _interval(text: str) -> float:
-    """Seconds between collections: a positive number (0 is not "as fast as possible")."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
-    return value
+_speed = _positive("number")
+_interval = _positive("number of seconds")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

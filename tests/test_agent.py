@@ -87,19 +87,32 @@ def node_config(url: str, state: Path, **sections: Any) -> Config:
     )
 
 
+@contextlib.asynccontextmanager
+async def running_agent(
+    config: Config, capture: Path, broker_port: int, job_socket: Path
+) -> AsyncIterator[Harness]:
+    """An agent over a fake NVML replaying ``capture``, running and connected to the broker
+    until the block ends."""
+    nvml = FakeNvml.from_capture(capture)
+    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    task = asyncio.create_task(agent.run())
+    try:
+        async with asyncio.timeout(10):
+            await agent.ready.wait()
+            await agent.link.connected.wait()  # type: ignore[union-attr]
+        yield Harness(agent, nvml, broker_port, job_socket)
+    finally:
+        task.cancel()
+        async with asyncio.timeout(10):  # stopping waits for no hung device call
+            await asyncio.gather(task, return_exceptions=True)
+
+
 @pytest.fixture
 async def harness(mosquitto, tmp_path: Path, nvidia_smi_dir: Path) -> AsyncIterator[Harness]:  # type: ignore[no-untyped-def]
     config = node_config(mosquitto.url, tmp_path, actuation={"max_power_w": 225})
-    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
-    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
-    h = Harness(agent, nvml, mosquitto.port, tmp_path / "job.sock")
-    task = asyncio.create_task(agent.run())
-    async with asyncio.timeout(10):
-        await agent.ready.wait()
-        await agent.link.connected.wait()  # type: ignore[union-attr]
-    yield h
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    capture = nvidia_smi_dir / "gtx-8card.xml"
+    async with running_agent(config, capture, mosquitto.port, tmp_path / "job.sock") as h:
+        yield h
 
 
 async def until(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from typing import Any
 import aiomqtt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_agent import KEY, Harness, limits_w, node_config, until
+from test_agent import Harness, limits_w, node_config, running_agent, until
 
 from hyperagent import agent as agent_module
 from hyperagent import bus
@@ -138,17 +138,9 @@ async def harness(
             "job": {"socket": str(tmp_path / "job.sock")},
         },
     )
-    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
-    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
-    h = Harness(agent, nvml, mosquitto.port, tmp_path / "job.sock")
-    task = asyncio.create_task(agent.run())
-    async with asyncio.timeout(10):
-        await agent.ready.wait()
-        await agent.link.connected.wait()  # type: ignore[union-attr]
-    yield h
-    task.cancel()
-    async with asyncio.timeout(10):
-        await asyncio.gather(task, return_exceptions=True)
+    capture = nvidia_smi_dir / "gtx-8card.xml"
+    async with running_agent(config, capture, mosquitto.port, tmp_path / "job.sock") as h:
+        yield h
 
 
 async def ack_for(harness: Harness, version: int, settings: dict[str, Any]) -> dict[str, Any]:
