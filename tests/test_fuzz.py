@@ -185,6 +185,7 @@ def test_coordinator_never_crashes_on_input(payload: bytes, topic: str, tmp_path
     path = getattr(TOPICS, topic)(*((name, "n1") if topic in ("ack", "report") else (name,)))
     asyncio.run(handler(path, payload))
     coordinator.readings()  # /metrics still renders
+    coordinator.jobs["j"].version = 3  # v3 published: its acks are in play
     good = bus.encode({"job": "j", "node": "n1", "version": 3, "ok": True})
     asyncio.run(coordinator._on_ack(TOPICS.ack("j", "n1"), good))
     assert "n1" in coordinator.jobs["j"].acks[3]
