@@ -383,14 +383,14 @@ class SteppingNode:
         return readings
 
     async def start(self) -> None:
-        pass
+        """Nothing to open: the readings are computed."""
 
     async def read(self) -> list[Reading]:
         self.t += 1.0
         return self.readings(self.t)
 
     async def close(self) -> None:
-        pass
+        """Nothing to close."""
 
 
 STEPS_TOTAL = "hyperagent_job_steps_total"
