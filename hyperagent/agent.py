@@ -56,23 +56,30 @@ _T = TypeVar("_T")
 
 @dataclass
 class _StepClock:
-    """When one job's steps arrive on this node (monotonic wall time), per rank."""
+    """When one job's steps arrive on this node (monotonic wall time), per connected rank."""
 
     last: dict[int, float] = field(default_factory=dict)
+    """Connected rank -> when its last step arrived."""
+    latest: float | None = None
+    """When the job's last step arrived (from any rank, connected or gone)."""
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
     def tick(self, rank: int, now: float) -> None:
         previous = self.last.get(rank)
         if previous is not None:
             self.intervals.append(now - previous)
-        self.last[rank] = now
+        self.last[rank] = self.latest = now
+
+    def leave(self, rank: int) -> None:
+        """``rank``'s connection closed (a rank that comes back starts its intervals anew)."""
+        self.last.pop(rank, None)
 
     def stalled(self, now: float) -> bool:
         """No rank stepped for ``STALL_STEPS`` median intervals (and ``STALL_MIN_S``)."""
-        if len(self.intervals) < 4 or not self.last:
+        if len(self.intervals) < 4 or self.latest is None:
             return False
         limit = max(STALL_STEPS * statistics.median(self.intervals), STALL_MIN_S)
-        return now - max(self.last.values()) > limit
+        return now - self.latest > limit
 
 
 @dataclass
@@ -162,6 +169,8 @@ class Agent:
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
+            self.job_source.rank_listeners.append(self._on_rank_left)
+            self.job_source.release_listeners.append(self._on_job_released)
         if link is not None:
             link.subscribe(self.topics.settings("+"), 1, self._on_settings)
             link.subscribe(self.topics.coordinator_status(), 1, self._on_coordinator_status)
@@ -671,6 +680,20 @@ class Agent:
                     )
                     del self._trials[job]
                     self._publish_report(trial, None, stalled=True)
+
+    def _on_rank_left(self, job: str, rank: int) -> None:
+        clock = self._step_clocks.get(job)
+        if clock is not None:
+            clock.leave(rank)
+
+    def _on_job_released(self, job: str) -> None:
+        """A job released by the job channel (no rank for ``release_after_s``): its step times
+        go, and a trial still waiting on it ends as stalled."""
+        self._step_clocks.pop(job, None)
+        trial = self._trials.pop(job, None)
+        if trial is not None:
+            log.warning("%s was released during v%d; leaving the trial", job, trial.version)
+            self._publish_report(trial, None, stalled=True)
 
     def _on_step(self, step: StepReport) -> None:
         self._step_clocks.setdefault(step.job, _StepClock()).tick(step.rank, time.monotonic())

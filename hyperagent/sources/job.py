@@ -6,8 +6,25 @@ agent's own user, the users of ``allowed_users`` and members of ``allowed_groups
 supplementary group, from the user database: NSS, which may ask LDAP or SSSD, so that lookup
 runs in a thread and its answer is kept ``NSS_CACHE_S`` per uid). The first peer that says
 hello for a job id binds it to its uid; nobody else can report for that job while any of its
-ranks is connected (and for ``release_after_s`` after the last one left). Jobs and ranks are
-bounded. Refusals are answered with a reason, counted and logged once per reason.
+ranks is connected (and for ``release_after_s`` after the last one left). Refusals are answered
+with a reason, counted and logged once per reason.
+
+A job whose last rank left is *released* ``release_after_s`` later, on the source's own clock
+(checked every ``release_check_s``, whether or not another job arrives): its id, its owner
+binding, its remembered settings and its series go. Its counters are not exported any longer
+than that: for the whole of ``release_after_s`` the final values were exported unchanged (with
+``hyperagent_job_ranks`` 0), which is many scrapes at any sensible scrape interval, so
+Prometheus has the end of every counter; when the series then vanish from /metrics Prometheus
+marks them stale, and ``increase()``/``rate()`` over the job's last minutes still count up to
+the final values. A job id that comes back after its release starts from 0 (a new series).
+``release_after_s`` should therefore exceed the scrape interval (the 600 s default does).
+
+The job bound (``max_jobs``) counts live jobs, those with a connected rank. A job released or
+not, a dead one never holds a slot a live one needs: a new job id over the bound releases the
+oldest dead job (the one whose last rank left first) at once; only when every slot is held by
+a live job is it refused, and the refusal names those jobs. Per-rank state (a rank's last step
+time, its allocator's retry and OOM counts) is dropped with the rank's connection; its counts
+stay in the job's totals.
 """
 
 from __future__ import annotations
@@ -35,11 +52,21 @@ from hyperagent.readings import Kind, Reading
 log = logging.getLogger(__name__)
 
 StepListener = Callable[[StepReport], None]
+RankListener = Callable[[str, int], None]
+"""(job, rank) of a rank whose connection closed."""
+JobListener = Callable[[str], None]
+"""A job released."""
 
 BATCH = 1000
 """Packets or connections taken per wake-up at most (the rest wait for the next turn)."""
 
 _PEERCRED = struct.Struct("3i")
+
+RELEASE_CHECK_S = 1.0
+"""How often jobs due for release are looked for (at most; twice per ``release_after_s``)."""
+
+REFUSAL_NAMES = 16
+"""Live jobs named in a ``too_many_jobs`` refusal at most (the rest are counted)."""
 
 NSS_CACHE_S = 60.0
 """How long a user's group memberships, once looked up, answer for that uid."""
@@ -88,6 +115,7 @@ class PeerPolicy:
     max_jobs: int = 16
     max_ranks: int = 64
     release_after_s: float = 600.0
+    """How long a job whose last rank left stays bound to its user (and exported)."""
 
     @classmethod
     def resolve(
@@ -221,11 +249,18 @@ class JobTotals:
     ranks: dict[int, Peer] = field(default_factory=dict)
     """rank -> its live connection, where settings go."""
     left_at: float = 0.0
-    """Monotonic time the last rank disconnected."""
+    """When (on the source's clock) the last rank disconnected, or the job became known
+    without a rank."""
     alloc_retries: dict[int, int] = field(default_factory=dict)
+    """Connected rank -> its process's allocator retries so far (as it last reported)."""
     ooms: dict[int, int] = field(default_factory=dict)
+    """Connected rank -> its process's OOMs so far."""
+    departed_alloc_retries: int = 0
+    """The retries of ranks whose connections closed (a rank that comes back is a new
+    process, whose counts start from 0)."""
+    departed_ooms: int = 0
     last_step_s: dict[int, float] = field(default_factory=dict)
-    """rank -> the step time of its last step (the ranks that reported steps)."""
+    """Connected rank -> the step time of its last step (the ranks that reported steps)."""
 
     @property
     def reporters(self) -> dict[int, Peer]:
@@ -241,6 +276,21 @@ class JobTotals:
         """The mean over the connected ranks of their last step time: one rank's step time."""
         times = [self.last_step_s[r] for r in self.ranks if r in self.last_step_s]
         return sum(times) / len(times) if times else None
+
+    @property
+    def total_alloc_retries(self) -> int:
+        return self.departed_alloc_retries + sum(self.alloc_retries.values())
+
+    @property
+    def total_ooms(self) -> int:
+        return self.departed_ooms + sum(self.ooms.values())
+
+    def leave(self, rank: int) -> None:
+        """Forget what ``rank`` alone knew (its connection closed); its counts stay summed."""
+        self.ranks.pop(rank, None)
+        self.last_step_s.pop(rank, None)
+        self.departed_alloc_retries += self.alloc_retries.pop(rank, 0)
+        self.departed_ooms += self.ooms.pop(rank, 0)
 
     def add(self, step: StepReport) -> None:
         self.steps += 1
@@ -277,8 +327,10 @@ class JobSource:
         socket_path: Path,
         policy: PeerPolicy | None = None,
         groups: GroupCache | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``groups`` answers the policy's group questions (default: the user database)."""
+        """``groups`` answers the policy's group questions (default: the user database);
+        ``clock`` times jobs' release."""
         self.socket_path = socket_path
         self.target = str(socket_path)
         self.policy = policy or PeerPolicy()
@@ -287,6 +339,13 @@ class JobSource:
         self.invalid = 0
         self.refused: Counter[str] = Counter()
         self.listeners: list[StepListener] = []
+        self.rank_listeners: list[RankListener] = []
+        """Told of every rank whose connection closed (after its state here went)."""
+        self.release_listeners: list[JobListener] = []
+        """Told of every job released (after its state here went)."""
+        self.clock = clock
+        self.release_check_s = min(RELEASE_CHECK_S, max(self.policy.release_after_s / 2, 0.01))
+        self._releaser: asyncio.Task[None] | None = None
         self.peers: dict[int, Peer] = {}
         """fd -> connected peer."""
         self._authorising: dict[int, tuple[Peer, asyncio.Task[None]]] = {}
@@ -316,6 +375,12 @@ class JobSource:
         sock.setblocking(False)
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+        self._releaser = asyncio.create_task(self._release_loop(), name="job-release")
+
+    async def _release_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.release_check_s)
+            self.release_due()
 
     @staticmethod
     def _refuse_takeover(path: Path) -> None:
@@ -410,9 +475,11 @@ class JobSource:
         if peer.job is not None:
             totals = self.jobs.get(peer.job)
             if totals is not None and totals.ranks.get(peer.rank) is peer:
-                del totals.ranks[peer.rank]
+                totals.leave(peer.rank)
                 if not totals.ranks:
-                    totals.left_at = time.monotonic()
+                    totals.left_at = self.clock()
+                for listener in self.rank_listeners:
+                    listener(peer.job, peer.rank)
 
     def _readable(self, peer: Peer) -> None:
         for _ in range(BATCH):
@@ -477,13 +544,16 @@ class JobSource:
             self._refuse(peer, "not_claimed", f"connection is job {peer.job} rank {peer.rank}")
             return
         totals = self.jobs.get(job)
+        if totals is not None and self._due(totals):
+            self.release(job)
+            totals = None
         if totals is None:
-            self._forget_idle_jobs()
-            if len(self.jobs) >= self.policy.max_jobs:
-                self._refuse(peer, "too_many_jobs", f"{len(self.jobs)} jobs known")
+            live = self._make_room()
+            if live:
+                self._refuse(peer, "too_many_jobs", _live_jobs(live, self.policy.max_jobs))
                 return
-            totals = self.jobs[job] = JobTotals()
-        if totals.owner is None or (not totals.ranks and self._released(totals)):
+            totals = self._new_job(job)
+        if totals.owner is None:
             totals.owner = peer.uid
         elif totals.owner != peer.uid:
             self._refuse(peer, "job_claimed", f"job {job} belongs to uid {totals.owner}")
@@ -500,13 +570,44 @@ class JobSource:
         if known is not None:
             self._send(peer, job, known)
 
-    def _released(self, totals: JobTotals) -> bool:
-        return time.monotonic() - totals.left_at >= self.policy.release_after_s
+    # -- jobs' lifetime ------------------------------------------------------------------
 
-    def _forget_idle_jobs(self) -> None:
-        for job in [j for j, t in self.jobs.items() if not t.ranks and self._released(t)]:
-            del self.jobs[job]
-            self._last_settings.pop(job, None)
+    def _due(self, totals: JobTotals) -> bool:
+        return not totals.ranks and self.clock() - totals.left_at >= self.policy.release_after_s
+
+    def _new_job(self, job: str) -> JobTotals:
+        totals = self.jobs[job] = JobTotals(left_at=self.clock())
+        return totals
+
+    def _make_room(self) -> list[str]:
+        """Release dead jobs, oldest first, until a new job fits under ``max_jobs``; returns
+        the live jobs that fill the bound (empty when it fits)."""
+        self.release_due()
+        dead = sorted((t.left_at, j) for j, t in self.jobs.items() if not t.ranks)
+        while len(self.jobs) >= self.policy.max_jobs and dead:
+            self.release(dead.pop(0)[1])
+        if len(self.jobs) < self.policy.max_jobs:
+            return []
+        return [j for j, t in self.jobs.items() if t.ranks]
+
+    def release_due(self) -> list[str]:
+        """Release every job whose last rank left ``release_after_s`` ago or more; returns
+        them (the source does this itself every ``release_check_s``)."""
+        due = [job for job, totals in self.jobs.items() if self._due(totals)]
+        for job in due:
+            self.release(job)
+        return due
+
+    def release(self, job: str) -> None:
+        """Forget ``job`` (none of its ranks may be connected): its totals, its owner, its
+        remembered settings and so its series."""
+        totals = self.jobs.pop(job, None)
+        self._last_settings.pop(job, None)
+        if totals is None:
+            return
+        assert not totals.ranks, f"job {job} released with ranks connected"
+        for listener in self.release_listeners:
+            listener(job)
 
     # -- settings out --------------------------------------------------------------------
 
@@ -521,7 +622,10 @@ class JobSource:
         The latest settings are remembered and handed to ranks that attach later.
         """
         self._last_settings[job] = settings
-        totals = self.jobs.setdefault(job, JobTotals())
+        totals = self.jobs.get(job)
+        if totals is None:
+            self._make_room()  # settings for a job not here yet do not displace a live one
+            totals = self._new_job(job)
         totals.version = settings.version
         return sum(self._send(peer, job, settings) for peer in list(totals.ranks.values()))
 
@@ -551,6 +655,7 @@ class JobSource:
     # -- readings ------------------------------------------------------------------------
 
     async def read(self) -> list[Reading]:
+        self.release_due()
         out = [Reading("hyperagent_job_invalid_reports_total", self.invalid, {}, Kind.COUNTER)]
         for reason in REFUSALS:
             out.append(
@@ -595,15 +700,19 @@ class JobSource:
             out += [  # from 0, so that increase() sees a job's first retry or OOM
                 Reading(
                     "hyperagent_job_alloc_retries_total",
-                    sum(t.alloc_retries.values()),
+                    t.total_alloc_retries,
                     labels,
                     Kind.COUNTER,
                 ),
-                Reading("hyperagent_job_oom_total", sum(t.ooms.values()), labels, Kind.COUNTER),
+                Reading("hyperagent_job_oom_total", t.total_ooms, labels, Kind.COUNTER),
             ]
         return out
 
     async def close(self) -> None:
+        if self._releaser is not None:
+            self._releaser.cancel()
+            await asyncio.gather(self._releaser, return_exceptions=True)
+            self._releaser = None
         waiting = list(self._authorising.values())
         self._authorising.clear()
         for peer, task in waiting:
@@ -619,3 +728,10 @@ class JobSource:
             self._sock = None
             with contextlib.suppress(OSError):
                 self.socket_path.unlink()
+
+
+def _live_jobs(live: list[str], bound: int) -> str:
+    """A ``too_many_jobs`` refusal's detail: the live jobs that fill the bound."""
+    named = ", ".join(sorted(live)[:REFUSAL_NAMES])
+    more = f" and {len(live) - REFUSAL_NAMES} more" if len(live) > REFUSAL_NAMES else ""
+    return f"all {bound} job slots (max_jobs) are held by live jobs: {named}{more}"
