@@ -75,18 +75,14 @@ async def test_forty_jobs_started_and_killed_in_turn_are_each_accepted(
 async def test_the_oldest_dead_job_goes_first_and_a_refusal_names_the_live_jobs(
     tmp_path: Path,
 ) -> None:
-    clock = ManualClock()
     path = tmp_path / "job.sock"
-    source = JobSource(path, PeerPolicy(max_jobs=3), clock=clock)
+    source = JobSource(path, PeerPolicy(max_jobs=3))
     await source.start()
     try:
         for job in ("first-dead", "second-dead"):
             await _kill(source, job, await _run_job(source, path, job))
-            clock.now += 1
         live = await _run_job(source, path, "alive")
-        newcomer = await _run_job(
-            source, path, "new"
-        )  # the bound is full: the first dead job makes room
+        newcomer = await _run_job(source, path, "new")  # the bound is full: the first dead goes
         assert set(source.jobs) == {"second-dead", "alive", "new"}
         third = await _run_job(source, path, "third")  # and then the second
         assert set(source.jobs) == {"alive", "new", "third"}
@@ -100,6 +96,29 @@ async def test_the_oldest_dead_job_goes_first_and_a_refusal_names_the_live_jobs(
         assert "fourth" not in source.jobs
         for reporter in (*live, *newcomer, *third, *refused):
             reporter.close()
+    finally:
+        await source.close()
+
+
+async def test_a_dead_job_is_released_release_after_s_after_its_last_rank_left(
+    tmp_path: Path,
+) -> None:
+    clock = ManualClock()
+    path = tmp_path / "job.sock"
+    source = JobSource(path, PeerPolicy(release_after_s=600), clock=clock)
+    await source.start()
+    try:
+        reporters = await _run_job(source, path, "done", ranks=2)
+        reporters[0].close()
+        await _until(lambda: source.attached("done") == 1)
+        clock.now = 700.0  # one rank is still connected: nothing to release
+        assert source.release_due() == []
+        await _kill(source, "done", reporters)
+        clock.now = 1299.0
+        assert source.release_due() == [] and "done" in source.jobs
+        clock.now = 1300.0
+        assert not any(r.labels.get("job_id") == "done" for r in await source.read())
+        assert "done" not in source.jobs
     finally:
         await source.close()
 
