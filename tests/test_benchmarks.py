@@ -73,6 +73,31 @@ def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) ->
     assert figures["power_cap_latency_s_max"] is None  # a measurement only on real GPUs
 
 
+def test_churn_benchmark_accepts_every_new_job_and_comes_back_to_idle() -> None:
+    """``benchmarks/churn.py`` cut to seconds: its agent process, its table, its verdict."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "churn.py"),
+            "--generations",
+            "4",
+            "--ranks",
+            "2",
+            "--release-after-s",
+            "1",
+            "--bound-s",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert [row[2] for row in rows if row[:1] == ["gen"]] == ["accepted"] * 4
+    assert "accepted 4 of 4 new job ids" in result.stdout and "(back to idle)" in result.stdout
+
+
 TOPICS = [
     "hyperagent/v1/c/node/gpu-1/telemetry",
     "hyperagent/v1/c/node/gpu-1/status",

@@ -344,8 +344,10 @@ class JobSource:
         self.release_listeners: list[JobListener] = []
         """Told of every job released (after its state here went)."""
         self.clock = clock
-        self.release_check_s = min(RELEASE_CHECK_S, max(self.policy.release_after_s / 2, 0.01))
+        self.release_check_s = min(RELEASE_CHECK_S, max(self.policy.release_after_s / 2, 0.05))
         self._releaser: asyncio.Task[None] | None = None
+        self._dead = asyncio.Event()
+        """Set when a job may have no rank connected (no wake-ups while every job is live)."""
         self.peers: dict[int, Peer] = {}
         """fd -> connected peer."""
         self._authorising: dict[int, tuple[Peer, asyncio.Task[None]]] = {}
@@ -379,6 +381,9 @@ class JobSource:
 
     async def _release_loop(self) -> None:
         while True:
+            if all(t.ranks for t in self.jobs.values()):
+                self._dead.clear()
+                await self._dead.wait()
             await asyncio.sleep(self.release_check_s)
             self.release_due()
 
@@ -478,6 +483,7 @@ class JobSource:
                 totals.leave(peer.rank)
                 if not totals.ranks:
                     totals.left_at = self.clock()
+                    self._dead.set()
                 for listener in self.rank_listeners:
                     listener(peer.job, peer.rank)
 
@@ -577,6 +583,7 @@ class JobSource:
 
     def _new_job(self, job: str) -> JobTotals:
         totals = self.jobs[job] = JobTotals(left_at=self.clock())
+        self._dead.set()  # until its first rank says hello
         return totals
 
     def _make_room(self) -> list[str]:
