@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 PROTOCOL = 1
 MAX_DATAGRAM = 64 * 1024
 DEFAULT_SOCKET = Path("/run/hyperagent/job.sock")
-KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
+KNOBS = ("bucket_mb", "chunk_kb", "allreduce", "protocol")
 """Knobs a job may announce that it applies live (power caps are the agent's, not the job's)."""
 RECONNECT_S = 1.0
 """A rank whose connection is down tries again at most this often ..."""
