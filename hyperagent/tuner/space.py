@@ -454,8 +454,7 @@ class SearchSpace:
         DDP comm hook's chunk); with ``protocol`` in the space (the tuner plugin),
         ``tuner_algorithm`` and ``tuner_protocol`` instead of ``NCCL_ALGO``, live
         (:data:`APPLIED_AT_NCCL_TUNER`); gloo: ``bucket_cap_mb`` and ``chunk_bytes``; mpi:
-        Open MPI's
-        ``coll_tuned_use_dynamic_rules``, ``coll_tuned_allreduce_algorithm`` and
+        Open MPI's ``coll_tuned_use_dynamic_rules``, ``coll_tuned_allreduce_algorithm`` and
         ``coll_tuned_allreduce_algorithm_segmentsize`` (bytes), plus ``bucket_cap_mb``;
         horovod: ``HOROVOD_FUSION_THRESHOLD`` (bytes); deepspeed: ZeRO's
         ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements of ``gradient_dtype``,
