@@ -453,14 +453,21 @@ class SearchSpace:
         nccl: ``NCCL_ALGO`` (a new communicator), ``bucket_cap_mb`` and ``chunk_bytes`` (the
         DDP comm hook's chunk); with ``protocol`` in the space (the tuner plugin),
         ``tuner_algorithm`` and ``tuner_protocol`` instead of ``NCCL_ALGO``, live
-        (:data:`APPLIED_AT_NCCL_TUNER`); gloo: ``bucket_cap_mb`` and ``chunk_bytes``; mpi:
-        Open MPI's ``coll_tuned_use_dynamic_rules``, ``coll_tuned_allreduce_algorithm`` and
+        (:data:`APPLIED_AT_NCCL_TUNER`; settings from before the job announced the protocol,
+        such as its baseline, map without ``tuner_protocol``: NCCL's own); gloo:
+        ``bucket_cap_mb`` and ``chunk_bytes``; mpi: Open MPI's ``coll_tuned_use_dynamic_rules``,
+        ``coll_tuned_allreduce_algorithm`` and
         ``coll_tuned_allreduce_algorithm_segmentsize`` (bytes), plus ``bucket_cap_mb``;
         horovod: ``HOROVOD_FUSION_THRESHOLD`` (bytes); deepspeed: ZeRO's
         ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements of ``gradient_dtype``,
         keys of the ``zero_optimization`` section).
         """
-        if not self.contains(settings):
+        tuner = self.backend == "nccl" and bool(self.protocol)
+        point = settings
+        if tuner and "protocol" not in settings:
+            # from before the job announced the protocol (its baseline): NCCL's own protocol
+            point = {**settings, "protocol": self.protocol[0]}
+        if not self.contains(point):
             raise ValueError(f"settings are not a point of this {self.backend} space: {settings}")
         bucket = int(settings["bucket_mb"])  # type: ignore[call-overload]
         parameters: dict[str, Any]
@@ -472,13 +479,14 @@ class SearchSpace:
         else:
             chunk_bytes = int(settings["chunk_kb"]) * KIB  # type: ignore[call-overload]
             algorithm = str(settings["allreduce"])
-            if self.backend == "nccl" and self.protocol:
+            if tuner:
                 parameters = {
                     "tuner_algorithm": algorithm,
-                    "tuner_protocol": str(settings["protocol"]),
                     "bucket_cap_mb": bucket,
                     "chunk_bytes": chunk_bytes,
                 }
+                if "protocol" in settings:
+                    parameters["tuner_protocol"] = str(settings["protocol"])
             elif self.backend == "nccl":
                 parameters = {
                     "NCCL_ALGO": NCCL_ALGO[algorithm],
@@ -494,7 +502,6 @@ class SearchSpace:
                     "coll_tuned_allreduce_algorithm_segmentsize": chunk_bytes,
                     "bucket_cap_mb": bucket,
                 }
-        tuner = self.backend == "nccl" and bool(self.protocol)
         applied_at = APPLIED_AT_NCCL_TUNER if tuner else APPLIED_AT[self.backend]
         requires = {
             mode: sorted(p for p in parameters if applied_at[p] == mode) for mode in APPLY_MODES

@@ -18,8 +18,7 @@ async def test_an_nccl_job_announcing_the_plugin_knobs_is_tuned_over_them(
         seed=3,
         speedup=100,
         job_knobs=("bucket_mb", "chunk_kb", "allreduce", "protocol"),
-        job_overrides={"confirm_best": False},
-    ) as (coordinator, _, _):
+    ) as (coordinator, _, _):  # confirming re-publishes the baseline, from before the announcement
         await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
     assert state.space.protocol == ("ll", "ll128", "simple")

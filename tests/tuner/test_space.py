@@ -467,6 +467,8 @@ def test_an_nccl_job_announcing_allreduce_and_protocol_tunes_both_live() -> None
     assert mapping["tuner_algorithm"] == "ring" and mapping["tuner_protocol"] == "ll"
     assert "NCCL_ALGO" not in mapping
     assert mapping["requires"]["new_communicator"] == [] == mapping["requires"]["restart"]
+    baseline = space.backend_mapping(START)  # from before the job announced the protocol
+    assert "tuner_protocol" not in baseline and baseline["tuner_algorithm"] == "ring"
     tuner = Tuner(space, seed=1, start=space.snap(START))
     for score in (10.0, 11.0, 9.0, 12.0):
         point = tuner.ask()
