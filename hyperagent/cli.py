@@ -1,4 +1,5 @@
-"""Command-line entry points: agent, coordinator, demo, record, report, metrics, check-config."""
+"""Command-line entry points: agent, coordinator, demo, record, report, metrics, check-config,
+nccl-plugin."""
 
 from __future__ import annotations
 
@@ -442,6 +443,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_nccl_plugin(args: argparse.Namespace) -> int:
+    """Print the NCCL tuner plugin's absolute path, building it into the cache if needed."""
+    from hyperagent.nccl import PluginBuildError, library_path
+
+    try:
+        print(library_path())
+    except PluginBuildError as e:
+        print(f"hyperagent nccl-plugin: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyperagent", description="GPU-cluster monitoring agent and closed-loop tuner."
@@ -533,6 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a configuration file")
     check.add_argument("file", type=Path)
     check.set_defaults(func=cmd_check_config)
+
+    plugin = sub.add_parser(
+        "nccl-plugin",
+        help="print the NCCL tuner plugin's path (for NCCL_TUNER_PLUGIN), building it if needed",
+    )
+    plugin.set_defaults(func=cmd_nccl_plugin)
     return parser
 
 

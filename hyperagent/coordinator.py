@@ -886,7 +886,7 @@ class Coordinator:
         full = job_space(cfg)
         start = full.snap(state.trials[0].settings) if state.trials else self._start(state)
         pinned = [k for k in KNOBS if k not in announced and len(full.values(k)) > 1]
-        space = full.pin(start, pinned)
+        space = full.announced(announced, start)
         if space == state.space:
             return
         log.info(

@@ -33,6 +33,9 @@ MAX_DATAGRAM = 64 * 1024
 DEFAULT_SOCKET = Path("/run/hyperagent/job.sock")
 KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
 """Knobs a job may announce that it applies live (power caps are the agent's, not the job's)."""
+NCCL_TUNER_KNOBS = ("protocol",)
+"""Knobs only an NCCL job driving hyperagent's tuner plugin applies (and may announce)."""
+ANNOUNCEABLE = KNOBS + NCCL_TUNER_KNOBS
 RECONNECT_S = 1.0
 """A rank whose connection is down tries again at most this often ..."""
 REFUSED_RETRY_S = 30.0
@@ -225,8 +228,8 @@ def parse_hello(message: Mapping[str, Any]) -> tuple[int, tuple[str, ...] | None
     rank = _integer(message, "rank")
     knobs = message.get("knobs")
     if knobs is not None:
-        if not isinstance(knobs, list) or not all(k in KNOBS for k in knobs):
-            raise PayloadError(f"knobs must be a list of {', '.join(KNOBS)}, got {knobs!r}")
+        if not isinstance(knobs, list) or not all(k in ANNOUNCEABLE for k in knobs):
+            raise PayloadError(f"knobs must be a list of {', '.join(ANNOUNCEABLE)}, got {knobs!r}")
         knobs = tuple(dict.fromkeys(knobs))
     gpu = None if message.get("gpu") is None else _integer(message, "gpu")
     return rank, knobs, gpu

@@ -40,6 +40,13 @@ rank does not share. The switch happens only in ``step_begin``, after the previo
 - ``chunk_bytes`` is applied by the comm hook (:func:`chunked_allreduce_hook`): each gradient
   bucket is divided by the world size and allreduced in chunks of that many bytes, as PyTorch's
   default hook does with the whole bucket. Without it, each bucket is one allreduce.
+- ``allreduce`` and ``protocol`` (NCCL's AllReduce algorithm and protocol) are set through
+  hyperagent's NCCL tuner plugin (:mod:`hyperagent.nccl`), which NCCL asks before it plans
+  every AllReduce. TunedDDP loads the library NCCL loads and calls its setter on every rank in
+  ``step_begin``, before the iteration's first collective, so every rank's next AllReduce runs
+  the same choice. It announces these two knobs only when the process group is NCCL,
+  ``NCCL_TUNER_PLUGIN`` names this plugin's library and ``NCCL_ALGO``/``NCCL_PROTO`` are unset
+  (they override any tuner); otherwise it says why, once, and the coordinator leaves them out.
 
 Reports. ``step_end`` reports the step through the JobReporter, carrying the version the step
 ran with. ``step_s`` is the wall time from ``step_begin`` to ``step_end``. ``comm_s`` is the
@@ -56,6 +63,7 @@ are enqueued, so a host clock would read about 0). ``step_s`` is the host's: on 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,6 +78,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hyperagent.job import JobReporter, JobSettings
+from hyperagent.nccl import ALGORITHMS, PROTOCOLS, Choice, TunerPlugin
 
 log = logging.getLogger(__name__)
 Future = torch.futures.Future
@@ -80,9 +89,13 @@ DEFAULT_HISTORY = 8
 MAX_BYTES = 1 << 40
 _ABSENT = -1
 APPLIED_KNOBS = ("bucket_mb", "chunk_kb")
-"""What TunedDDP applies live and announces when it attaches. Not the AllReduce algorithm:
-NCCL reads ``NCCL_ALGO`` only when a communicator is created, and TunedDDP keeps its process
-group, so the coordinator leaves the algorithm out of a TunedDDP job's search space."""
+"""What TunedDDP applies live and announces when it attaches, without the NCCL tuner plugin.
+Not the AllReduce algorithm: NCCL reads ``NCCL_ALGO`` only when a communicator is created, and
+TunedDDP keeps its process group."""
+PLUGIN_KNOBS = ("allreduce", "protocol")
+"""What TunedDDP also applies and announces with the NCCL tuner plugin (:func:`nccl_plugin_for`)."""
+ALGORITHM_INDEX: dict[str, int] = {**ALGORITHMS, "collnet": ALGORITHMS["collnet_direct"]}
+"""The space's algorithm names as NCCL's indices (``collnet``: CollNet direct)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +104,10 @@ class DdpKnobs:
 
     bucket_bytes: int | None = None
     chunk_bytes: int | None = None
+    algorithm: int | None = None
+    """NCCL's ``NCCL_ALGO_*`` index for AllReduce, through the tuner plugin."""
+    protocol: int | None = None
+    """NCCL's ``NCCL_PROTO_*`` index."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +131,52 @@ def _size(value: object, unit: int) -> int | None:
     return int(size)
 
 
-def knobs_from_settings(settings: JobSettings) -> DdpKnobs:
+def _index(value: object, names: Mapping[str, int]) -> int | None:
+    if not isinstance(value, str):
+        return None
+    return names.get(value.lower().replace("-", "_"))
+
+
+def knobs_from_settings(settings: JobSettings, nccl_plugin: bool = False) -> DdpKnobs:
     """The DDP knobs of a settings message.
 
     The backend's terms come first (``bucket_cap_mb`` in MiB, ``chunk_bytes``), else the abstract
-    knobs (``bucket_mb`` MiB, ``chunk_kb`` KiB). A missing value, or one that is not a positive
-    number up to 1 TiB, leaves that knob as it is.
+    knobs (``bucket_mb`` MiB, ``chunk_kb`` KiB). With ``nccl_plugin`` (the ranks set the NCCL
+    tuner plugin), ``allreduce`` (ring, tree, nvls, collnet, pat, ...) and ``protocol`` (ll,
+    ll128, simple) become NCCL's indices; without it they are not applied. A missing value, or
+    one that is not a positive number up to 1 TiB or a known name, leaves that knob as it is.
     """
     backend, knobs = settings.backend, settings.settings
     bucket = _size(backend.get("bucket_cap_mb"), MIB) or _size(knobs.get("bucket_mb"), MIB)
     chunk = _size(backend.get("chunk_bytes"), 1) or _size(knobs.get("chunk_kb"), 1024)
-    return DdpKnobs(bucket, chunk)
+    if not nccl_plugin:
+        return DdpKnobs(bucket, chunk)
+    algorithm = _index(knobs.get("allreduce"), ALGORITHM_INDEX)
+    protocol = _index(knobs.get("protocol"), PROTOCOLS)
+    return DdpKnobs(bucket, chunk, algorithm, protocol)
+
+
+def nccl_plugin_for(backend: str, environ: Mapping[str, str]) -> tuple[TunerPlugin | None, str]:
+    """The tuner plugin NCCL loads for a process group of ``backend``, or None and why not.
+
+    Only for an NCCL group, when ``NCCL_TUNER_PLUGIN`` names a file that is hyperagent's plugin
+    (NCCL dlopens that path; loading it here shares its one copy) and neither ``NCCL_ALGO`` nor
+    ``NCCL_PROTO`` is set (either overrides every tuner).
+    """
+    if "nccl" not in backend.lower():
+        return None, f"the process group is {backend}, not NCCL"
+    forced = [name for name in ("NCCL_ALGO", "NCCL_PROTO") if environ.get(name)]
+    if forced:
+        return None, f"{' and '.join(forced)} set: NCCL ignores any tuner"
+    named = environ.get("NCCL_TUNER_PLUGIN", "")
+    if not named:
+        return None, "NCCL_TUNER_PLUGIN is not set (NCCL_TUNER_PLUGIN=$(hyperagent nccl-plugin))"
+    if not Path(named).is_file():
+        return None, f"NCCL_TUNER_PLUGIN={named} is not a file path to hyperagent's plugin"
+    try:
+        return TunerPlugin(named), ""
+    except (OSError, AttributeError) as e:
+        return None, f"NCCL_TUNER_PLUGIN={named} is not hyperagent's plugin ({e})"
 
 
 def choose_version(
@@ -144,14 +196,25 @@ def choose_version(
     return version, received[0][version]
 
 
+def _or_absent(value: int | None) -> int:
+    return _ABSENT if value is None else value
+
+
 def encode_received(stop: bool, received: Mapping[int, DdpKnobs], rows: int) -> torch.Tensor:
-    """The rows a rank contributes to the agreement: [stop, 0, 0], then per version (newest
-    ``rows``) [version, bucket bytes, chunk bytes], -1 for absent values and unused rows."""
-    table = torch.full((rows + 1, 3), _ABSENT, dtype=torch.int64)
-    table[0] = torch.tensor([int(stop), 0, 0])
+    """The rows a rank contributes to the agreement: [stop, 0, 0, 0, 0], then per version
+    (newest ``rows``) [version, bucket bytes, chunk bytes, algorithm, protocol], -1 for absent
+    values and unused rows."""
+    table = torch.full((rows + 1, 5), _ABSENT, dtype=torch.int64)
+    table[0] = torch.tensor([int(stop), 0, 0, 0, 0])
     for row, (version, knobs) in enumerate(sorted(received.items())[-rows:], start=1):
         table[row] = torch.tensor(
-            [version, knobs.bucket_bytes or _ABSENT, knobs.chunk_bytes or _ABSENT]
+            [
+                version,
+                knobs.bucket_bytes or _ABSENT,
+                knobs.chunk_bytes or _ABSENT,
+                _or_absent(knobs.algorithm),
+                _or_absent(knobs.protocol),
+            ]
         )
     return table
 
@@ -160,8 +223,13 @@ def decode_received(table: torch.Tensor) -> tuple[bool, dict[int, DdpKnobs]]:
     """The inverse of :func:`encode_received`: (stop requested, version -> knobs)."""
     rows: list[list[int]] = table.tolist()
     received = {
-        version: DdpKnobs(bucket if bucket > 0 else None, chunk if chunk > 0 else None)
-        for version, bucket, chunk in rows[1:]
+        version: DdpKnobs(
+            bucket if bucket > 0 else None,
+            chunk if chunk > 0 else None,
+            algorithm if algorithm >= 0 else None,
+            protocol if protocol >= 0 else None,
+        )
+        for version, bucket, chunk, algorithm, protocol in rows[1:]
         if version >= 0
     }
     return rows[0][0] == 1, received
@@ -438,6 +506,11 @@ class TunedDDP:
     times the exposed communication; by default :func:`comm_timer_for` the device of the
     module's first parameter (``clock`` on the CPU, CUDA events on a GPU). Other keyword
     arguments go to DistributedDataParallel on every (re-)wrap. Call as the module is called.
+
+    ``nccl_plugin`` is the NCCL tuner plugin that sets ``allreduce`` and ``protocol``; by
+    default :func:`nccl_plugin_for` DDP's process group and the environment. Passing one says
+    that NCCL loads that file whatever the group's backend (on gloo, NCCL never consults it,
+    but the setter still runs at the agreed iteration: how the switch is tested on CPUs).
     """
 
     def __init__(
@@ -453,6 +526,7 @@ class TunedDDP:
         history: int = DEFAULT_HISTORY,
         clock: Callable[[], float] = time.perf_counter,
         comm_timer: CommTimer | None = None,
+        nccl_plugin: TunerPlugin | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -462,9 +536,20 @@ class TunedDDP:
         if history < 1:
             raise ValueError(f"history must be at least 1, got {history}")
         self.rank = dist.get_rank()
+        if nccl_plugin is None:
+            backend = str(dist.get_backend(ddp_kwargs.get("process_group")))
+            nccl_plugin, why = nccl_plugin_for(backend, os.environ)
+            if nccl_plugin is None:
+                log.info("rank %d: allreduce and protocol are not tuned: %s", self.rank, why)
+        elif any(os.environ.get(name) for name in ("NCCL_ALGO", "NCCL_PROTO")):
+            log.info("rank %d: NCCL_ALGO or NCCL_PROTO set: NCCL ignores any tuner", self.rank)
+            nccl_plugin = None
+        self.nccl_plugin = nccl_plugin
+        """The tuner plugin the ranks set, or None: allreduce and protocol not announced."""
+        knobs = APPLIED_KNOBS + (PLUGIN_KNOBS if nccl_plugin is not None else ())
         self._owns_reporter = reporter is None
         self.reporter = reporter or JobReporter(
-            str(job), rank=self.rank, socket_path=socket_path, knobs=APPLIED_KNOBS
+            str(job), rank=self.rank, socket_path=socket_path, knobs=knobs
         )
         self._owns_control = control_group is None
         self._control = control_group or dist.new_group(backend="gloo")
@@ -601,7 +686,7 @@ class TunedDDP:
         return ddp
 
     def _remember(self, settings: JobSettings) -> None:
-        knobs = knobs_from_settings(settings)
+        knobs = knobs_from_settings(settings, self.nccl_plugin is not None)
         if knobs == DdpKnobs() and settings.settings:
             log.warning("settings v%d carry no usable DDP knob: %s", settings.version, settings)
         self._received[settings.version] = (settings, knobs)
@@ -637,15 +722,26 @@ class TunedDDP:
             self._ddp = self._wrap(init_sync=False)
         if knobs.chunk_bytes is not None:
             self._hook.chunk_bytes = knobs.chunk_bytes
+        plugin = self.nccl_plugin
+        if plugin is not None and (knobs.algorithm is not None or knobs.protocol is not None):
+            now = plugin.selected()
+            choice = Choice(
+                now.algorithm if knobs.algorithm is None else knobs.algorithm,
+                now.protocol if knobs.protocol is None else knobs.protocol,
+                now.channels,
+            )
+            if not plugin.select(choice):
+                log.warning("rank %d: the NCCL tuner plugin refused %s", self.rank, choice)
         self._applied = settings
         self.reporter.applied = settings
         for old in [v for v in self._received if v <= version]:
             del self._received[old]
         log.info(
-            "rank %d runs settings v%d: bucket_cap_mb %s, chunk_bytes %s",
+            "rank %d runs settings v%d: bucket_cap_mb %s, chunk_bytes %s, nccl %s",
             self.rank,
             version,
             self._bucket_cap_mb,
             self._hook.chunk_bytes,
+            self.nccl_plugin.selected() if self.nccl_plugin is not None else "-",
         )
         return settings

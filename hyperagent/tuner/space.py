@@ -7,6 +7,11 @@ so a gloo space has no allreduce choice. Horovod and DeepSpeed expose a fusion o
 but neither a chunk size nor an algorithm: their spaces have no ``chunk_kb`` and no
 ``allreduce`` knob, and their settings lack those keys. Settings are plain dicts of JSON-safe
 Python values.
+
+Under NCCL with hyperagent's tuner plugin (``hyperagent.nccl``) the AllReduce algorithm and a
+``protocol`` knob (LL, LL128, Simple) apply at an iteration boundary; a job says so by
+announcing ``allreduce`` and ``protocol`` (:meth:`SearchSpace.announced`), and only such a
+job's space has ``protocol``.
 """
 
 from __future__ import annotations
@@ -89,6 +94,15 @@ when it is enabled on a communicator), so the job must build a new process group
 ``restart``: read once at start-up (``hvd.init()``; ``deepspeed.initialize`` builds the ZeRO
 optimiser's buckets), so the job must restart or re-initialise the framework."""
 
+APPLIED_AT_NCCL_TUNER: dict[str, str] = {
+    "tuner_algorithm": ITERATION_BOUNDARY,
+    "tuner_protocol": ITERATION_BOUNDARY,
+    "bucket_cap_mb": ITERATION_BOUNDARY,
+    "chunk_bytes": ITERATION_BOUNDARY,
+}
+"""An NCCL job with hyperagent's tuner plugin (its space has ``protocol``): the algorithm and
+protocol are set through the plugin, which NCCL asks before every AllReduce."""
+
 NCCL_EXTRA_ALGORITHMS: tuple[str, ...] = ("nvls", "collnet")
 
 NCCL_ALGO: dict[str, str] = {
@@ -99,7 +113,13 @@ NCCL_ALGO: dict[str, str] = {
 }
 MPI_ALLREDUCE_ALGORITHM: dict[str, int] = {"ring": 4, "halving_doubling": 6}
 
-KNOBS: tuple[str, ...] = ("bucket_mb", "chunk_kb", "power_cap_w", "allreduce")
+NCCL_PROTOCOLS: tuple[str, ...] = ("ll", "ll128", "simple")
+"""NCCL's protocols in its own order (``NCCL_PROTO_*`` 0, 1, 2): by latency, lowest first."""
+DEFAULT_PROTOCOL = "simple"
+PLUGIN_KNOBS: tuple[str, ...] = ("allreduce", "protocol")
+"""What an NCCL job announces when it switches the AllReduce through the tuner plugin."""
+
+KNOBS: tuple[str, ...] = ("bucket_mb", "chunk_kb", "power_cap_w", "allreduce", "protocol")
 
 Settings = dict[str, Any]
 
@@ -163,6 +183,9 @@ class SearchSpace:
     power_cap_w: tuple[int, ...] = ()
     allreduce: tuple[str, ...] = ("ring",)
     gradient_dtype: str = "fp32"
+    protocol: tuple[str, ...] = ()
+    """NCCL's protocol, through the tuner plugin: only in the space of an NCCL job that
+    announced it (:meth:`announced`)."""
 
     def __post_init__(self) -> None:
         _check_backend(self.backend)
@@ -200,6 +223,12 @@ class SearchSpace:
                 f"allreduce: backend {self.backend!r} has no algorithm choice;"
                 " pass allreduce=() (SearchSpace.default does)"
             )
+        if self.protocol and self.backend != "nccl":
+            raise ValueError(f"protocol: backend {self.backend!r} has no protocol choice")
+        if len(set(self.protocol)) != len(self.protocol) or not set(self.protocol) <= set(
+            NCCL_PROTOCOLS
+        ):
+            raise ValueError(f"protocol: unknown or repeated protocols in {self.protocol}")
         if self.gradient_dtype not in GRADIENT_DTYPE_BYTES:
             choices = ", ".join(GRADIENT_DTYPE_BYTES)
             raise ValueError(
@@ -242,6 +271,19 @@ class SearchSpace:
             allreduce=algorithms,
             gradient_dtype=gradient_dtype,
         )
+
+    def announced(self, knobs: Iterable[str], start: Mapping[str, object]) -> SearchSpace:
+        """The space of a job whose ranks announced they apply ``knobs`` live: the others
+        pinned at their value in ``start``. An NCCL job announcing ``protocol`` (through the
+        tuner plugin) gains the protocol knob; a job that did not announce it never has it."""
+        knobs = tuple(knobs)
+        space = self
+        if self.backend == "nccl" and "protocol" in knobs and not self.protocol:
+            space = dataclasses.replace(self, protocol=NCCL_PROTOCOLS)
+        elif "protocol" not in knobs and self.protocol:
+            space = dataclasses.replace(self, protocol=())
+        pinned = [k for k in KNOBS if k not in knobs and len(space.values(k)) > 1]
+        return space.pin(start, pinned)
 
     def pin(self, settings: Mapping[str, object], knobs: Iterable[str]) -> SearchSpace:
         """This space with each of ``knobs`` held at its value in ``settings`` (snapped)."""
@@ -304,8 +346,8 @@ class SearchSpace:
             value = settings[knob]
             if isinstance(value, bool):
                 return False
-            if knob == "allreduce":
-                if not isinstance(value, str) or value not in self.allreduce:
+            if knob in ("allreduce", "protocol"):
+                if not isinstance(value, str) or value not in self.values(knob):
                     return False
             elif not isinstance(value, numbers.Real) or value not in self.values(knob):
                 return False
@@ -342,6 +384,13 @@ class SearchSpace:
                 raise ValueError(f"allreduce: unknown algorithm {name!r}")
             fallback = "ring" if "ring" in self.allreduce else self.allreduce[0]
             snapped["allreduce"] = name if name in self.allreduce else fallback
+        if self.protocol:
+            protocol = settings.get("protocol", DEFAULT_PROTOCOL)
+            if not isinstance(protocol, str) or protocol.lower() not in NCCL_PROTOCOLS:
+                raise ValueError(f"protocol: expected one of {', '.join(NCCL_PROTOCOLS)}")
+            protocol = protocol.lower()
+            default = DEFAULT_PROTOCOL if DEFAULT_PROTOCOL in self.protocol else self.protocol[0]
+            snapped["protocol"] = protocol if protocol in self.protocol else default
         return snapped
 
     def defaults(self) -> Settings:
@@ -402,14 +451,23 @@ class SearchSpace:
         "new_communicator": [...], "restart": [...]}``, each a sorted list of parameter names.
 
         nccl: ``NCCL_ALGO`` (a new communicator), ``bucket_cap_mb`` and ``chunk_bytes`` (the
-        DDP comm hook's chunk); gloo: ``bucket_cap_mb`` and ``chunk_bytes``; mpi: Open MPI's
-        ``coll_tuned_use_dynamic_rules``, ``coll_tuned_allreduce_algorithm`` and
+        DDP comm hook's chunk); with ``protocol`` in the space (the tuner plugin),
+        ``tuner_algorithm`` and ``tuner_protocol`` instead of ``NCCL_ALGO``, live
+        (:data:`APPLIED_AT_NCCL_TUNER`; settings from before the job announced the protocol,
+        such as its baseline, map without ``tuner_protocol``: NCCL's own); gloo:
+        ``bucket_cap_mb`` and ``chunk_bytes``; mpi: Open MPI's ``coll_tuned_use_dynamic_rules``,
+        ``coll_tuned_allreduce_algorithm`` and
         ``coll_tuned_allreduce_algorithm_segmentsize`` (bytes), plus ``bucket_cap_mb``;
         horovod: ``HOROVOD_FUSION_THRESHOLD`` (bytes); deepspeed: ZeRO's
         ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements of ``gradient_dtype``,
         keys of the ``zero_optimization`` section).
         """
-        if not self.contains(settings):
+        tuner = self.backend == "nccl" and bool(self.protocol)
+        point = settings
+        if tuner and "protocol" not in settings:
+            # from before the job announced the protocol (its baseline): NCCL's own protocol
+            point = {**settings, "protocol": self.protocol[0]}
+        if not self.contains(point):
             raise ValueError(f"settings are not a point of this {self.backend} space: {settings}")
         bucket = int(settings["bucket_mb"])  # type: ignore[call-overload]
         parameters: dict[str, Any]
@@ -421,7 +479,15 @@ class SearchSpace:
         else:
             chunk_bytes = int(settings["chunk_kb"]) * KIB  # type: ignore[call-overload]
             algorithm = str(settings["allreduce"])
-            if self.backend == "nccl":
+            if tuner:
+                parameters = {
+                    "tuner_algorithm": algorithm,
+                    "bucket_cap_mb": bucket,
+                    "chunk_bytes": chunk_bytes,
+                }
+                if "protocol" in settings:
+                    parameters["tuner_protocol"] = str(settings["protocol"])
+            elif self.backend == "nccl":
                 parameters = {
                     "NCCL_ALGO": NCCL_ALGO[algorithm],
                     "bucket_cap_mb": bucket,
@@ -436,7 +502,7 @@ class SearchSpace:
                     "coll_tuned_allreduce_algorithm_segmentsize": chunk_bytes,
                     "bucket_cap_mb": bucket,
                 }
-        applied_at = APPLIED_AT[self.backend]
+        applied_at = APPLIED_AT_NCCL_TUNER if tuner else APPLIED_AT[self.backend]
         requires = {
             mode: sorted(p for p in parameters if applied_at[p] == mode) for mode in APPLY_MODES
         }

@@ -123,9 +123,12 @@ def test_the_chosen_version_is_the_newest_every_rank_has() -> None:
 
 
 def test_the_agreement_rows_round_trip_and_keep_the_newest_versions() -> None:
-    received = {v: DdpKnobs(v * MIB, None if v % 2 else v * 1024) for v in range(1, 12)}
+    received = {
+        v: DdpKnobs(v * MIB, None if v % 2 else v * 1024, v % 7 if v % 3 else None, v % 3 or None)
+        for v in range(1, 12)
+    }
     table = encode_received(True, received, rows=4)
-    assert table.shape == (5, 3) and table.dtype == torch.int64
+    assert table.shape == (5, 5) and table.dtype == torch.int64
     stop, decoded = decode_received(table)
     assert stop is True
     assert decoded == {v: received[v] for v in (8, 9, 10, 11)}

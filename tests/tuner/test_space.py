@@ -445,3 +445,50 @@ def test_model_proposals_stay_near_the_incumbent_until_the_search_stalls() -> No
         tuner.tell(settings, value)
     final = tuner.best
     assert final is not None and score(final[0]) > score(space.defaults())
+
+
+# -- NCCL's AllReduce algorithm and protocol through the tuner plugin ----------------------
+
+TUNED_DDP = ("bucket_mb", "chunk_kb")
+WITH_PLUGIN = ("bucket_mb", "chunk_kb", "allreduce", "protocol")
+START = {"bucket_mb": 32, "chunk_kb": 4096, "allreduce": "ring"}
+
+
+def test_an_nccl_job_announcing_allreduce_and_protocol_tunes_both_live() -> None:
+    space = SearchSpace.default("nccl", 2).announced(WITH_PLUGIN, START)
+    assert space.knobs == ("bucket_mb", "chunk_kb", "allreduce", "protocol")
+    assert space.allreduce == ("ring", "tree")
+    assert space.protocol == ("ll", "ll128", "simple")
+    assert {p["protocol"] for p in space.grid()} == {"ll", "ll128", "simple"}
+    assert {p["allreduce"] for p in space.grid()} == {"ring", "tree"}
+    assert space.snap(START)["protocol"] == "simple"
+    assert space.snap({**START, "protocol": "LL128"})["protocol"] == "ll128"
+    mapping = space.backend_mapping({**START, "protocol": "ll"})
+    assert mapping["tuner_algorithm"] == "ring" and mapping["tuner_protocol"] == "ll"
+    assert "NCCL_ALGO" not in mapping
+    assert mapping["requires"]["new_communicator"] == [] == mapping["requires"]["restart"]
+    baseline = space.backend_mapping(START)  # from before the job announced the protocol
+    assert "tuner_protocol" not in baseline and baseline["tuner_algorithm"] == "ring"
+    tuner = Tuner(space, seed=1, start=space.snap(START))
+    for score in (10.0, 11.0, 9.0, 12.0):
+        point = tuner.ask()
+        assert space.contains(point) and point["protocol"] in space.protocol
+        tuner.tell(point, score)
+
+
+def test_a_job_that_does_not_announce_them_never_sees_the_protocol() -> None:
+    full = SearchSpace.default("nccl", 2)
+    assert full.protocol == () and "protocol" not in full.knobs
+    space = full.announced(TUNED_DDP, START)
+    assert space.allreduce == ("ring",), "the algorithm stays at its start value"
+    assert all("protocol" not in point for point in space.grid())
+    assert not space.contains({**START, "protocol": "simple"})
+    assert "tuner_protocol" not in space.backend_mapping(START)
+    widened = full.announced(WITH_PLUGIN, START)
+    assert widened.announced(TUNED_DDP, START).protocol == (), "a re-announcement narrows it"
+    gloo = SearchSpace.default("gloo", 2).announced(WITH_PLUGIN, START)
+    assert gloo.protocol == () and "protocol" not in gloo.knobs
+    with pytest.raises(ValueError, match="protocol"):
+        SearchSpace("gloo", 1, protocol=("simple",))
+    with pytest.raises(ValueError, match="protocol"):
+        SearchSpace("nccl", 1, allreduce=("ring", "tree"), protocol=("fast",))
