@@ -120,6 +120,8 @@ PLUGIN_KNOBS: tuple[str, ...] = ("allreduce", "protocol")
 """What an NCCL job announces when it switches the AllReduce through the tuner plugin."""
 
 KNOBS: tuple[str, ...] = ("bucket_mb", "chunk_kb", "power_cap_w", "allreduce", "protocol")
+JOB_KNOBS: tuple[str, ...] = tuple(k for k in KNOBS if k != "power_cap_w")
+"""The knobs a job's ranks apply, and announce (the power cap is the agent's)."""
 
 Settings = dict[str, Any]
 
@@ -282,7 +284,7 @@ class SearchSpace:
             space = dataclasses.replace(self, protocol=NCCL_PROTOCOLS)
         elif "protocol" not in knobs and self.protocol:
             space = dataclasses.replace(self, protocol=())
-        pinned = [k for k in KNOBS if k not in knobs and len(space.values(k)) > 1]
+        pinned = [k for k in JOB_KNOBS if k not in knobs and len(space.values(k)) > 1]
         return space.pin(start, pinned)
 
     def pin(self, settings: Mapping[str, object], knobs: Iterable[str]) -> SearchSpace:

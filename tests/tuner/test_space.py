@@ -492,3 +492,12 @@ def test_a_job_that_does_not_announce_them_never_sees_the_protocol() -> None:
         SearchSpace("gloo", 1, protocol=("simple",))
     with pytest.raises(ValueError, match="protocol"):
         SearchSpace("nccl", 1, allreduce=("ring", "tree"), protocol=("fast",))
+
+
+def test_announced_knobs_never_pin_the_agents_power_cap() -> None:
+    """The power cap is the agent's knob, never announced by a job's ranks: a job that
+    announced its own knobs keeps the power cap its objective searches."""
+    full = SearchSpace.default("nccl", 1, (100, 250)).for_objective("energy")
+    assert len(full.power_cap_w) > 1
+    for knobs in (TUNED_DDP, WITH_PLUGIN, ()):
+        assert full.announced(knobs, {**START, "power_cap_w": 250}).power_cap_w == full.power_cap_w
