@@ -32,7 +32,6 @@ from hyperagent import bus
 from hyperagent.config import Config, JobTuningSection
 from hyperagent.errors import PayloadError
 from hyperagent.exporter import SnapshotCollector
-from hyperagent.job import KNOBS
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
 from hyperagent.tuner import lifecycle
@@ -885,8 +884,8 @@ class Coordinator:
         cfg = state.config
         full = job_space(cfg)
         start = full.snap(state.trials[0].settings) if state.trials else self._start(state)
-        pinned = [k for k in KNOBS if k not in announced and len(full.values(k)) > 1]
         space = full.announced(announced, start)
+        pinned = [k for k in full.knobs if len(full.values(k)) > 1 and len(space.values(k)) == 1]
         if space == state.space:
             return
         log.info(
