@@ -12,7 +12,9 @@ thread. Blocking: call from a worker thread.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,8 +29,22 @@ from hyperagent.gate import DeviceGate
 from hyperagent.sources.nvml import instant_power_w, nvml_error_code
 
 _T = TypeVar("_T")
+_M = TypeVar("_M", bound=Callable[..., Any])
 
 log = logging.getLogger(__name__)
+
+
+def _serialised(method: _M) -> _M:
+    """Run ``method`` under the actuator's lock: the agent applies from its MQTT handler and
+    restores on shutdown or when the coordinator goes offline, each from a worker thread, and a
+    thread cannot be cancelled, so an apply may still run when a restore starts."""
+
+    @functools.wraps(method)
+    def serialised(self: PowerCapActuator, *args: Any) -> Any:
+        with self._lock:
+            return method(self, *args)
+
+    return serialised  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class PowerCapActuator:
         self._clock = clock
         self._sleep = sleep
         self._handles: list[tuple[int, str, Any]] | None = None
+        self._lock = threading.RLock()
         self.original_mw: dict[str, tuple[Any, int]] = {}
         """uuid -> (handle, limit before hyperagent first changed it)."""
         self.last_latency_s: float | None = None
@@ -100,6 +117,7 @@ class PowerCapActuator:
         except OSError as e:
             log.error("cannot keep the original power limits in %s: %s", self.state_file, e)
 
+    @_serialised
     def recover(self) -> int:
         """Put back the limits a crashed run left changed (from the state file); returns how
         many GPUs it restored. A GPU that is gone is logged and skipped."""
@@ -156,6 +174,7 @@ class PowerCapActuator:
             handles.append((i, uuid.decode() if isinstance(uuid, bytes) else uuid, h))
         return handles
 
+    @_serialised
     def limits_w(self) -> tuple[float, float] | None:
         """The power-limit range every GPU of the node accepts (intersection), or None."""
         nv = self.nvml
@@ -171,6 +190,7 @@ class PowerCapActuator:
             return None
         return max(lows), min(highs)
 
+    @_serialised
     def apply(self, watts: float) -> list[AppliedCap]:
         """Set ``watts`` (clamped to each GPU's [min, max]) on every GPU, all or nothing.
 
@@ -269,6 +289,7 @@ class PowerCapActuator:
             )
         return found
 
+    @_serialised
     def restore(self) -> int:
         """Put back every limit hyperagent changed; returns how many were restored."""
         nv = self.nvml

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +175,36 @@ def test_a_failure_on_gpu_3_of_8_puts_every_gpu_back_and_names_it(
     assert limits_w(nvml) == [175.0] * 8  # the limits before this apply, on every GPU
     nvml.set_faults(None)
     assert actuator.restore() == 8 and limits_w(nvml) == [250.0] * 8 and not state.exists()
+
+
+def test_a_restore_that_overlaps_an_apply_or_another_restore_runs_after_it(
+    nvidia_smi_dir: Path,
+) -> None:
+    # The agent restores on shutdown while a coordinator-offline restore (or an apply from the
+    # MQTT handler) may still run in its worker thread: each call runs whole, one after another.
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    actuator = PowerCapActuator(nvml)
+    actuator.apply(150)
+    nvml.set_faults({"nvmlDeviceGetPowerManagementLimit": {"block_s": 0.01}})
+    start = threading.Barrier(3)
+
+    def after_start(call: Any, *args: Any) -> Any:
+        start.wait(timeout=5)
+        return call(*args)
+
+    with ThreadPoolExecutor(3) as pool:
+        runs = [
+            pool.submit(after_start, actuator.restore),
+            pool.submit(after_start, actuator.restore),
+            pool.submit(after_start, actuator.apply, 175),
+        ]
+        restored = sorted(run.result(timeout=30) for run in runs[:2])
+        applied = runs[2].result(timeout=30)
+    assert all(cap.applied_w == 175.0 for cap in applied)
+    # the apply ran first (both restores put back all 8), between them (8 then 8) or last
+    assert restored in ([0, 8], [8, 8])
+    expected = [250.0] * 8 if actuator.original_mw == {} else [175.0] * 8
+    assert limits_w(nvml) == expected
 
 
 def test_a_failure_on_the_first_change_leaves_the_originals_and_no_state(
