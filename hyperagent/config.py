@@ -207,6 +207,7 @@ class PduTargetSection(_Model):
         "vertiv",
         "tripplite",
         "hpe",
+        "hpe-pdu3",
         "dell",
         "enlogic",
         "panduit",
