@@ -660,7 +660,8 @@ HPE = Profile(
 # HPE CPQPOWER-MIB pdu3 (HPE G2 PDUs of the 232.165.11 branch, the same table layout as Panduit
 # G5): input power in W (the MIB's text says thousandths; its agents report W, the sum of the
 # phases' W), lifetime energy in kWh; phase voltage in tenths of V, current in hundredths of A,
-# power in W; outlet current in hundredths of A, power in W. Indexed by the daisy-chained PDU
+# power in W; outlet current in hundredths of A, power in W (pdu3OutletWh is whole kWh, reset
+# from the GUI: too coarse for a node's energy, not read). Indexed by the daisy-chained PDU
 # from 1. These agents answer sysObjectID with a DisplayString (".1.3.6.1.4.1.232.165.11").
 _HPE3 = "1.3.6.1.4.1.232.165.11"
 HPE_PDU3 = Profile(
