@@ -18,6 +18,7 @@ import orjson
 from hyperagent import bus, durable
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.config import Config
+from hyperagent.devices.source import AcceleratorSource
 from hyperagent.errors import ActuationError, DeviceCallError, PayloadError
 from hyperagent.exporter import MetricsServer, SnapshotCollector
 from hyperagent.gate import DeviceGate
@@ -133,11 +134,17 @@ class Agent:
         self.runner = SourceRunner(sources, config.sources.timeout_s, config.sources.intervals)
         self.job_source = next((s for s in self.runner.sources if isinstance(s, JobSource)), None)
         self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
+        self.accelerator_source = next(
+            (s for s in self.runner.sources if isinstance(s, AcceleratorSource)), None
+        )
         self.actuator = None
-        if config.actuation.power_cap and hardware.nvml is not None:
+        devices = hardware.nvml if hardware.nvml is not None else hardware.accelerators
+        if devices is None and self.accelerator_source is not None:
+            devices = self.accelerator_source.library
+        if config.actuation.power_cap and devices is not None:
             state_file = None if hardware.replayed else config.agent.state_dir / "power-limits.json"
             self.actuator = PowerCapActuator(
-                hardware.nvml, state_file, timeout_s=config.sources.timeout_s
+                devices, state_file, timeout_s=config.sources.timeout_s
             )
         self.link = link
         self.settings_key = settings_key
@@ -714,6 +721,10 @@ class Agent:
         of the latest collection."""
         source = self.nvml_source
         if source is None:
+            accel = self.accelerator_source
+            if accel is not None and accel.library is not None:
+                library = accel.library.module
+                return await self._device_call(library, accel.total_energy_j, "total energy")
             return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
         return await self._device_call(source.nvml, source.total_energy_j, "total energy")
 
