@@ -90,7 +90,9 @@ class FakeAmdsmi:
 
     Power: ``current_socket_power`` and ``average_socket_power`` are min(recorded or `set_load`
     draw, power cap); ``amdsmi_set_power_cap`` checks support (a recorded cap range, else
-    NOT_SUPPORTED), permission (``writable=False``: NO_PERM) and range (INVAL) in that order.
+    NOT_SUPPORTED), permission (``writable=False``: NO_PERM) and range (INVAL) in that order;
+    a capture without a minimum cap (rocm-smi gives only the cap) has 0 W, the minimum amdsmi
+    reports on the Instinct captures here.
     Energy: the accumulator starts at the recorded total energy (0 where none) and integrates
     the capped draw over ``clock``; ``energy_ratio`` scales what it counts (a firmware whose
     counter disagrees with its power, to test the agent's check). Devices with a compute
@@ -257,9 +259,10 @@ class FakeAmdsmi:
             raise TypeError(f"cap must be an int of microwatts, got {type(cap).__name__}")
         with self._lock:
             device = self._device("amdsmi_set_power_cap", handle)
-            low, high = device.record.min_power_cap_w, device.record.max_power_cap_w
-            if low is None or high is None:
+            high = device.record.max_power_cap_w
+            if high is None:
                 raise AmdSmiLibraryException(AMDSMI_STATUS_NOT_SUPPORTED)
+            low = device.record.min_power_cap_w or 0.0
             if not self._writable:
                 raise AmdSmiLibraryException(AMDSMI_STATUS_NO_PERM)
             if not round(low * 1e6) <= cap <= round(high * 1e6):

@@ -238,3 +238,20 @@ async def test_a_missing_amdsmi_means_no_amd_devices_said_once(
     assert isinstance(sources[0], AcceleratorSource)
     with pytest.raises(SourceUnavailable):
         await sources[0].start()
+
+
+async def test_mi100_rocm_smi_replay_takes_the_recorded_cap_and_names_the_part() -> None:
+    readings = await replayed_readings(FIXTURES / "replay" / "amd-mi100-rocm602", Clock())
+    assert by_gpu(readings, "hyperagent_gpu_power_watts") == {"0": 36, "1": 44, "2": 43, "3": 39}
+    assert set(by_gpu(readings, "hyperagent_gpu_power_limit_watts").values()) == {290.0}
+    info = [r.labels for r in readings if r.name == "hyperagent_gpu_info"]
+    assert {i["model"] for i in info} == {"AMD Instinct MI100"}
+    assert info[1]["uuid"] == "0x4edfb117a17a07d" and info[1]["driver"] == "6.3.6"
+    promtool_check(exposition(readings))
+
+
+def test_mi210_static_output_gives_model_and_cap_range() -> None:
+    static = amd_smi.parse_static_json((FIXTURES / "amd-smi" / "mi210-static.json").read_text())
+    assert static[0]["model"] == "AMD Instinct MI210"
+    assert (static[0]["min_power_cap_w"], static[0]["max_power_cap_w"]) == (0, 300)
+    assert static[0]["power_cap_w"] == 300
