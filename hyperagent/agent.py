@@ -445,15 +445,23 @@ class Agent:
         return None if self.nvml_source is None else self.nvml_source.nvml
 
     def _running_pids(self) -> dict[str, list[int]]:
-        """GPU index -> pids of its compute processes (empty without NVML's process list).
-        Blocking: run it through the NVML gate."""
+        """GPU index -> pids of its compute processes (empty without NVML's process list), one
+        call per GPU through the handles the NVML source enumerated. Blocking: run it through
+        the NVML gate."""
         nvml = self.hardware.nvml
         if nvml is None or not hasattr(nvml, "nvmlDeviceGetComputeRunningProcesses"):
             return {}
         out: dict[str, list[int]] = {}
+        source = self.nvml_source
         try:
-            for index in range(nvml.nvmlDeviceGetCount()):
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            if source is not None and source.nvml is nvml and source.gpus:
+                handles = [(gpu.index, gpu.handle) for gpu in source.gpus]
+            else:
+                handles = [
+                    (index, nvml.nvmlDeviceGetHandleByIndex(index))
+                    for index in range(nvml.nvmlDeviceGetCount())
+                ]
+            for index, handle in handles:
                 processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
                 out[str(index)] = [p.pid for p in processes]
         except Exception as e:  # NVMLError and friends: attribution falls back to hellos
