@@ -432,7 +432,9 @@ class Agent:
     def _collection_readings(self, now: float) -> list[Reading]:
         """When this collection ran, and the device gates' refused and timed-out calls."""
         out = [Reading(LAST_COLLECTION, now, {}, unit="s")]
-        found = (self.hardware.nvml, self._nvml_library())
+        accel = self.accelerator_source
+        accel_module = None if accel is None or accel.library is None else accel.library.module
+        found = (self.hardware.nvml, self._nvml_library(), accel_module)
         libraries = {id(lib): lib for lib in found if lib is not None}
         for library in libraries.values():
             gate = DeviceGate.of(library)

@@ -255,3 +255,34 @@ def test_mi210_static_output_gives_model_and_cap_range() -> None:
     assert static[0]["model"] == "AMD Instinct MI210"
     assert (static[0]["min_power_cap_w"], static[0]["max_power_cap_w"]) == (0, 300)
     assert static[0]["power_cap_w"] == 300
+
+
+async def test_an_agent_over_an_amd_replay_reads_trial_energy_and_gate_failures(
+    tmp_path: Path,
+) -> None:
+    from hyperagent.agent import Agent
+
+    clock = Clock()
+    config = build_config(
+        {
+            "node": "n",
+            "mqtt": {"enabled": False},
+            "agent": {"metrics_address": "", "state_dir": str(tmp_path)},
+        }
+    )
+    sources, hardware = capture_sources(MI300X, config, clock=clock)
+    agent = Agent(config, hardware, sources=sources)
+    assert agent.actuator is not None and agent.actuator.library.name == "amdsmi"
+    await agent.runner.start()
+    snapshot = await agent.collect_once()
+    failures = [r for r in snapshot.readings if r.name == "hyperagent_device_call_failures_total"]
+    assert {r.labels["library"] for r in failures} == {"amdsmi"}
+    before = await agent._energy_j()
+    clock.now += 10.0
+    after = await agent._energy_j()
+    assert before is not None and after is not None
+    # 8 GPUs drawing 132-139 W (1,071 W in all) for 10 s
+    assert after - before == pytest.approx(
+        10 * (133 + 139 + 133 + 132 + 136 + 132 + 132 + 134), rel=1e-3
+    )
+    await agent.runner.close()
