@@ -286,3 +286,17 @@ async def test_an_agent_over_an_amd_replay_reads_trial_energy_and_gate_failures(
         10 * (133 + 139 + 133 + 132 + 136 + 132 + 132 + 134), rel=1e-3
     )
     await agent.runner.close()
+
+
+async def test_the_cnmon_source_runs_its_tool_and_a_missing_tool_means_no_devices(
+    tmp_path: Path,
+) -> None:
+    from hyperagent.errors import SourceUnavailable
+
+    tool = tmp_path / "cnmon"
+    tool.write_text(f"#!/bin/sh\ncat {CAMBRICON / 'cnmon.txt'}\n")
+    tool.chmod(0o755)
+    readings = await smi_text.SmiTextSource("cnmon", (str(tool),)).read()
+    assert by_gpu(readings, "hyperagent_gpu_power_limit_watts") == {"0": 250.0, "1": 250.0}
+    with pytest.raises(SourceUnavailable):
+        await smi_text.SmiTextSource("cnmon", (str(tmp_path / "absent"),)).read()
