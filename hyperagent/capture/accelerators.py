@@ -10,6 +10,8 @@ a simulator may change (the demo's training job).
 from __future__ import annotations
 
 import math
+import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -106,3 +108,30 @@ class SimulatedDevice:
             self.record = replace(self.record, util_pct=util_pct)
         if power_w is not None:
             self.record = replace(self.record, power_w=power_w)
+
+
+class SimulatedLibrary:
+    """What the fake vendor libraries share besides their API: the simulated devices, a lock,
+    a count of calls per function, and the controls a test or a replay drives (not vendor API)."""
+
+    devices: list[SimulatedDevice]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: Counter[str] = Counter()
+
+    def call_counts(self) -> dict[str, int]:
+        """How many times each vendor function was called."""
+        with self._lock:
+            return dict(self._calls)
+
+    def set_load(
+        self, index: int, util_pct: float | None = None, power_w: float | None = None
+    ) -> None:
+        """What device ``index`` reports from now on (None: unchanged)."""
+        with self._lock:
+            self.devices[index].set_load(util_pct, power_w)
+
+    def power_cap_w(self, index: int) -> float | None:
+        """The power cap in force on device ``index``."""
+        return self.devices[index].record.power_cap_w

@@ -9,16 +9,14 @@ Errors are `AmdSmiLibraryException` with amdsmi's status codes.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
 from hyperagent.capture import amd_smi
-from hyperagent.capture.accelerators import AcceleratorRecord, SimulatedDevice
+from hyperagent.capture.accelerators import AcceleratorRecord, SimulatedDevice, SimulatedLibrary
 
 AMDSMI_STATUS_INVAL = 1
 AMDSMI_STATUS_NOT_SUPPORTED = 2
@@ -85,7 +83,7 @@ def _na(value: float | None) -> Any:
     return "N/A" if value is None else value
 
 
-class FakeAmdsmi:
+class FakeAmdsmi(SimulatedLibrary):
     """The ``amdsmi`` functions a monitoring agent and a power-cap actuator use, over records.
 
     Power: ``current_socket_power`` and ``average_socket_power`` are min(recorded or `set_load`
@@ -120,8 +118,7 @@ class FakeAmdsmi:
         self._clock = clock
         self._writable = writable
         self._energy_ratio = energy_ratio
-        self._lock = threading.Lock()
-        self._calls: Counter[str] = Counter()
+        super().__init__()
         self._initialised = False
         self.devices = [SimulatedDevice(r, clock) for r in _partitioned(records, partitions)]
         self._handles = [FakeAmdsmiHandle(i) for i in range(len(self.devices))]
@@ -133,21 +130,6 @@ class FakeAmdsmi:
         if not records:
             raise ValueError(f"{directory}: no {' or '.join(amd_smi.CAPTURE_FILES)}")
         return cls(records, **kwargs)
-
-    # -- simulation controls (not amdsmi) -------------------------------------------------------
-
-    def call_counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._calls)
-
-    def set_load(
-        self, index: int, util_pct: float | None = None, power_w: float | None = None
-    ) -> None:
-        with self._lock:
-            self.devices[index].set_load(util_pct, power_w)
-
-    def power_cap_w(self, index: int) -> float | None:
-        return self.devices[index].record.power_cap_w
 
     # -- amdsmi ---------------------------------------------------------------------------------
 

@@ -8,16 +8,14 @@ struct with ``total``/``used``/``free``). Errors are `HLMLError` with HLML's ret
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from hyperagent.capture import hl_smi
-from hyperagent.capture.accelerators import AcceleratorRecord, SimulatedDevice
+from hyperagent.capture.accelerators import AcceleratorRecord, SimulatedDevice, SimulatedLibrary
 
 HLML_ERROR_UNINITIALIZED = 1
 HLML_ERROR_INVALID_ARGUMENT = 2
@@ -46,7 +44,7 @@ class FakeHlmlHandle:
         self.index = index
 
 
-class FakeHlml:
+class FakeHlml(SimulatedLibrary):
     """The ``pyhlml`` functions a monitoring agent and a power-cap actuator use, over records.
 
     Power usage is min(recorded or `set_load` draw, the power limit); the set call checks
@@ -66,8 +64,7 @@ class FakeHlml:
         clock: Callable[[], float] = time.monotonic,
         writable: bool = True,
     ) -> None:
-        self._lock = threading.Lock()
-        self._calls: Counter[str] = Counter()
+        super().__init__()
         self._writable = writable
         self._initialised = False
         self.devices = [SimulatedDevice(r, clock) for r in records]
@@ -79,19 +76,6 @@ class FakeHlml:
         if not records:
             raise ValueError(f"{directory}: no {hl_smi.CAPTURE_FILE}")
         return cls(records, **kwargs)
-
-    def call_counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._calls)
-
-    def set_load(
-        self, index: int, util_pct: float | None = None, power_w: float | None = None
-    ) -> None:
-        with self._lock:
-            self.devices[index].set_load(util_pct, power_w)
-
-    def power_cap_w(self, index: int) -> float | None:
-        return self.devices[index].record.power_cap_w
 
     def _device(self, name: str, handle: object) -> SimulatedDevice:
         self._calls[name] += 1
