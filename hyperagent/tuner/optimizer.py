@@ -153,6 +153,7 @@ class Tuner:
         n_initial_points: int = 5,
         acq_func: str = "EI",
         objective: str = "throughput",
+        priors: bool = True,
     ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -182,8 +183,8 @@ class Tuner:
             else None
         )
         first = space.defaults() if start is None else space.snap(start)
-        self._seeds = [first, space.recommended(base=first)]
-        if objective == "energy" and space.power_cap_w:
+        self._seeds = [first, space.recommended(base=first)] if priors else [first]
+        if priors and objective == "energy" and space.power_cap_w:
             low_cap = ENERGY_SEED_POWER_SHARE * space.power_cap_w[-1]
             self._seeds.append(space.snap({**first, "power_cap_w": low_cap}))
         self._observations: list[tuple[Settings, float]] = []
