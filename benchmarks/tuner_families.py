@@ -90,6 +90,7 @@ MEASURED_REL_SE = (0.019, 0.027, 0.070, 0.019, 0.040, 0.051, 0.033, 0.084, 0.043
 10 trials and 4 confirmations but the 3 aborted ones): median 4.0%, the windows' own
 coefficient of variation 11% (median). A trial draws one of them."""
 PRIOR_RIGHT_MEDIAN = 10
+CHECKPOINT_EVERY = 10
 HYPERAGENT, NO_PRIORS, SKOPT, RANDOM = "hyperagent", "no priors", "scikit-optimize", "random"
 METHODS = (HYPERAGENT, NO_PRIORS, SKOPT, RANDOM)
 TUNERS = (HYPERAGENT, NO_PRIORS)
@@ -367,6 +368,11 @@ def _cell(value: float, trials: int) -> str:
     return f">{trials}" if value > trials else f"{value:g}"
 
 
+def _write_runs(path: Path, results: dict[Task, int | None], **report: Any) -> None:
+    runs = [{"task": list(t), "reached_at": r} for t, r in results.items()]
+    path.write_text(json.dumps({**report, "runs": runs}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--landscapes", type=int, default=LANDSCAPES, help="per family (30)")
@@ -417,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     todo = [t for t in tasks if t not in results]
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for task, reached in pool.map(_task, todo, chunksize=1):
+        for done, (task, reached) in enumerate(pool.map(_task, todo, chunksize=1), 1):
             results[task] = reached
+            if args.json is not None and done % CHECKPOINT_EVERY == 0:
+                _write_runs(args.json, results)  # a run cut short can be --reuse'd
     elapsed = time.perf_counter() - started
 
     def reached_of(kind: str, name: str, method: str, count: int) -> list[int | None]:
@@ -499,10 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(f"total {elapsed:.0f} s with {args.jobs} worker(s), {len(todo)} searches")
     if args.json is not None:
-        report["runs"] = [{"task": list(t), "reached_at": r} for t, r in results.items()]
-        report["seconds"] = elapsed
-        report["noise"] = args.noise
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        _write_runs(args.json, results, **report, seconds=elapsed, noise=args.noise)
     return 0
 
 
