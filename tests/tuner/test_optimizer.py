@@ -194,7 +194,7 @@ def test_same_seed_same_proposals() -> None:
         return proposals
 
     assert run(7) == run(7)
-    assert run(7) != run(8)
+    assert len({tuple(tuple(p.values()) for p in run(seed)) for seed in range(7, 11)}) > 1
 
 
 def test_every_point_once_before_any_repeat() -> None:
