@@ -17,8 +17,8 @@ a seed, with the optimum anywhere:
   settings' throughput to a power of 0.5-1 (GPUs waiting on the network draw less); for
   throughput the cap is held at its highest value (``SearchSpace.for_objective``), where a
   step is never slower;
-- a ridge one grid step wide along a random line of (bucket, chunk) that adds 0-10% (5% on
-  average, a fresh draw per point), and a fixed 1% roughness on every point.
+- a noisy ridge one grid step wide along a random line of (bucket, chunk) that adds up to 5%
+  (a fresh draw per point), and a fixed 1% roughness on every point.
 
 Each trial's score is the landscape's value times a lognormal factor whose sigma is one of the
 relative standard errors the trial protocol measured (:data:`MEASURED_REL_SE`, drawn per trial;
