@@ -98,6 +98,44 @@ def test_churn_benchmark_accepts_every_new_job_and_comes_back_to_idle() -> None:
     assert "accepted 4 of 4 new job ids" in result.stdout and "(back to idle)" in result.stdout
 
 
+def test_tuner_families_benchmark_reports_each_method_per_family(tmp_path: Path) -> None:
+    """``benchmarks/tuner_families.py`` cut to seconds: one small family, every method, the
+    prior-right landscapes, the verdicts and the JSON a later run can ``--reuse``."""
+    out = tmp_path / "families.json"
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "tuner_families.py"),
+        "--families",
+        "4-gloo-throughput",
+        "--landscapes",
+        "2",
+        "--trials",
+        "12",
+        "--sim-seeds",
+        "1",
+        "--jobs",
+        "1",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    family = figures["families"]["4-gloo-throughput"]
+    assert set(family) == {"hyperagent", "no priors", "scikit-optimize", "random"}
+    for method in family.values():
+        assert len(method["reached_at"]) == 2
+        assert all(r is None or 1 <= r <= 12 for r in method["reached_at"])
+    assert len(figures["sim"]) == 8
+    assert "done-when" in result.stdout and "prior right" in result.stdout
+    again = subprocess.run(
+        [*command[:-2], "--reuse", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "32 searches" in result.stdout
+    assert "20 searches" in again.stdout, again.stdout  # the baselines' 12 runs reused
+
+
 TOPICS = [
     "hyperagent/v1/c/node/gpu-1/telemetry",
     "hyperagent/v1/c/node/gpu-1/status",

@@ -175,7 +175,9 @@ async def test_a_journal_from_another_search_space_starts_the_tuning_over(
             await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
     assert [t.index for t in state.trials] == [0, 1, 2]
-    assert all(t.status == "ok" and t.settings["power_cap_w"] == 250 for t in state.trials)
+    # measured (a design point far from the start may be aborted by the guardrail)
+    assert all(t.status in ("ok", "aborted") for t in state.trials)
+    assert all(t.settings["power_cap_w"] == 250 for t in state.trials)
     assert min(t.version for t in state.trials) > 7  # versions keep rising
     starts = [e for e in entries(journal) if e["type"] == "start"]
     assert len(starts) == 2

@@ -416,6 +416,14 @@ class SearchSpace:
         only ring and tree, so it keeps ring up to 64 nodes and uses tree above; Open MPI has no
         tree, so halving-doubling stays above 64 nodes; gloo is always ring. A knob the space
         lacks is left out (Horovod and DeepSpeed: the table changes nothing).
+
+        How the tuner uses it: as one candidate, measured second (after the job's current
+        settings), among the points of a space-filling initial design, never as a narrowed
+        space; the search then centres on whichever measured point the model rates best, so
+        the table steers it only while measurements agree with it
+        (:class:`hyperagent.tuner.optimizer.Tuner`). Real clusters put their optima where
+        their fabric, model and NCCL version put them: on landscapes whose optima lie anywhere
+        (``benchmarks/tuner_families.py``) the table costs about one trial when it is wrong.
         """
         nodes = self.nodes if nodes is None else nodes
         if nodes < 1:

@@ -406,7 +406,7 @@ def test_energy_objective_seeds_half_the_maximum_power_cap() -> None:
     throughput = Tuner(space, seed=0)
     for _ in range(2):
         throughput.tell(throughput.ask(), 1.0)
-    assert throughput.ask()["power_cap_w"] >= 225  # a neighbour of the best, no low-power seed
+    assert throughput.ask() != {**space.defaults(), "power_cap_w": 125}  # no low-power seed
     assert Tuner(SearchSpace.default("nccl", nodes=4), objective="energy").ask() == {
         "bucket_mb": 32,
         "chunk_kb": 4096,
