@@ -114,6 +114,7 @@ class Installed:
     def diagnostics(self) -> str:
         return self.host.sh(
             "systemctl --no-pager --full status mosquitto 'hyperagent-*' 2>&1 | tail -n 60;"
+            " journalctl --no-pager -o cat -n 30 -u mosquitto -u 'hyperagent-*' 2>&1;"
             " tail -n 20 /var/log/mosquitto/mosquitto.log 2>&1",
             check=False,
             timeout_s=30,
@@ -230,6 +231,9 @@ def test_the_readme_brings_up_the_three_units(installed: Installed) -> None:
         props = installed.show(unit)
         assert props["Type"] == "notify" and props["WatchdogUSec"] == "30s", props
         assert props["StatusText"], f"{unit} sent no STATUS= line"
+    for unit in DAEMONS:
+        verify = installed.host.sh(f"systemd-analyze verify /etc/systemd/system/{unit}.service")
+        assert not verify.stdout and not verify.stderr, verify.stdout + verify.stderr
     status = installed.sh("systemctl --no-pager status " + " ".join(UNITS))
     assert status.count("active (running)") == 3, status
     installed.figures["status"] = " | ".join(
