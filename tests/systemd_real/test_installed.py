@@ -236,6 +236,7 @@ def test_the_readme_brings_up_the_three_units(installed: Installed) -> None:
         assert not verify.stdout and not verify.stderr, verify.stdout + verify.stderr
     status = installed.sh("systemctl --no-pager status " + " ".join(UNITS))
     assert status.count("active (running)") == 3, status
+    installed.figures["systemd tainted"] = installed.sh("systemctl show -P Tainted").strip()
     installed.figures["status"] = " | ".join(
         f"{u}: {installed.show(u)['StatusText']}" for u in DAEMONS
     )
@@ -306,6 +307,7 @@ def test_the_coordinator_resumes_its_journal_after_a_sigkill(installed: Installe
         "the coordinator resuming its journal",
     )
     assert int(resumed.group(1)) >= len(trials)
+    installed.figures["coordinator resumed"] = f"{resumed.group(1)} trials"
 
 
 def test_the_job_is_tuned_to_a_result(installed: Installed) -> None:
@@ -313,7 +315,9 @@ def test_the_job_is_tuned_to_a_result(installed: Installed) -> None:
         lambda: RESULT.search(installed.journal(DAEMONS[1])), 900, "the tuning's result", 5
     )
     trials = [e for e in installed.coordinator_journal() if e.get("type") == "trial"]
-    installed.figures["trials"] = str(len(trials))
+    confirming = [e for e in trials if e.get("confirmation")]
+    searched = len(trials) - len(confirming)
+    installed.figures["trials"] = f"{searched} and {len(confirming)} confirming"
     installed.figures["result"] = result.group(0)
     assert installed.show(DAEMONS[1])["StatusText"] == "every job tuned"
 
