@@ -138,7 +138,7 @@ def debian_rootfs(log: Path) -> Path:
         partial = CACHE / f"{key[:16]}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         with log.open("ab") as out:
-            subprocess.run(
+            built = subprocess.run(
                 [
                     "nice",
                     "-n",
@@ -152,9 +152,11 @@ def debian_rootfs(log: Path) -> Path:
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                check=True,
                 timeout=1200,
             )
+        if built.returncode != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"debootstrap failed (exit {built.returncode}); {log}:\n{tail}")
         partial.rename(root)
     return root
 

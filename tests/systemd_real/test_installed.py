@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import pytest
 from cluster.harness import BROKER_HOST, CAPTURE, metric_values, shipped_toml
 from pki import make_certificates
 from systemd_real.nspawn import Container, Unavailable, check_host, copy_tree, debian_rootfs
+from test_cluster import until
 
 from conftest import REPO, unavailable
 
@@ -67,16 +68,6 @@ def install_section(readme: str) -> str:
 def shell_blocks(section: str) -> list[str]:
     """The ```sh blocks of a README section, in order: the install script."""
     return re.findall(r"^```sh\n(.*?)^```$", section, re.M | re.S)
-
-
-def until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @dataclass
@@ -178,7 +169,9 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
         unavailable(str(e))
     section = install_section((REPO / "README.md").read_text())
     blocks = shell_blocks(section)
-    assert len(blocks) >= 2 and "pip install" in blocks[0], "README's install blocks moved"
+    assert len(blocks) >= 2 and "pip install" in blocks[0], (
+        "README's install section gives no script: its ```sh blocks, the package first"
+    )
     assert REPLAY_DROP_IN.replace("\n", "\\n") in section, "README shows another replay drop-in"
     failed = request.session.testsfailed
     work = Path(tempfile.mkdtemp(prefix="hyperagent-systemd-", dir="/var/tmp"))
@@ -192,8 +185,9 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
     (work / "pki").mkdir()
     passwords = operator_supplies(root, work / "pki")
     host = Container(root, NODE, work / "console.log")
+    kept = f"the container's root, console log and certificates are kept in {work}"
     package = host.prepare(blocks[0], CHECKOUT)
-    assert package.returncode == 0, package.stdout + package.stderr
+    assert package.returncode == 0, f"{package.stdout}{package.stderr}\n{kept}"
     prepared = time.monotonic()
     with host:
         host.boot()
@@ -203,7 +197,9 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
             try:
                 host.sh(block, env=passwords, cwd=CHECKOUT, timeout_s=180)
             except AssertionError as e:
-                raise AssertionError(f"{e}\n--- on the host\n{installed.diagnostics()}") from None
+                raise AssertionError(
+                    f"{e}\n--- on the host\n{installed.diagnostics()}\n{kept}"
+                ) from None
         done = time.monotonic()
         installed.figures["setup"] = (
             f"rootfs {built - started:.0f} s, copy {copied - built:.0f} s, certificates and"
@@ -221,7 +217,7 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
     if request.session.testsfailed == failed:
         subprocess.run(["rm", "-rf", "--one-file-system", str(work)], check=True, timeout=300)
     else:
-        print(f"the container's root, console log and certificates are kept in {work}")
+        print(kept)
 
 
 def test_the_readme_brings_up_the_three_units(installed: Installed) -> None:
