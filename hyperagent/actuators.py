@@ -1,11 +1,12 @@
-"""Privileged writes, kept in one narrow place: GPU power limits through NVML.
+"""Privileged writes, kept in one narrow place: accelerator power limits through the device
+layer (NVML, amdsmi, HLML: :mod:`hyperagent.devices`).
 
 Reads before it writes, skips no-op writes, remembers each GPU's original limit the first
 time it changes it, and puts them back on ``restore``. The originals are also kept in a state
 file (written durably: fsynced, then renamed) until restored, so that after a crash the next
 start puts them back. A node's caps change all or nothing: when one GPU fails, the GPUs this
 ``apply`` changed get their previous limits back. After a change it measures how long the GPUs
-took to obey it (see ``PowerCapActuator.apply``). Every NVML call goes through the library's
+took to obey it (see ``PowerCapActuator.apply``). Every vendor call goes through the library's
 :class:`~hyperagent.gate.DeviceGate` with ``timeout_s``, so a hung driver costs a timeout, not a
 thread. Blocking: call from a worker thread.
 """
@@ -24,9 +25,10 @@ from typing import Any, TypeVar
 import orjson
 
 from hyperagent import durable
-from hyperagent.errors import ActuationError, DeviceCallError, NoPermission, NotSupported
+from hyperagent.devices import as_library
+from hyperagent.devices.base import Accelerator, DeviceLibrary, call_name
+from hyperagent.errors import ActuationError, DeviceCallError
 from hyperagent.gate import DeviceGate
-from hyperagent.sources.nvml import instant_power_w, nvml_error_code
 
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=Callable[..., Any])
@@ -65,15 +67,17 @@ class AppliedCap:
 class PowerCapActuator:
     """Applies one power cap to every GPU of the node, clamped to each device's constraints.
 
-    ``latency_timeout_s`` bounds the wait for the GPUs to obey a new limit, polling their
-    instant power (NVML_FI_DEV_POWER_INSTANT) every ``poll_s`` seconds of ``clock``.
-    ``timeout_s`` bounds each NVML call (the agent passes ``sources.timeout_s``); a call over it,
-    or refused because another has hung, fails as an NVML error would.
+    ``devices`` is a :class:`~hyperagent.devices.base.DeviceLibrary`, or the ``pynvml`` module
+    (or a fake with its API), which stands for NVML's. ``latency_timeout_s`` bounds the wait
+    for the GPUs to obey a new limit, polling their instant power (NVML_FI_DEV_POWER_INSTANT,
+    amdsmi's current socket power, HLML's power usage) every ``poll_s`` seconds of ``clock``.
+    ``timeout_s`` bounds each vendor call (the agent passes ``sources.timeout_s``); a call over
+    it, or refused because another has hung, fails as a vendor error would.
     """
 
     def __init__(
         self,
-        nvml: Any,
+        devices: DeviceLibrary | Any,
         state_file: Path | None = None,
         *,
         latency_timeout_s: float = 3.0,
@@ -82,26 +86,27 @@ class PowerCapActuator:
         sleep: Callable[[float], Any] = time.sleep,
         timeout_s: float = 2.0,
     ) -> None:
-        self.nvml = nvml
-        self.gate = DeviceGate.of(nvml)
+        self.library: DeviceLibrary = as_library(devices)
+        self.gate = DeviceGate.of(self.library.module, self.library.name)
+        self._errors: tuple[type[BaseException], ...] = (*self.library.errors, DeviceCallError)
         self.timeout_s = timeout_s
         self.state_file = state_file
         self.latency_timeout_s = latency_timeout_s
         self.poll_s = poll_s
         self._clock = clock
         self._sleep = sleep
-        self._handles: list[tuple[int, str, Any]] | None = None
+        self._handles: list[tuple[int, str, Accelerator]] | None = None
         self._lock = threading.RLock()
-        self.original_mw: dict[str, tuple[Any, int]] = {}
-        """uuid -> (handle, limit before hyperagent first changed it)."""
+        self.original_mw: dict[str, tuple[Accelerator, int]] = {}
+        """uuid -> (device, limit before hyperagent first changed it)."""
         self.last_latency_s: float | None = None
         """The longest ``AppliedCap.latency_s`` of the last ``apply`` that changed a limit and
         measured it: how long this node's GPUs take to draw under a new cap, for the settle
         window of a trial."""
 
     def _call(self, call: Callable[..., _T], *args: Any) -> _T:
-        """One NVML call through the gate; raises pynvml.NVMLError or DeviceCallError."""
-        return self.gate.call(call, *args, timeout_s=self.timeout_s)
+        """One vendor call through the gate; raises the library's error or DeviceCallError."""
+        return self.gate.call(call, *args, timeout_s=self.timeout_s, what=call_name(call))
 
     def _save(self) -> None:
         """Keep the originals in the state file (fsynced, renamed over the old one); none left:
@@ -128,61 +133,42 @@ class PowerCapActuator:
         except (OSError, orjson.JSONDecodeError) as e:
             log.error("unreadable power-limit state %s: %s", self.state_file, e)
             return 0
-        nv = self.nvml
         self._devices()
         if not isinstance(saved, dict):
             log.error("unreadable power-limit state %s: not an object", self.state_file)
             return 0
         for uuid, mw in saved.items():
             try:
-                handle = self._call(nv.nvmlDeviceGetHandleByUUID, uuid)
-            except (nv.NVMLError, DeviceCallError) as e:
+                handle = self._call(self.library.by_uuid, uuid)
+            except self._errors as e:
                 log.error("GPU %s from the power-limit state is gone: %s", uuid, e)
                 continue
             if isinstance(mw, int):
                 self.original_mw.setdefault(uuid, (handle, mw))
         return self.restore()
 
-    def _translate(self, error: Exception, what: str) -> ActuationError:
+    def _translate(self, error: BaseException, what: str) -> ActuationError:
         if isinstance(error, DeviceCallError):
             return ActuationError(f"{what}: {error}")
-        code = nvml_error_code(error)
-        nv = self.nvml
-        if code == nv.NVML_ERROR_NO_PERMISSION:
-            return NoPermission(f"{what}: no permission (needs root or CAP_SYS_ADMIN)", code)
-        if code == nv.NVML_ERROR_NOT_SUPPORTED:
-            return NotSupported(f"{what}: not supported by this GPU", code)
-        return ActuationError(f"{what}: {error}", code)
+        return self.library.translate(error, what)
 
-    def _devices(self) -> list[tuple[int, str, Any]]:
+    def _devices(self) -> list[tuple[int, str, Accelerator]]:
         if self._handles is None:
-            nv = self.nvml
             try:
-                handles = self._call(self._enumerate)
-            except (nv.NVMLError, DeviceCallError) as e:
+                found = self._call(self.library.power_devices)
+            except self._errors as e:
                 raise self._translate(e, "enumerating GPUs") from e
-            self._handles = handles
+            self._handles = [(d.identity.index, d.identity.uuid, d) for d in found]
         return self._handles
-
-    def _enumerate(self) -> list[tuple[int, str, Any]]:
-        nv = self.nvml
-        nv.nvmlInit()
-        handles = []
-        for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            uuid = nv.nvmlDeviceGetUUID(h)
-            handles.append((i, uuid.decode() if isinstance(uuid, bytes) else uuid, h))
-        return handles
 
     @_serialised
     def limits_w(self) -> tuple[float, float] | None:
         """The power-limit range every GPU of the node accepts (intersection), or None."""
-        nv = self.nvml
         lows, highs = [], []
         for index, _, h in self._devices():
             try:
-                low, high = self._call(nv.nvmlDeviceGetPowerManagementLimitConstraints, h)
-            except (nv.NVMLError, DeviceCallError) as e:
+                low, high = self._call(h.power_limit_constraints_mw)
+            except self._errors as e:
                 raise self._translate(e, f"GPU {index} limit constraints") from e
             lows.append(low / 1000)
             highs.append(high / 1000)
@@ -200,17 +186,16 @@ class PowerCapActuator:
         GPU's instant power is at or under its new limit (or after ``latency_timeout_s``), with
         each one's latency in ``AppliedCap.latency_s``, the longest in ``last_latency_s``.
         """
-        nv = self.nvml
         results = []
-        changes: dict[int, tuple[Any, float, float]] = {}
-        previous: list[tuple[int, str, Any, int]] = []
+        changes: dict[int, tuple[Accelerator, float, float]] = {}
+        previous: list[tuple[int, str, Accelerator, int]] = []
         """(index, uuid, handle, limit before this call) of every GPU a set call was made on."""
         for index, uuid, h in self._devices():
             setting = False
             try:
-                low, high = self._call(nv.nvmlDeviceGetPowerManagementLimitConstraints, h)
+                low, high = self._call(h.power_limit_constraints_mw)
                 target = round(min(max(watts * 1000, low), high))
-                current = self._call(nv.nvmlDeviceGetPowerManagementLimit, h)
+                current = self._call(h.power_limit_mw)
                 changed = current != target
                 if changed:
                     if uuid not in self.original_mw:
@@ -219,11 +204,11 @@ class PowerCapActuator:
                     began = self._clock()
                     setting = True
                     previous.append((index, uuid, h, current))
-                    self._call(nv.nvmlDeviceSetPowerManagementLimit, h, target)
+                    self._call(h.set_power_limit_mw, target)
                     changes[index] = (h, target / 1000, began)
-            except (nv.NVMLError, DeviceCallError) as e:
+            except self._errors as e:
                 if setting and not isinstance(e, DeviceCallError):
-                    previous.pop()  # NVML refused the set: that GPU kept its limit
+                    previous.pop()  # the library refused the set: that GPU kept its limit
                     if self.original_mw.get(uuid, (None, None))[1] == current:
                         del self.original_mw[uuid]
                 self._put_back(previous)
@@ -236,14 +221,13 @@ class PowerCapActuator:
             self.last_latency_s = max(latencies.values())
         return [replace(r, latency_s=latencies.get(r.gpu)) for r in results]
 
-    def _put_back(self, previous: list[tuple[int, str, Any, int]]) -> None:
+    def _put_back(self, previous: list[tuple[int, str, Accelerator, int]]) -> None:
         """Give the GPUs of a failed ``apply`` the limits they had before it; each failure is
         logged and the rest still tried."""
-        nv = self.nvml
         for index, uuid, h, limit_mw in previous:
             try:
-                self._call(nv.nvmlDeviceSetPowerManagementLimit, h, limit_mw)
-            except (nv.NVMLError, DeviceCallError) as e:
+                self._call(h.set_power_limit_mw, limit_mw)
+            except self._errors as e:
                 log.error(
                     "GPU %d (%s): could not put back its %.0f W power limit: %s",
                     index,
@@ -257,19 +241,18 @@ class PowerCapActuator:
                 del self.original_mw[uuid]
         self._save()
 
-    def _latencies(self, changes: dict[int, tuple[Any, float, float]]) -> dict[int, float]:
+    def _latencies(self, changes: dict[int, tuple[Accelerator, float, float]]) -> dict[int, float]:
         """Seconds from each set call until the GPU's instant power was at or under its new
         limit, by GPU index; GPUs without instant power, or still above after
         ``latency_timeout_s``, are left out."""
-        nv = self.nvml
         waiting = dict(changes)
         found: dict[int, float] = {}
         deadline = self._clock() + self.latency_timeout_s
         while waiting:
             for index, (h, limit_w, began) in list(waiting.items()):
                 try:
-                    power_w = self._call(instant_power_w, nv, h)
-                except (nv.NVMLError, DeviceCallError) as e:
+                    power_w = self._call(h.instant_power_w)
+                except self._errors as e:
                     log.debug("GPU %d: no instant power to time the new cap: %s", index, e)
                     power_w = None
                 if power_w is None:
@@ -292,15 +275,14 @@ class PowerCapActuator:
     @_serialised
     def restore(self) -> int:
         """Put back every limit hyperagent changed; returns how many were restored."""
-        nv = self.nvml
         restored = 0
         for uuid, (h, original) in list(self.original_mw.items()):
             try:
-                if self._call(nv.nvmlDeviceGetPowerManagementLimit, h) != original:
-                    self._call(nv.nvmlDeviceSetPowerManagementLimit, h, original)
+                if self._call(h.power_limit_mw) != original:
+                    self._call(h.set_power_limit_mw, original)
                 restored += 1
                 del self.original_mw[uuid]
-            except (nv.NVMLError, DeviceCallError) as e:
+            except self._errors as e:
                 log.error("could not restore the power limit of %s: %s", uuid, e)
         self._save()
         return restored

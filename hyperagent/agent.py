@@ -18,6 +18,7 @@ import orjson
 from hyperagent import bus, durable
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.config import Config
+from hyperagent.devices.source import AcceleratorSource
 from hyperagent.errors import ActuationError, DeviceCallError, PayloadError
 from hyperagent.exporter import MetricsServer, SnapshotCollector
 from hyperagent.gate import DeviceGate
@@ -133,11 +134,17 @@ class Agent:
         self.runner = SourceRunner(sources, config.sources.timeout_s, config.sources.intervals)
         self.job_source = next((s for s in self.runner.sources if isinstance(s, JobSource)), None)
         self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
+        self.accelerator_source = next(
+            (s for s in self.runner.sources if isinstance(s, AcceleratorSource)), None
+        )
         self.actuator = None
-        if config.actuation.power_cap and hardware.nvml is not None:
+        devices = hardware.nvml if hardware.nvml is not None else hardware.accelerators
+        if devices is None and self.accelerator_source is not None:
+            devices = self.accelerator_source.library
+        if config.actuation.power_cap and devices is not None:
             state_file = None if hardware.replayed else config.agent.state_dir / "power-limits.json"
             self.actuator = PowerCapActuator(
-                hardware.nvml, state_file, timeout_s=config.sources.timeout_s
+                devices, state_file, timeout_s=config.sources.timeout_s
             )
         self.link = link
         self.settings_key = settings_key
@@ -425,7 +432,9 @@ class Agent:
     def _collection_readings(self, now: float) -> list[Reading]:
         """When this collection ran, and the device gates' refused and timed-out calls."""
         out = [Reading(LAST_COLLECTION, now, {}, unit="s")]
-        found = (self.hardware.nvml, self._nvml_library())
+        accel = self.accelerator_source
+        accel_module = None if accel is None or accel.library is None else accel.library.module
+        found = (self.hardware.nvml, self._nvml_library(), accel_module)
         libraries = {id(lib): lib for lib in found if lib is not None}
         for library in libraries.values():
             gate = DeviceGate.of(library)
@@ -438,15 +447,23 @@ class Agent:
         return None if self.nvml_source is None else self.nvml_source.nvml
 
     def _running_pids(self) -> dict[str, list[int]]:
-        """GPU index -> pids of its compute processes (empty without NVML's process list).
-        Blocking: run it through the NVML gate."""
+        """GPU index -> pids of its compute processes (empty without NVML's process list), one
+        call per GPU through the handles the NVML source enumerated. Blocking: run it through
+        the NVML gate."""
         nvml = self.hardware.nvml
         if nvml is None or not hasattr(nvml, "nvmlDeviceGetComputeRunningProcesses"):
             return {}
         out: dict[str, list[int]] = {}
+        source = self.nvml_source
         try:
-            for index in range(nvml.nvmlDeviceGetCount()):
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            if source is not None and source.nvml is nvml and source.gpus:
+                handles = [(gpu.index, gpu.handle) for gpu in source.gpus]
+            else:
+                handles = [
+                    (index, nvml.nvmlDeviceGetHandleByIndex(index))
+                    for index in range(nvml.nvmlDeviceGetCount())
+                ]
+            for index, handle in handles:
                 processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
                 out[str(index)] = [p.pid for p in processes]
         except Exception as e:  # NVMLError and friends: attribution falls back to hellos
@@ -714,6 +731,10 @@ class Agent:
         of the latest collection."""
         source = self.nvml_source
         if source is None:
+            accel = self.accelerator_source
+            if accel is not None and accel.library is not None:
+                library = accel.library.module
+                return await self._device_call(library, accel.total_energy_j, "total energy")
             return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
         return await self._device_call(source.nvml, source.total_energy_j, "total energy")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -23,6 +24,43 @@ if TYPE_CHECKING:
     from hyperagent.replay import Recorder
 
 log = logging.getLogger("hyperagent")
+
+_COORDINATOR_MODULES = (
+    ("skopt", "scikit-optimize"),
+    ("sklearn", "scikit-learn"),
+    ("numpy", "numpy"),
+    ("scipy", "scipy"),
+    ("threadpoolctl", "threadpoolctl"),
+)
+_REPORT_MODULES = (("matplotlib", "matplotlib"),)
+EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
+    "coordinator": _COORDINATOR_MODULES,
+    "report": _REPORT_MODULES,
+    "demo": (*_COORDINATOR_MODULES, *_REPORT_MODULES, ("iotcore", "iotcore"), ("rich", "rich")),
+}
+"""What each extra of the package installs that its commands import (module, distribution).
+The agent (agent, record, check-config, metrics) needs none of them."""
+
+
+def missing_extra(command: str, extra: str, *, except_modules: Sequence[str] = ()) -> str | None:
+    """The one-line error for ``hyperagent COMMAND`` when a module of ``extra`` is not
+    installed (naming the distributions and the pip command), None when all are."""
+    missing = [
+        distribution
+        for module, distribution in EXTRAS[extra]
+        if module not in except_modules and importlib.util.find_spec(module) is None
+    ]
+    if not missing:
+        return None
+    return f"hyperagent {command}: needs {', '.join(missing)}: pip install 'hyperagent[{extra}]'"
+
+
+def _require_extra(command: str, extra: str, *, except_modules: Sequence[str] = ()) -> bool:
+    """Say on stderr what ``command`` needs and return False when its extra is missing."""
+    error = missing_extra(command, extra, except_modules=except_modules)
+    if error is not None:
+        print(error, file=sys.stderr)
+    return error is None
 
 
 class LogfmtFormatter(logging.Formatter):
@@ -195,6 +233,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    if not _require_extra("coordinator", "coordinator"):
+        return 2
     from hyperagent.coordinator import Coordinator, coordinator_link
     from hyperagent.exporter import MetricsServer
     from hyperagent.tuner.journal import JournalError
@@ -249,6 +289,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    if not _require_extra("report", "report"):
+        return 2
     from hyperagent.report import ReportError, render_report
 
     out = args.out or args.journal.with_suffix(".png")
@@ -354,6 +396,8 @@ def cmd_demo_torch(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not _require_extra("demo", "demo", except_modules=("iotcore",) if args.broker else ()):
+        return 2
     if args.workload == "torch-ddp":
         return cmd_demo_torch(args)
     args.trials = args.trials or 30

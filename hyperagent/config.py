@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import tomllib
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -20,19 +21,17 @@ from hyperagent.errors import ConfigError, ConfigProblem
 DEFAULT_METRICS_PORT = 10478
 """Outside 9100-9999, which the Prometheus exporter port registry has fully allocated."""
 
-DEFAULT_QUANTUM_COEFFICIENTS: dict[str, float] = {
-    # BACKGROUND.md's table (their claims):
-    "A100": 1.0,
-    "V100": 0.6,
-    "TPU v4": 1.2,
-    # Others: published dense FP16/BF16 tensor throughput relative to A100's 312 TFLOPS.
-    "H200": 3.17,
-    "H100": 3.17,
-    "H100 PCIe": 2.42,
-    "L40S": 1.16,
-    "A10": 0.40,
-    "T4": 0.21,
-}
+QUANTUM_COEFFICIENTS_FILE = "quantum_coefficients.toml"
+"""Package data: each model's coefficient with its basis and source (see the file)."""
+
+
+def load_quantum_coefficients() -> dict[str, float]:
+    """The shipped coefficients by model key (``hyperagent/data/quantum_coefficients.toml``)."""
+    text = resources.files("hyperagent").joinpath("data", QUANTUM_COEFFICIENTS_FILE).read_text()
+    return {key: float(entry["q"]) for key, entry in tomllib.loads(text)["models"].items()}
+
+
+DEFAULT_QUANTUM_COEFFICIENTS: dict[str, float] = load_quantum_coefficients()
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 PositiveSeconds = Annotated[float, Field(gt=0, le=3600)]
@@ -123,6 +122,24 @@ class NvmlSection(_Model):
     (power, energy, utilisation and throttling are read every cycle)."""
 
 
+class AcceleratorSection(_Model):
+    """A vendor library of the device layer (``[sources.amdsmi]``, ``[sources.hlml]``): off
+    unless enabled; enabled where the library is missing, it reports no devices (up 0)."""
+
+    enabled: bool = False
+
+
+class SmiTextSection(_Model):
+    """A vendor tool read as text (``[sources.npu_smi]``, ``[sources.cnmon]``): telemetry only."""
+
+    enabled: bool = False
+    command: tuple[str, ...] = ()
+    """The command line (default: the tool's own, ``npu-smi info`` or ``cnmon``)."""
+    timeout_s: PositiveSeconds = 1.5
+    """Bound of one run of the tool (below ``sources.timeout_s``)."""
+    interval_s: PositiveSeconds = 5.0
+
+
 class HostSection(_Model):
     enabled: bool = True
 
@@ -207,6 +224,7 @@ class PduTargetSection(_Model):
         "vertiv",
         "tripplite",
         "hpe",
+        "hpe-pdu3",
         "dell",
         "enlogic",
         "panduit",
@@ -248,6 +266,10 @@ class SourcesSection(_Model):
     ipmi: IpmiSection = IpmiSection()
     rdma: RdmaSection = RdmaSection()
     pdu: PduSection = PduSection()
+    amdsmi: AcceleratorSection = AcceleratorSection()
+    hlml: AcceleratorSection = AcceleratorSection()
+    npu_smi: SmiTextSection = SmiTextSection()
+    cnmon: SmiTextSection = SmiTextSection()
 
     @property
     def intervals(self) -> dict[str, float]:
@@ -256,6 +278,8 @@ class SourcesSection(_Model):
             "ipmi": self.ipmi.interval_s,
             "rdma": self.rdma.interval_s,
             "pdu": self.pdu.interval_s,
+            "npu_smi": self.npu_smi.interval_s if self.npu_smi.enabled else None,
+            "cnmon": self.cnmon.interval_s if self.cnmon.enabled else None,
         }
         return {name: interval for name, interval in slowed.items() if interval is not None}
 
@@ -264,6 +288,8 @@ class SourcesSection(_Model):
         bounds = {
             "ipmi.timeout_s": self.ipmi.timeout_s if self.ipmi.enabled else 0.0,
             "rdma.command_timeout_s": self.rdma.command_timeout_s if self.rdma.enabled else 0.0,
+            "npu_smi.timeout_s": self.npu_smi.timeout_s if self.npu_smi.enabled else 0.0,
+            "cnmon.timeout_s": self.cnmon.timeout_s if self.cnmon.enabled else 0.0,
         }
         for name, bound in bounds.items():
             if bound >= self.timeout_s:

@@ -1,7 +1,8 @@
 """The whole loop on one machine: broker, coordinator, N agents over fake GPUs, a simulated job.
 
-Each node is a real Agent (fake NVML replaying an 8 x V100S capture taken under training load)
-with a simulated training rank reporting through a real JobReporter. The coordinator tunes the
+Each node is a real Agent (fake NVML replaying an 8 x V100S capture taken under training load;
+or, with ``capture_dir``, fake amdsmi or HLML replaying an AMD or Gaudi capture directory) with
+a simulated training rank reporting through a real JobReporter. The coordinator tunes the
 job over MQTT; the agents cap the fake GPUs' power and hand the other knobs to the job, whose
 speed and power follow the applied settings. Time inside the job runs ``speedup`` x faster.
 """
@@ -20,13 +21,15 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hyperagent import durable
 from hyperagent.agent import Agent
+from hyperagent.capture import amd_smi, hl_smi
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
 from hyperagent.coordinator import Coordinator, JobState, TrialRecord, coordinator_link
+from hyperagent.devices import as_library
 from hyperagent.job import KNOBS, JobReporter
 from hyperagent.sim import JobModel
 from hyperagent.sources import Hardware
@@ -44,6 +47,99 @@ JOB_KNOBS = KNOBS
 def demo_capture() -> Path:
     """The packaged 8 x V100S-PCIE-32GB ``nvidia-smi -q -x`` capture taken under training load."""
     return Path(str(resources.files("hyperagent").joinpath("data", DEMO_CAPTURE)))
+
+
+class SimulatedGpus(Protocol):
+    """A node's fake GPUs as the simulated rank drives them, whatever the vendor."""
+
+    def count(self) -> int: ...
+
+    def set_load(self, index: int, util_pct: float, power_w: float) -> None: ...
+
+    def cap_w(self) -> float:
+        """The power cap in force on the first GPU."""
+
+
+@dataclass
+class NvmlGpus:
+    nvml: FakeNvml
+
+    def count(self) -> int:
+        self.nvml.nvmlInit()
+        return int(self.nvml.nvmlDeviceGetCount())
+
+    def set_load(self, index: int, util_pct: float, power_w: float) -> None:
+        self.nvml.set_load(index, util_gpu_pct=round(util_pct), power_draw_w=power_w)
+
+    def cap_w(self) -> float:
+        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
+        return float(self.nvml.nvmlDeviceGetEnforcedPowerLimit(handle)) / 1000
+
+
+@dataclass
+class VendorGpus:
+    """FakeAmdsmi's or FakeHlml's devices."""
+
+    fake: Any
+
+    def count(self) -> int:
+        return len(self.fake.devices)
+
+    def set_load(self, index: int, util_pct: float, power_w: float) -> None:
+        self.fake.set_load(index, util_pct=util_pct, power_w=power_w)
+
+    def cap_w(self) -> float:
+        return float(self.fake.power_cap_w(0))
+
+
+@dataclass(frozen=True)
+class DemoHardware:
+    """What one node of the demo runs on: its fake library and the agent's view of it."""
+
+    gpus: SimulatedGpus
+    hardware: Hardware
+    sources: dict[str, Any]
+    """The ``[sources]`` config that reads it."""
+    nvml: FakeNvml | None = None
+
+
+def demo_hardware(capture_dir: Path | None, clock: Callable[[], float]) -> DemoHardware:
+    """Fake GPUs replaying ``capture_dir`` (an AMD or Gaudi capture directory; None: the
+    packaged V100S capture, through NVML)."""
+    if capture_dir is None:
+        nvml = FakeNvml.from_capture(demo_capture(), clock=clock)
+        return DemoHardware(NvmlGpus(nvml), Hardware(nvml=nvml), {}, nvml)
+    if any((capture_dir / name).is_file() for name in amd_smi.CAPTURE_FILES):
+        from hyperagent.capture.fake_amdsmi import FakeAmdsmi
+        from hyperagent.devices.amd import AmdsmiLibrary
+
+        amd = FakeAmdsmi.from_capture(capture_dir, clock=clock)
+        library: Any = AmdsmiLibrary(amd, check_s=0.0)
+        name = "amdsmi"
+        fake: Any = amd
+    elif (capture_dir / hl_smi.CAPTURE_FILE).is_file():
+        from hyperagent.capture.fake_hlml import FakeHlml
+        from hyperagent.devices.gaudi import HlmlLibrary
+
+        fake = FakeHlml.from_capture(capture_dir, clock=clock)
+        library, name = HlmlLibrary(fake), "hlml"
+    else:
+        raise ValueError(f"{capture_dir}: no AMD (amd-smi, rocm-smi) or Gaudi (hl-smi) capture")
+    sources = {"nvml": {"enabled": False}, name: {"enabled": True}}
+    return DemoHardware(VendorGpus(fake), Hardware(nvml=None, accelerators=library), sources)
+
+
+def demo_power_limits_w(capture_dir: Path | None) -> tuple[float, float]:
+    """The power-cap range the demo's coordinator searches: the devices' own, where a device
+    accepts down to 0 W (AMD Instinct) from half its maximum, as an operator would set it."""
+    probe = demo_hardware(capture_dir, lambda: 0.0)
+    devices = (
+        probe.hardware.nvml if probe.hardware.nvml is not None else probe.hardware.accelerators
+    )
+
+    low_mw, high_mw = as_library(devices).power_devices()[0].power_limit_constraints_mw()
+    low, high = low_mw / 1000, high_mw / 1000
+    return (high / 2 if low <= 0 else low), high
 
 
 class VirtualClock:
@@ -64,7 +160,8 @@ class SimulatedNode:
     """One node: fake GPUs, an agent over them, and one simulated training rank."""
 
     name: str
-    nvml: FakeNvml
+    nvml: FakeNvml | None
+    """The node's fake NVML (None on AMD or Gaudi: see ``gpus``)."""
     clock: VirtualClock
     agent: Agent
     reporter: JobReporter
@@ -74,6 +171,12 @@ class SimulatedNode:
     stalled: bool = False
     """Fault injection: the rank stops stepping (a hung or crashed job) while this is set."""
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    gpus: SimulatedGpus | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus is None:
+            assert self.nvml is not None
+            self.gpus = NvmlGpus(self.nvml)
 
     def stop(self) -> None:
         """The node goes away: its agent (which says offline on the way out) and its rank."""
@@ -81,8 +184,8 @@ class SimulatedNode:
             task.cancel()
 
     def power_cap_w(self) -> float:
-        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
-        return self.nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
+        assert self.gpus is not None
+        return self.gpus.cap_w()
 
 
 async def run_rank(
@@ -90,8 +193,8 @@ async def run_rank(
 ) -> None:
     """Train forever: apply new settings at step boundaries, step, report."""
     knobs: dict[str, Any] = dict(JOB_DEFAULTS)
-    node.nvml.nvmlInit()
-    gpus = node.nvml.nvmlDeviceGetCount()
+    assert node.gpus is not None
+    gpus = node.gpus.count()
     while True:
         if node.stalled:
             await asyncio.sleep(0.05)
@@ -101,9 +204,7 @@ async def run_rank(
             knobs = dict(new.settings)
         step = model.step({**knobs, "power_cap_w": node.power_cap_w()}, rng)
         for i in range(gpus):
-            node.nvml.set_load(
-                i, util_gpu_pct=round(step.gpu_util * 100), power_draw_w=step.gpu_power_w
-            )
+            node.gpus.set_load(i, step.gpu_util * 100, step.gpu_power_w)
         node.clock.advance(step.step_s)
         if not node.versions_run or node.versions_run[-1] != node.reporter.version:
             node.versions_run.append(node.reporter.version)
@@ -209,17 +310,15 @@ async def simulated_cluster(
     coordinator_dir: Path | None = None,
     on_trial: Callable[[JobState, TrialRecord], None] | None = None,
     job_knobs: tuple[str, ...] | None = JOB_KNOBS,
+    capture_dir: Path | None = None,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
     """Agents and simulated ranks running in the background, and a coordinator ready to run.
-    The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say)."""
+    The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say). The
+    nodes' GPUs replay ``capture_dir`` (an AMD or Gaudi capture directory) where given, else
+    the packaged V100S capture."""
     key = key or os.urandom(32)
-    capture = demo_capture()
-    probe = FakeNvml.from_capture(capture)
-    probe.nvmlInit()
-    low_mw, high_mw = probe.nvmlDeviceGetPowerManagementLimitConstraints(
-        probe.nvmlDeviceGetHandleByIndex(0)
-    )
-    low, high = low_mw / 1000, high_mw / 1000
+    low, high = demo_power_limits_w(capture_dir)
+    gpus_per_node = demo_hardware(capture_dir, lambda: 0.0).gpus.count()
     with tempfile.TemporaryDirectory(prefix="hyperagent-demo-") as tmp:
         workdir = Path(tmp)
         raw = cluster_config(broker_url, nodes, trials, seed, workdir, objective, (low, high))
@@ -229,27 +328,30 @@ async def simulated_cluster(
         model = JobModel(
             params_b=params_b,
             nodes=nodes,
-            gpus_per_node=probe.nvmlDeviceGetCount(),
+            gpus_per_node=gpus_per_node,
             power_limits_w=(low, high),
         )
         sim_nodes = []
         for i in range(nodes):
             name = f"node-{i}"
+            clock = VirtualClock()
+            node_hw = demo_hardware(capture_dir, clock)
+            node_raw = {**raw, "sources": {**raw["sources"], **node_hw.sources}}
             config = build_config(
-                raw,
+                node_raw,
                 {
                     "node": name,
                     "sources.job.socket": str(workdir / f"{name}.sock"),
                     "agent.state_dir": str(workdir / name),
                 },
             )
-            clock = VirtualClock()
-            nvml = FakeNvml.from_capture(capture, clock=clock)
-            agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=key)
+            agent = Agent.from_config(config, node_hw.hardware, settings_key=key)
             reporter = JobReporter(
                 JOB, rank=0, socket_path=config.sources.job.socket, knobs=job_knobs
             )
-            sim_nodes.append(SimulatedNode(name, nvml, clock, agent, reporter))
+            sim_nodes.append(
+                SimulatedNode(name, node_hw.nvml, clock, agent, reporter, gpus=node_hw.gpus)
+            )
         coordinator_config: Config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)
         coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)

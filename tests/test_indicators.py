@@ -301,16 +301,14 @@ def test_an_extended_snapshot_answers_like_one_built_whole() -> None:
 
 
 def test_an_unknown_gpu_model_is_said_once_and_labelled(caplog: pytest.LogCaptureFixture) -> None:
-    """A P100 is not in the table: it weighs 1 in QU, a warning names it once, and its
+    """A K80 (2014) is not in the table: it weighs 1 in QU, a warning names it once, and its
     coefficient carries known="false" so a dashboard or alert can show it."""
     labels = {"gpu": "0", "uuid": "GPU-p100"}
     snapshot = Snapshot(
         1.0,
         "n",
         (
-            Reading(
-                "hyperagent_gpu_info", 1, {**labels, "model": "Tesla P100-PCIE-16GB"}, Kind.INFO
-            ),
+            Reading("hyperagent_gpu_info", 1, {**labels, "model": "Tesla K80"}, Kind.INFO),
             Reading("hyperagent_gpu_utilization_ratio", 0.5, labels),
         ),
     )
@@ -319,10 +317,10 @@ def test_an_unknown_gpu_model_is_said_once_and_labelled(caplog: pytest.LogCaptur
         first = derive(snapshot, None, TABLE)
         derive(snapshot, snapshot, TABLE)
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "Tesla P100-PCIE-16GB" in warnings[0]
+    assert len(warnings) == 1 and "Tesla K80" in warnings[0]
     coefficient = next(r for r in first if r.name == "hyperagent_gpu_quantum_coefficient")
     assert coefficient.value == 1.0
-    assert coefficient.labels == {**labels, "model": "Tesla P100-PCIE-16GB", "known": "false"}
+    assert coefficient.labels == {**labels, "model": "Tesla K80", "known": "false"}
     assert next(r.value for r in first if r.name == "hyperagent_qu_ratio") == 0.5
 
 
@@ -472,3 +470,44 @@ def test_counters_that_go_back_start_the_windows_over() -> None:
     assert values and all(
         v["hyperagent_energy_per_sample_joules"] == pytest.approx(24.0) for v in values
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "q"),
+    [
+        ("Tesla P100-PCIE-16GB", 0.07),
+        ("NVIDIA A10G", 0.40),
+        ("NVIDIA H100 PCIe", 2.42),
+        ("NVIDIA H200", 3.17),
+        ("NVIDIA H20", 0.47),
+        ("NVIDIA GB200", 8.01),
+        ("NVIDIA B200", 7.21),
+        ("NVIDIA L4", 0.39),
+        ("AMD Instinct MI300X", 4.19),
+        ("AMD Instinct MI355X", 8.06),
+        ("HL-225", 1.38),
+        ("HL-325L", 5.88),
+        ("Ascend 910B2C", 1.0),
+    ],
+)
+def test_shipped_coefficients_name_each_part_by_its_longest_key(model: str, q: float) -> None:
+    assert quantum_coefficient(model, TABLE) == q
+
+
+def test_each_shipped_coefficient_is_its_stated_throughput_over_a100s() -> None:
+    """The basis in hyperagent/data/quantum_coefficients.toml: dense BF16/FP16 TFLOPS / 312,
+    except the three BACKGROUND.md figures kept as they are."""
+    import tomllib
+    from importlib import resources
+
+    text = resources.files("hyperagent").joinpath("data", "quantum_coefficients.toml").read_text()
+    models = tomllib.loads(text)["models"]
+    for key, entry in models.items():
+        assert entry["source"], key
+        if entry["basis"] != "background":
+            assert entry["q"] == pytest.approx(entry["tflops"] / 312, abs=0.006), key
+    assert {k for k, e in models.items() if e["basis"] == "background"} == {
+        "A100",
+        "V100",
+        "TPU v4",
+    }

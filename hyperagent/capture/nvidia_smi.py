@@ -427,6 +427,8 @@ _TEXT_TAGS: dict[tuple[str, str], str] = {
     ("clocks", "SM"): "sm_clock",
     ("clocks", "Memory"): "mem_clock",
     ("clocks", "Video"): "video_clock",
+    ("mig_device", "Shared FB Memory Usage"): "fb_memory_usage",
+    ("mig_device", "Shared BAR1 Memory"): "bar1_memory_usage",
     ("mig_mode", "Current"): "current_mig",
     ("mig_mode", "Pending"): "pending_mig",
     ("remapped_rows", "Correctable Error"): "remapped_row_corr",

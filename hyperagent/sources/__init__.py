@@ -31,6 +31,9 @@ class Hardware:
 
     nvml: Any
     """The ``pynvml`` module, or an object with its API (hyperagent.capture.fake_nvml)."""
+    accelerators: Any = None
+    """Another vendor's :class:`~hyperagent.devices.base.DeviceLibrary` whose power limits the
+    agent sets where there is no NVML (AMD through amdsmi, Gaudi through HLML), or None."""
     replayed: bool = False
     """True for a capture directory: nothing of it is kept on this machine's disk."""
     capture_dir: Path | None = None
@@ -130,6 +133,47 @@ def job_source(config: Config) -> JobSource:
     return JobSource(job.socket, policy)
 
 
+def _amdsmi_library() -> Any:
+    from hyperagent.devices.amd import AmdsmiLibrary, load_amdsmi
+
+    module = load_amdsmi()
+    return None if module is None else AmdsmiLibrary(module)
+
+
+def _hlml_library() -> Any:
+    from hyperagent.devices.gaudi import HlmlLibrary, load_pyhlml
+
+    module = load_pyhlml()
+    return None if module is None else HlmlLibrary(module)
+
+
+def accelerator_sources(name: str) -> SourceFactory:
+    """The source of the vendor library ``name`` (amdsmi, hlml): over ``hardware.accelerators``
+    when it is that library, else over the installed one."""
+    make = {"amdsmi": _amdsmi_library, "hlml": _hlml_library}[name]
+
+    def build(config: Config, hardware: Hardware) -> list[Source]:
+        from hyperagent.devices.source import AcceleratorSource
+
+        found = hardware.accelerators
+        library = found if found is not None and found.name == name else make()
+        return [AcceleratorSource(library, name=name, timeout_s=config.sources.timeout_s)]
+
+    return build
+
+
+def smi_text_sources(name: str) -> SourceFactory:
+    """The source reading the tool of ``name`` (npu_smi, cnmon) as text."""
+
+    def build(config: Config, hardware: Hardware) -> list[Source]:
+        from hyperagent.devices import smi_text
+
+        section = getattr(config.sources, name)
+        return [smi_text.SmiTextSource(name, section.command, timeout_s=section.timeout_s)]
+
+    return build
+
+
 SOURCES: dict[str, SourceFactory] = {
     "nvml": lambda config, hw: [
         NvmlSource(
@@ -143,8 +187,13 @@ SOURCES: dict[str, SourceFactory] = {
     "ipmi": ipmi_sources,
     "rdma": rdma_sources,
     "pdu": pdu_sources,
+    "amdsmi": accelerator_sources("amdsmi"),
+    "hlml": accelerator_sources("hlml"),
+    "npu_smi": smi_text_sources("npu_smi"),
+    "cnmon": smi_text_sources("cnmon"),
 }
-"""Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on)."""
+"""Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on, except
+the other accelerator vendors': amdsmi, hlml, npu_smi and cnmon are off unless enabled)."""
 
 
 PDU_RECORDINGS = (".snmprec", ".snmpwalk")
@@ -216,6 +265,9 @@ def capture_sources(
                 timeout_s=config.sources.timeout_s,
             )
         )
+    accelerators = _replayed_accelerators(directory, config, clock)
+    if accelerators is not None:
+        sources.append(accelerators)
     if enabled.rdma.enabled and (directory / "sys" / "class" / "infiniband").is_dir():
         sources.append(
             rdma.RdmaSource(
@@ -263,7 +315,40 @@ def capture_sources(
                 )
             ]
         )
-    return sources, replace(hardware, nvml=nvml)
+    library = getattr(accelerators, "library", None)
+    return sources, replace(hardware, nvml=nvml, accelerators=library)
+
+
+def _replayed_accelerators(
+    directory: Path, config: Config, clock: Callable[[], float]
+) -> Source | None:
+    """The source over a fake vendor library replaying the directory's AMD (amd-smi, rocm-smi)
+    or Gaudi (hl-smi) capture, when it holds one; text tools' captures (npu-smi, cnmon) as
+    their text source."""
+    from hyperagent.capture import amd_smi, hl_smi
+    from hyperagent.devices import smi_text
+    from hyperagent.devices.source import AcceleratorSource
+
+    timeout_s = config.sources.timeout_s
+    if any((directory / name).is_file() for name in amd_smi.CAPTURE_FILES):
+        from hyperagent.capture.fake_amdsmi import FakeAmdsmi
+        from hyperagent.devices.amd import AmdsmiLibrary
+
+        amd = FakeAmdsmi.from_capture(directory, clock=clock)
+        library: Any = AmdsmiLibrary(amd, check_s=0.0)
+        return AcceleratorSource(library, name="amdsmi", timeout_s=timeout_s)
+    if (directory / hl_smi.CAPTURE_FILE).is_file():
+        from hyperagent.capture.fake_hlml import FakeHlml
+        from hyperagent.devices.gaudi import HlmlLibrary
+
+        hlml = FakeHlml.from_capture(directory, clock=clock)
+        return AcceleratorSource(HlmlLibrary(hlml), name="hlml", timeout_s=timeout_s)
+    for name, capture in smi_text.CAPTURE_FILES.items():
+        if (directory / capture).is_file():
+            return smi_text.SmiTextSource(
+                name, (), timeout_s=timeout_s, capture=directory / capture
+            )
+    return None
 
 
 def build_sources(config: Config, hardware: Hardware) -> list[Source]:

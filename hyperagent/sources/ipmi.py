@@ -305,8 +305,10 @@ def parse_sdr_output(text: str) -> list[Reading]:
 def parse_ipmiutil_sensor(text: str) -> list[Reading]:
     """Readings of ``ipmiutil sensor`` output (ID | SDR type | type | num | name | status | value).
 
-    Threshold states (OK, Warn-*, Crit-*, BelowCrit/AboveCrit) give the sensor state; discrete
-    status words ("Working") give none.
+    Threshold states (OK, Warn-*, Crit-*, BelowCrit/AboveCrit) give the sensor state. Any other
+    status is a readable discrete sensor's asserted state as ipmiutil words it ("Working", "_"
+    for none asserted): state 0, as ipmitool reports such a sensor "ok" and the RMCP+ backend
+    reads it (a discrete sensor has no thresholds).
     """
     rows, lines = _table_rows(text, 7)
     records = [row for row in rows if re.fullmatch(r"[0-9a-fA-F]{4}", row[0])]
@@ -317,7 +319,8 @@ def parse_ipmiutil_sensor(text: str) -> list[Reading]:
         if not name or status.lower() in _UNREADABLE:
             continue
         metric, value = _value_from_text(reading, _IPMIUTIL_UNITS)
-        values.append(SensorValue(name, "", _IPMIUTIL_STATUS.get(status.lower()), metric, value))
+        severity = _IPMIUTIL_STATUS.get(status.lower(), OK)
+        values.append(SensorValue(name, "", severity, metric, value))
     return sensor_readings(values)
 
 

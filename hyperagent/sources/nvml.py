@@ -396,6 +396,9 @@ class _GpuState:
     integrated_s: dict[str, float] = field(default_factory=dict)
     mig_slots: int | None = None
     mig: dict[tuple[int, str], _Mig] = field(default_factory=dict)
+    mig_unsupported: bool = False
+    """The GPU answered "not supported" to nvmlDeviceGetMigMode (a GPU without MIG): not asked
+    again until the retry read."""
     slow: list[Reading] = field(default_factory=list)
     """The last slow readings, repeated until ``slow_at`` + the slow interval."""
     slow_at: float = -math.inf
@@ -425,6 +428,7 @@ class _GpuState:
         self.unknown.clear()
         self.no_legacy.clear()
         self.refused_counters.clear()
+        self.mig_unsupported = False
         self.epoch += 1
 
     def forget_sampling(self) -> None:
@@ -1165,7 +1169,11 @@ class NvmlSource:
 
     def _read_mig(self, state: _GpuState, out: list[Reading]) -> None:
         nv, gpu = self.nvml, state.identity
+        if state.mig_unsupported:
+            return
         mode = self._call(gpu, "MIG mode", nv.nvmlDeviceGetMigMode, gpu.handle)
+        if mode is None:
+            state.mig_unsupported = True
         if mode is None or mode[0] != nv.NVML_DEVICE_MIG_ENABLE:
             state.mig_slots = None
             state.mig = {}

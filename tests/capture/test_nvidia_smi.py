@@ -23,6 +23,8 @@ FIXTURES = Path(__file__).parents[2] / "fixtures" / "nvidia-smi"
 H100 = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
 L40S = "linux-x86_64__nvidia-l40s__595.80.txt"
 A100_TEXT = "a100-sxm4-mig-q-written.txt"
+H100_MIG = "linux-x86_64__nvidia-h100-mig__590.48.01.txt"
+H200_MIG = "linux-x86_64__nvidia-h200-mig__590.48.01.txt"
 
 
 def _capture(name: str) -> list[GpuRecord]:
@@ -40,6 +42,8 @@ def _capture(name: str) -> list[GpuRecord]:
         (H100, 1, "NVIDIA H100 80GB HBM3", "590.48.01"),
         (L40S, 1, "NVIDIA L40S", "595.80"),
         (A100_TEXT, 1, "NVIDIA A100-SXM4-80GB", "535.54.03"),
+        (H100_MIG, 1, "NVIDIA H100 80GB HBM3", "590.48.01"),
+        (H200_MIG, 1, "NVIDIA H200", "590.48.01"),
     ],
 )
 def test_every_capture_parses(name: str, count: int, model: str, driver: str) -> None:
@@ -53,7 +57,7 @@ def test_every_capture_parses(name: str, count: int, model: str, driver: str) ->
 
 def test_fixtures_are_all_covered() -> None:
     captures = {p.name for p in FIXTURES.iterdir() if p.suffix in {".xml", ".txt"}}
-    assert len(captures) == 8
+    assert len(captures) == 10
 
 
 def test_gtx_8card_gpu0_under_load() -> None:
@@ -511,3 +515,40 @@ def test_csv_and_xml_report_the_same_memory_used_through_nvml() -> None:
     free = int(values[names.index("memory.free [MiB]")].split()[0])
     assert used(reduced) == (total - free) * MIB
     assert abs(used(full) - used(reduced)) <= MIB
+
+
+@pytest.mark.parametrize(
+    ("name", "devices"),
+    [
+        # (MIG slot, GPU instance, compute instance, total MiB, used MiB) of the load section
+        (H100_MIG, [(0, 2, 0, 40448, 11091), (1, 3, 0, 20096, 17), (2, 9, 0, 9984, 9),
+                    (3, 10, 0, 9984, 9)]),
+        (H200_MIG, [(0, 2, 0, 71424, 16925), (1, 2, 1, 71424, 16925), (2, 3, 0, 33280, 17),
+                    (3, 9, 0, 16384, 9), (4, 10, 0, 16384, 9)]),
+    ],
+)  # fmt: skip
+def test_mig_memory_from_driver_590_q_text(
+    name: str, devices: list[tuple[int, int, int, int, int]]
+) -> None:
+    """Driver 590's `-q` names a MIG device's memory "Shared FB Memory Usage" (the H100's and
+    H200's captures): each MIG device keeps its total and used memory, and NVML (replayed
+    from the capture, as the agent reads it) reports them for each MIG device handle."""
+    from hyperagent.capture.fake_nvml import FakeNvml
+
+    (gpu,) = _capture(name)
+    assert gpu.mig_enabled is True
+    assert [
+        (m.index, m.gpu_instance_id, m.compute_instance_id, m.mem_total_bytes, m.mem_used_bytes)
+        for m in gpu.mig_devices
+    ] == [(i, gi, ci, total * MIB, used * MIB) for i, gi, ci, total, used in devices]
+    nvml = FakeNvml([gpu])
+    nvml.nvmlInit()
+    try:
+        parent = nvml.nvmlDeviceGetHandleByIndex(0)
+        for index, _, _, total, used in devices:
+            memory = nvml.nvmlDeviceGetMemoryInfo(
+                nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+            )
+            assert (memory.total, memory.used) == (total * MIB, used * MIB)
+    finally:
+        nvml.nvmlShutdown()

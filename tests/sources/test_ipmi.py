@@ -173,7 +173,21 @@ def test_ipmiutil_gpu_tray() -> None:
     assert ("FANS_SWB_PWM", "") not in values(readings, "hyperagent_bmc_fan_speed_rpm")  # 66 %
     states = values(readings, SENSOR_STATE)
     assert states[("FANS_SWB_PWM", "")] == 0
-    assert ("Power_Status", "") not in states  # "Working": a discrete state, not a verdict
+
+
+def test_ipmiutil_discrete_sensors_report_their_state() -> None:
+    """The tray's discrete sensors: ipmiutil words their asserted state ("Working"; "_" for
+    none) where a threshold sensor says OK; each is a readable sensor in state 0, as ipmitool's
+    "ok" and the RMCP+ backend report discrete sensors. Every sensor of the capture has one."""
+    text = capture("ipmiutil-sensor-gpu-tray.txt")
+    states = values(parse_ipmiutil_sensor(text), SENSOR_STATE)
+    discrete = ["Power_Status", "SoC_0_SOCHOT", "SoC_ThermalTrip", "Subsystem_Health"]
+    assert {name: states.get((name, "")) for name in [*discrete, "BMC_Health"]} == {
+        name: 0 for name in [*discrete, "BMC_Health"]
+    }
+    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 6]
+    sensors = {row[4].strip() for row in rows if row[0].strip() != "ID"}
+    assert len(sensors) == 108 and {name for name, _ in states} == sensors
 
 
 def test_dcmi_power_reading() -> None:

@@ -32,6 +32,7 @@ from hyperagent.sources.pdu import (
     parse,
     pdu_sources,
 )
+from hyperagent.sources.pdu.metrics import JOULES_PER_KWH, JOULES_PER_WH
 from hyperagent.sources.pdu.profiles import APC, RARITAN
 from hyperagent.sources.runner import SourceRunner
 
@@ -227,6 +228,10 @@ def test_vendor_is_detected_by_its_exact_sys_object_id_subtree() -> None:
     assert detect_vendor("1.3.6.1.4.1.318.1.3.2.12") is None  # an APC UPS, not a rack PDU
     assert detect_vendor(Missing.NO_SUCH_OBJECT) is None
     assert detect_vendor("not an oid") is None
+    assert detect_vendor(b"not an oid") is None
+    # CPQPOWER agents answer sysObjectID with a DisplayString holding the OID
+    assert detect_vendor(b".1.3.6.1.4.1.232.165.11") == "hpe-pdu3"
+    assert detect_vendor(b"1.3.6.1.4.1.232.165.7\x00") == "hpe"
 
 
 def test_targets_are_validated() -> None:
@@ -494,3 +499,108 @@ async def test_a_dead_pdu_does_not_hide_the_others(snmpsim: Snmpsim) -> None:
     assert up == {"apc-8641": 1.0, "rack02-pdu": 0.0}
     node = [r for r in readings if r.name == "hyperagent_pdu_node_power_watts"]
     assert [(r.labels["pdu"], r.value) for r in node] == [("apc-8641", 167.0)]
+
+
+# -- Real PDUs that read wrong: walks written from the MIB and the values a real walk holds
+# (fixtures/pdu-snmp/SOURCES.md, "Written from the MIB"), served by snmpsim ------------------
+
+
+async def read_live(
+    snmpsim: Snmpsim, capture: str, target: PduTarget | None = None
+) -> list[Reading]:
+    source = PduSource(target or whole_pdu(capture), snmpsim.client(capture))
+    try:
+        await source.start()
+        return await source.read()
+    finally:
+        await source.close()
+
+
+@pytest.mark.peer
+async def test_panduit_g5_inlet_energy_is_read_in_kwh(snmpsim: Snmpsim) -> None:
+    """pdug5InputTotalEnergy 7405 is kWh: the resettable meter beside it (7405276 Wh) agrees."""
+    readings = await read_live(snmpsim, "panduit-g5.snmprec")
+    (energy,) = values(readings, "hyperagent_pdu_inlet_energy_joules_total").values()
+    assert energy == 7405 * JOULES_PER_KWH
+    assert abs(energy - 7405276 * JOULES_PER_WH) < JOULES_PER_KWH
+
+
+@pytest.mark.peer
+async def test_hpe_pdu3_answering_sys_object_id_as_a_string_is_read(
+    snmpsim: Snmpsim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CPQPOWER-MIB makes sysObjectID a DisplayString: the PDU is still recognised and its
+    pdu3 tables read (inlet 154 W, outlets summing to 153 W)."""
+    with caplog.at_level(logging.WARNING, logger="hyperagent.sources.pdu"):
+        readings = await read_live(snmpsim, "hpe-pdu3.snmprec")
+    assert not [r for r in caplog.records if "matches no PDU profile" in r.getMessage()]
+    (info,) = [r for r in readings if r.name == "hyperagent_pdu_info"]
+    assert info.labels["vendor"] == "hpe-pdu3"
+    assert info.labels["sys_object_id"] == "1.3.6.1.4.1.232.165.11"
+    assert info.labels["model"] == "230V, 16A, 3.7kVA, 50/60Hz"
+    assert values(readings, "hyperagent_pdu_inlet_power_watts") == {("1",): 154.0}
+    assert values(readings, "hyperagent_pdu_inlet_energy_joules_total") == {
+        ("1",): 2113 * JOULES_PER_KWH
+    }
+    assert values(readings, "hyperagent_pdu_phase_current_amperes") == {("1", "1"): 0.7}
+    assert values(readings, "hyperagent_pdu_phase_voltage_volts") == {("1", "1"): 230.1}
+    assert sum(values(readings, "hyperagent_pdu_outlet_power_watts").values()) == 153.0
+    node = PduTarget("hpe-pdu3", "127.0.0.1", outlets=("mgmt-switch",))
+    mine = await read_live(snmpsim, "hpe-pdu3.snmprec", node)
+    assert values(mine, "hyperagent_pdu_node_power_watts") == {(): 61.0}
+
+
+@pytest.mark.peer
+async def test_eaton_revelation_outlet_voltage_is_in_volts(snmpsim: Snmpsim) -> None:
+    readings = await read_live(snmpsim, "eaton-revelation.snmprec")
+    voltage = values(readings, "hyperagent_pdu_outlet_voltage_volts")
+    assert [voltage[(str(n),)] for n in range(1, 5)] == [244.0, 241.0, 249.0, 246.0]
+    assert values(readings, "hyperagent_pdu_inlet_voltage_volts") == {("1",): 229.7}
+
+
+@pytest.mark.peer
+async def test_tripplite_phase_current_comes_from_the_output_table(snmpsim: Snmpsim) -> None:
+    """A Tripp Lite PDU without tlpPduInputPhaseCurrent: tlpPduOutputCurrent 100 is 1.00 A."""
+    readings = await read_live(snmpsim, "tripplite-pdu-output-current.snmprec")
+    phase = ("1", "1")
+    assert values(readings, "hyperagent_pdu_phase_voltage_volts") == {phase: 207.0}
+    assert values(readings, "hyperagent_pdu_phase_power_watts") == {phase: 207.0}
+    assert values(readings, "hyperagent_pdu_phase_current_amperes") == {phase: 1.0}
+
+
+@pytest.mark.peer
+async def test_tripplite_ats_is_read_from_its_ats_tables(snmpsim: Snmpsim) -> None:
+    """An ATS (tlpDeviceType tlpAts) answers the same sysObjectID as Tripp Lite PDUs and keeps
+    its readings in the tlpAts tables: output power, both input lines, its outlets."""
+    readings = await read_live(snmpsim, "tripplite-ats.snmprec")
+    (info,) = [r for r in readings if r.name == "hyperagent_pdu_info"]
+    assert (info.labels["vendor"], info.labels["model"]) == ("tripplite", "PDUMH20ATNET")
+    assert values(readings, "hyperagent_pdu_inlet_power_watts") == {("1",): 486.0}
+    assert values(readings, "hyperagent_pdu_phase_voltage_volts") == {
+        ("1", "1"): 120.4,
+        ("2", "1"): 119.8,
+    }
+    assert values(readings, "hyperagent_pdu_phase_current_amperes") == {
+        ("1", "1"): 4.05,
+        ("2", "1"): 0.0,
+    }
+    assert sum(values(readings, "hyperagent_pdu_outlet_power_watts").values()) == 486.0
+    node = PduTarget("ats", "127.0.0.1", outlets=("gpu-node-81-psu1", "gpu-node-81-psu2"))
+    mine = await read_live(snmpsim, "tripplite-ats.snmprec", node)
+    assert values(mine, "hyperagent_pdu_node_power_watts") == {(): 118.0 + 117.0}
+
+
+@pytest.mark.peer
+async def test_vertiv_delta_unit_reads_its_line_currents(snmpsim: Snmpsim) -> None:
+    """A delta unit's pduPhaseTable holds the phase pairs; the line conductors' currents
+    (Line A/B/C, about 12.6 A) are in pduLineTable."""
+    readings = await read_live(snmpsim, "vertiv-geist-delta.snmprec")
+    current = values(readings, "hyperagent_pdu_phase_current_amperes")
+    assert current == {
+        ("1", "L1-L2"): 7.31,
+        ("1", "L2-L3"): 7.24,
+        ("1", "L3-L1"): 7.3,
+        ("1", "Line A"): 12.62,
+        ("1", "Line B"): 12.55,
+        ("1", "Line C"): 12.64,
+    }

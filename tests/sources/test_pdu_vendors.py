@@ -96,10 +96,21 @@ VENDORS = [
         "enlogic.snmprec", "enlogic", "1", 3312.0, 60231 * JOULES_PER_TENTH_KWH,
         "gpu-node-91-psu1", "1", 548.0, 10233 * JOULES_PER_TENTH_KWH,
     ),
-    # pdug5InputPowerWatts 2644, pdug5InputTotalEnergy 5230198 Wh; outlet 1 619 W, 1224301 Wh
+    # pdug5InputPowerWatts 2644, pdug5InputTotalEnergy 7405 kWh; outlet 1 619 W, 1224301 Wh
     Expected(
-        "panduit-g5.snmprec", "panduit", "1", 2644.0, 5230198 * JOULES_PER_WH,
+        "panduit-g5.snmprec", "panduit", "1", 2644.0, 7405 * JOULES_PER_KWH,
         "gpu-node-a1-psu1", "1", 619.0, 1224301 * JOULES_PER_WH,
+    ),
+    # pdu3InputPowerWatts 154 W, pdu3InputTotalEnergy 2113 kWh; outlet 2 "mgmt-switch" 61 W; the
+    # pdu3 outlet table has no energy column
+    Expected(
+        "hpe-pdu3.snmprec", "hpe-pdu3", "1", 154.0, 2113 * JOULES_PER_KWH,
+        "mgmt-switch", "2", 61.0, None,
+    ),
+    # tlpAtsDeviceOutputPowerTotal 486 W; outlet 1 118 W; the MIB has no energy objects
+    Expected(
+        "tripplite-ats.snmprec", "tripplite", "1", 486.0, None,
+        "gpu-node-81-psu1", "1", 118.0, None,
     ),
     # sdbDevInPowerWatt 1850, sdbDevInKWhTotal 12877; outlet 1 455 W, 5120 kWh
     Expected(

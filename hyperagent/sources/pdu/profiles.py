@@ -493,7 +493,9 @@ EATON = Profile(
 
 # Eaton's other PDU family: the Aphel-built "Revelation" managed ePDUs, PDU-MIB under
 # enterprises.534.6.6.6: the unit's current in mA, voltage in mV and power in W as scalars, and
-# per-outlet current, voltage and power (no energy meters in this MIB).
+# per-outlet current (mA), voltage and power (W); no energy meters in this MIB. Outlet voltage
+# is in volts as these PDUs report it (244 on a 230 V unit; NUT reads volts too), whatever
+# millivolts the MIB's text suggests.
 _REVELATION = "1.3.6.1.4.1.534.6.6.6.1"
 EATON_REVELATION = Profile(
     "eaton-revelation",
@@ -509,7 +511,7 @@ EATON_REVELATION = Profile(
         Table(
             Part.OUTLET,
             f"{_REVELATION}.2.2.1",
-            (_m(OUTLET_CURRENT, 4, 1, 1000), _m(OUTLET_VOLTAGE, 6, 1, 1000), _m(OUTLET_POWER, 7)),
+            (_m(OUTLET_CURRENT, 4, 1, 1000), _m(OUTLET_VOLTAGE, 6), _m(OUTLET_POWER, 7)),
             name_column=2,
         ),
     ),
@@ -517,8 +519,10 @@ EATON_REVELATION = Profile(
 )
 
 # Vertiv (Geist) VERTIV-V5-MIB, the rPDUs' imd branch: total and phase power in W, energy in
-# Wh, voltage in tenths of V, current in hundredths of A. Vertiv/Geist products answer with
-# sysObjectIDs anywhere under enterprises.21239.
+# Wh, voltage in tenths of V, current in hundredths of A. pduPhaseTable holds the phases (on
+# delta units the phase-to-phase pairs, L1-L2...), pduLineTable the current of each line
+# conductor (pduLineName: the line, Line A...). Vertiv/Geist products answer with sysObjectIDs
+# anywhere under enterprises.21239.
 _VERTIV = "1.3.6.1.4.1.21239.5.2"
 VERTIV = Profile(
     "vertiv",
@@ -537,6 +541,7 @@ VERTIV = Profile(
             (_m(PHASE_VOLTAGE, 4, 1, 10), _m(PHASE_CURRENT, 8, 1, 100), _m(PHASE_POWER, 12)),
             id_column=2,
         ),
+        Table(Part.PHASE, f"{_VERTIV}.3.4.1", (_m(PHASE_CURRENT, 4, 1, 100),), id_column=2),
         Table(
             Part.OUTLET,
             f"{_VERTIV}.3.6.1",
@@ -552,31 +557,66 @@ VERTIV = Profile(
     Info(f"{_VERTIV}.1.3.0", f"{_VERTIV}.1.8.0", f"{_VERTIV}.1.10.0", f"{_VERTIV}.1.2.0"),
 )
 
-# Tripp Lite TRIPPLITE-PRODUCTS tlpPdu: total output power in W; input phase voltage in tenths
-# of V and current in hundredths of A; output (per phase) power in W; outlet voltage in tenths
-# of V, current in hundredths of A, power in W. The MIB has no energy meters.
+# Tripp Lite TRIPPLITE-PRODUCTS, for its PDUs (tlpPdu, enterprises.850.1.1.3.2) and its
+# automatic transfer switches (tlpAts, 850.1.1.3.4: the PDUMH..ATNET models), which answer with
+# the same sysObjectID and keep the same readings in the tlpAts tables (a device has one branch
+# or the other; tlpDeviceType says which). Total output power in W; input phase voltage in
+# tenths of V and current in hundredths of A (an ATS's input phases are indexed by input line:
+# inlet 1 and 2 are its two sources); output (per phase) voltage in tenths of V, current in
+# hundredths of A and power in W (PDUs without input phase current report the output's);
+# outlet voltage in tenths of V, current in hundredths of A, power in W. No energy meters.
+_TRIPPLITE_DEVICE = "1.3.6.1.4.1.850.1.1.1.2.1"
 _TRIPPLITE = "1.3.6.1.4.1.850.1.1.3.2"
-TRIPPLITE = Profile(
-    "tripplite",
-    "TRIPPLITE-PRODUCTS",
-    ("1.3.6.1.4.1.850.1.1.1", "1.3.6.1.4.1.850.1.1.3.2"),
-    (
-        Table(Part.INLET, f"{_TRIPPLITE}.2.1.1", (_m(INLET_POWER, 9),), per_unit=True),
+_TRIPPLITE_ATS = "1.3.6.1.4.1.850.1.1.3.4"
+
+
+def _tripplite_tables(branch: str, input_phase: Table) -> tuple[Table, ...]:
+    """The device, input phase, output and outlet tables of a tlpPdu or tlpAts branch (their
+    columns are numbered alike but for the input phase table)."""
+    return (
+        Table(Part.INLET, f"{branch}.2.1.1", (_m(INLET_POWER, 9),), per_unit=True),
+        input_phase,
         Table(
             Part.PHASE,
-            f"{_TRIPPLITE}.3.1.2.1",
-            (_m(PHASE_VOLTAGE, 4, 1, 10), _m(PHASE_CURRENT, 7, 1, 100)),
+            f"{branch}.3.2.1.1",
+            (_m(PHASE_VOLTAGE, 4, 1, 10), _m(PHASE_CURRENT, 5, 1, 100), _m(PHASE_POWER, 8)),
             width=2,
         ),
-        Table(Part.PHASE, f"{_TRIPPLITE}.3.2.1.1", (_m(PHASE_POWER, 8),), width=2),
         Table(
             Part.OUTLET,
-            f"{_TRIPPLITE}.3.3.1.1",
+            f"{branch}.3.3.1.1",
             (_m(OUTLET_VOLTAGE, 7, 1, 10), _m(OUTLET_CURRENT, 8, 1, 100), _m(OUTLET_POWER, 9)),
             width=2,
             name_column=2,
         ),
+    )
+
+
+TRIPPLITE = Profile(
+    "tripplite",
+    "TRIPPLITE-PRODUCTS",
+    ("1.3.6.1.4.1.850.1.1.1", "1.3.6.1.4.1.850.1.1.3.2", "1.3.6.1.4.1.850.1.1.3.4"),
+    (
+        *_tripplite_tables(
+            _TRIPPLITE,
+            Table(
+                Part.PHASE,
+                f"{_TRIPPLITE}.3.1.2.1",
+                (_m(PHASE_VOLTAGE, 4, 1, 10), _m(PHASE_CURRENT, 7, 1, 100)),
+                width=2,
+            ),
+        ),
+        *_tripplite_tables(
+            _TRIPPLITE_ATS,
+            Table(
+                Part.PHASE,
+                f"{_TRIPPLITE_ATS}.3.1.2.1",
+                (_m(PHASE_VOLTAGE, 5, 1, 10), _m(PHASE_CURRENT, 8, 1, 100)),
+                width=3,
+            ),
+        ),
     ),
+    Info(name=f"{_TRIPPLITE_DEVICE}.6.1", model=f"{_TRIPPLITE_DEVICE}.5.1"),
 )
 
 # HPE CPQPOWER-MIB pdu2 (HPE G2 metered/switched PDUs): voltages in mV, currents in mA, power
@@ -615,6 +655,46 @@ HPE = Profile(
         ),
     ),
     Info(model=f"{_HPE}.1.2.1.3.0", serial=f"{_HPE}.1.2.1.7.0", firmware=f"{_HPE}.1.2.1.5.0"),
+)
+
+# HPE CPQPOWER-MIB pdu3 (HPE G2 PDUs of the 232.165.11 branch, the same table layout as Panduit
+# G5): input power in W (the MIB's text says thousandths; its agents report W, the sum of the
+# phases' W), lifetime energy in kWh; phase voltage in tenths of V, current in hundredths of A,
+# power in W; outlet current in hundredths of A, power in W (pdu3OutletWh is whole kWh, reset
+# from the GUI: too coarse for a node's energy, not read). Indexed by the daisy-chained PDU
+# from 1. These agents answer sysObjectID with a DisplayString (".1.3.6.1.4.1.232.165.11").
+_HPE3 = "1.3.6.1.4.1.232.165.11"
+HPE_PDU3 = Profile(
+    "hpe-pdu3",
+    "CPQPOWER-MIB pdu3",
+    ("1.3.6.1.4.1.232.165.11",),
+    (
+        Table(
+            Part.INLET,
+            f"{_HPE3}.2.1.1",
+            (_m(INLET_POWER, 5), _m(INLET_ENERGY, 6, JOULES_PER_KWH)),
+            per_unit=True,
+        ),
+        Table(
+            Part.PHASE,
+            f"{_HPE3}.2.2.1",
+            (_m(PHASE_VOLTAGE, 3, 1, 10), _m(PHASE_CURRENT, 11, 1, 100), _m(PHASE_POWER, 20)),
+            width=2,
+        ),
+        Table(
+            Part.OUTLET,
+            f"{_HPE3}.5.1.1",
+            (_m(OUTLET_CURRENT, 5, 1, 100), _m(OUTLET_POWER, 13)),
+            width=2,
+            name_column=2,
+        ),
+    ),
+    Info(
+        f"{_HPE3}.1.2.1.2.1",
+        f"{_HPE3}.1.2.1.3.1",
+        f"{_HPE3}.1.2.1.8.1",
+        f"{_HPE3}.1.2.1.5.1",
+    ),
 )
 
 # Dell DellrPDU-MIB: device power in hundredths of kW, energy in tenths of kWh; phase current
@@ -691,9 +771,10 @@ ENLOGIC = Profile(
     Info(name=f"{_ENLOGIC}.2.4.1.2.1"),
 )
 
-# Panduit PANDUIT-MIB (SmartZone G5): input power in W, energy in Wh; phase voltage in tenths
-# of V, current in hundredths of A, power in W; outlet current in hundredths of A, power in W,
-# energy in Wh.
+# Panduit PANDUIT-MIB (SmartZone G5): input power in W, lifetime energy (pdug5InputTotalEnergy)
+# in kWh (the resettable pdug5InputResettableEnergy beside it is in Wh and agrees); phase
+# voltage in tenths of V, current in hundredths of A, power in W; outlet current in hundredths
+# of A, power in W, energy in Wh.
 _PANDUIT = "1.3.6.1.4.1.19536.10.1"
 PANDUIT = Profile(
     "panduit",
@@ -703,7 +784,7 @@ PANDUIT = Profile(
         Table(
             Part.INLET,
             f"{_PANDUIT}.2.1.1",
-            (_m(INLET_POWER, 5), _m(INLET_ENERGY, 6, JOULES_PER_WH)),
+            (_m(INLET_POWER, 5), _m(INLET_ENERGY, 6, JOULES_PER_KWH)),
             per_unit=True,
         ),
         Table(
@@ -777,6 +858,7 @@ PROFILES: dict[str, Profile] = {
         VERTIV,
         TRIPPLITE,
         HPE,
+        HPE_PDU3,
         DELL,
         ENLOGIC,
         PANDUIT,
@@ -789,15 +871,28 @@ PROFILES: dict[str, Profile] = {
 VENDORS = ("auto", *PROFILES)
 
 
-def detect_vendor(sys_object_id: SnmpValue | None) -> str | None:
-    """The profile whose sysObjectID subtree holds ``sys_object_id`` (compared arc by arc, the
-    longest subtree winning); None when no profile knows it."""
-    if not isinstance(sys_object_id, str):
-        return None
+def object_id(value: SnmpValue | None) -> str:
+    """A sysObjectID as dotted text (``""`` when it is not an OID): the OID an agent answers,
+    or the string holding one that others answer (CPQPOWER-MIB defines sysObjectID as a
+    DisplayString, ``".1.3.6.1.4.1.232.165.11"``)."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace").replace("\x00", "").strip()
+    if not isinstance(value, str):
+        return ""
     try:
-        oid = parse_oid(sys_object_id)
+        return ".".join(map(str, parse_oid(value)))
     except ValueError:
+        return ""
+
+
+def detect_vendor(sys_object_id: SnmpValue | None) -> str | None:
+    """The profile whose sysObjectID subtree holds ``sys_object_id`` (an OID, or a string
+    holding one; compared arc by arc, the longest subtree winning); None when no profile
+    knows it."""
+    text = object_id(sys_object_id)
+    if not text:
         return None
+    oid = parse_oid(text)
     best: tuple[int, str] | None = None
     for vendor, profile in PROFILES.items():
         for subtree in profile.sys_object_ids:

@@ -38,7 +38,15 @@ from hyperagent.sources.pdu.parse import (
     text,
     walk_columns,
 )
-from hyperagent.sources.pdu.profiles import ENTITY, PROFILES, VENDORS, Part, Profile, detect_vendor
+from hyperagent.sources.pdu.profiles import (
+    ENTITY,
+    PROFILES,
+    VENDORS,
+    Part,
+    Profile,
+    detect_vendor,
+    object_id,
+)
 from hyperagent.sources.pdu.snmp import (
     Missing,
     Oid,
@@ -184,7 +192,7 @@ class PduSource:
         """The system group, and from its sysObjectID the profile (first read of ``auto``)."""
         binds = await self.client.get(list(SYSTEM))
         oid = dict(binds).get(SYS_OBJECT_ID)
-        self.sys_object_id = oid if isinstance(oid, str) else ""
+        self.sys_object_id = object_id(oid)
         vendor = detect_vendor(oid)
         self.profile = PROFILES[vendor] if vendor else None
         self.unknown = vendor is None
@@ -195,8 +203,8 @@ class PduSource:
         out: list[VarBind] = []
         for at in range(0, len(oids), GET_BATCH):
             out.extend(await self.client.get(oids[at : at + GET_BATCH]))
-        oid = dict(out).get(SYS_OBJECT_ID)
-        if isinstance(oid, str):
+        oid = object_id(dict(out).get(SYS_OBJECT_ID))
+        if oid:
             self.sys_object_id = oid
         return out
 

@@ -1,0 +1,183 @@
+"""Parsers of AMD's tools' output into `AcceleratorRecord`s, for replay through FakeAmdsmi.
+
+- ``amd-smi metric --csv`` (one row per device: activity, socket power in W, clocks in MHz,
+  temperatures in degrees C, ECC totals, total energy in J, VRAM in MiB as amd-smi prints "MB");
+- ``amd-smi static --json`` (``gpu_data[]``: ``asic.market_name``, ``limit.{min,max}_power`` and
+  ``limit.socket_power`` in W, the power cap; ``driver.version``);
+- ``amd-smi xgmi --json`` (each device's PCI address, ``bdf``);
+- ``rocm-smi --showallinfo --json`` (``cardN`` objects; ``Max Graphics Package Power (W)`` is
+  the power cap, ``Average``/``Current Socket Graphics Package Power (W)`` the draw).
+
+A capture directory holds ``amd-smi-metric.csv`` (with ``amd-smi-static.json`` and
+``amd-smi-xgmi.json`` beside it where recorded) or ``rocm-smi.json``: see `load_capture`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hyperagent.capture.accelerators import AcceleratorRecord, number
+
+MIB = 1024 * 1024
+METRIC_CSV = "amd-smi-metric.csv"
+STATIC_JSON = "amd-smi-static.json"
+XGMI_JSON = "amd-smi-xgmi.json"
+ROCM_SMI_JSON = "rocm-smi.json"
+CAPTURE_FILES = (METRIC_CSV, ROCM_SMI_JSON)
+"""Either one makes a directory an AMD capture."""
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def parse_metric_csv(text: str) -> list[AcceleratorRecord]:
+    """Records from ``amd-smi metric --csv``: one per row, model unknown (the static output
+    has it)."""
+    out = []
+    for row in csv.DictReader(io.StringIO(text)):
+        get = row.get
+        used, total = number(get("used_vram")), number(get("total_vram"))
+        out.append(
+            AcceleratorRecord(
+                index=int(number(get("gpu")) or 0),
+                vendor="amd",
+                model="",
+                util_pct=number(get("gfx_activity")),
+                mem_util_pct=number(get("umc_activity")),
+                power_w=number(get("socket_power")),
+                energy_j=number(get("total_energy_consumption")),
+                mem_used_bytes=None if used is None else used * MIB,
+                mem_total_bytes=None if total is None else total * MIB,
+                temp_c=number(get("hotspot"))
+                if number(get("hotspot")) is not None
+                else number(get("edge")),
+                mem_temp_c=number(get("mem")),
+                clock_mhz=number(get("gfx_0_clk")) or number(get("gfx_clk")),
+                mem_clock_mhz=number(get("mem_0_clk")) or number(get("mem_clk")),
+                ecc_corrected=_int(number(get("total_correctable_count"))),
+                ecc_uncorrected=_int(number(get("total_uncorrectable_count"))),
+            )
+        )
+    return out
+
+
+def _value(entry: Any) -> float | None:
+    """``{"value": 300, "unit": "W"}`` or a bare value."""
+    if isinstance(entry, dict):
+        return number(str(entry.get("value")))
+    return number(None if entry is None else str(entry))
+
+
+def parse_static_json(text: str) -> dict[int, dict[str, Any]]:
+    """By device: model, power-cap range and cap in W, driver version, PCI address."""
+    data = json.loads(text)
+    devices = data.get("gpu_data", data) if isinstance(data, dict) else data
+    out: dict[int, dict[str, Any]] = {}
+    for gpu in devices:
+        limit = gpu.get("limit", {})
+        out[int(gpu["gpu"])] = {
+            "model": gpu.get("asic", {}).get("market_name", ""),
+            "min_power_cap_w": _value(limit.get("min_power")),
+            "max_power_cap_w": _value(limit.get("max_power")),
+            "power_cap_w": _value(limit.get("socket_power")),
+            "driver": gpu.get("driver", {}).get("version", ""),
+            "bus_id": gpu.get("bus", {}).get("bdf", ""),
+        }
+    return out
+
+
+def parse_xgmi_json(text: str) -> dict[int, str]:
+    """Each device's PCI address from ``amd-smi xgmi --json``."""
+    return {int(gpu["gpu"]): str(gpu["bdf"]) for gpu in json.loads(text)}
+
+
+def _model(series: str) -> str:
+    """rocm-smi's "Card series" ("Arcturus GL-XL [Instinct MI100]"): the bracketed name
+    amdsmi gives as market name ("AMD Instinct MI100")."""
+    if "[" in series and series.endswith("]"):
+        inner = series[series.rindex("[") + 1 : -1]
+        last = inner.split("/")[-1].strip()
+        return last if last.startswith("AMD") else f"AMD {last}"
+    return series
+
+
+def parse_rocm_smi_json(text: str) -> list[AcceleratorRecord]:
+    """Records from ``rocm-smi --showallinfo --json`` (or any subset of its keys)."""
+    data = json.loads(text)
+    driver = str(data.get("system", {}).get("Driver version", ""))
+    out = []
+    cards = sorted((k for k in data if k.startswith("card")), key=lambda k: int(k[4:]))
+    for position, key in enumerate(cards):
+        card = data[key]
+        get = card.get
+        power = get("Average Graphics Package Power (W)") or get(
+            "Current Socket Graphics Package Power (W)"
+        )
+        cap = number(get("Max Graphics Package Power (W)"))
+        out.append(
+            AcceleratorRecord(
+                index=position,
+                vendor="amd",
+                model=_model(str(get("Card series") or get("Card Series") or "")),
+                uuid=str(get("Unique ID", "")),
+                bus_id=str(get("PCI Bus", "")).lower(),
+                driver=driver,
+                util_pct=number(get("GPU use (%)")),
+                mem_util_pct=number(get("GPU Memory Read/Write Activity (%)"))
+                if get("GPU Memory Read/Write Activity (%)") is not None
+                else number(get("GPU memory use (%)")),
+                power_w=number(power),
+                mem_used_bytes=number(get("VRAM Total Used Memory (B)")),
+                mem_total_bytes=number(get("VRAM Total Memory (B)")),
+                temp_c=number(get("Temperature (Sensor junction) (C)"))
+                or number(get("Temperature (Sensor edge) (C)")),
+                mem_temp_c=number(get("Temperature (Sensor memory) (C)")),
+                clock_mhz=number(get("sclk clock speed:")),
+                mem_clock_mhz=number(get("mclk clock speed:")),
+                power_cap_w=cap,
+                max_power_cap_w=cap,
+            )
+        )
+    return out
+
+
+def load_capture(directory: Path) -> list[AcceleratorRecord]:
+    """The AMD devices a capture directory holds (see the module docstring); [] when none."""
+    metric = directory / METRIC_CSV
+    if metric.is_file():
+        records = parse_metric_csv(metric.read_text(encoding="utf-8"))
+        xgmi = directory / XGMI_JSON
+        buses = parse_xgmi_json(xgmi.read_text(encoding="utf-8")) if xgmi.is_file() else {}
+        static_path = directory / STATIC_JSON
+        static = (
+            parse_static_json(static_path.read_text(encoding="utf-8"))
+            if static_path.is_file()
+            else {}
+        )
+        out = []
+        for record in records:
+            found = static.get(record.index, {})
+            bus = buses.get(record.index) or found.get("bus_id", "")
+            out.append(
+                replace(
+                    record,
+                    model=found.get("model", "") or record.model,
+                    bus_id=bus,
+                    driver=found.get("driver", ""),
+                    power_cap_w=found.get("power_cap_w"),
+                    min_power_cap_w=found.get("min_power_cap_w"),
+                    max_power_cap_w=found.get("max_power_cap_w"),
+                    default_power_cap_w=found.get("power_cap_w"),
+                )
+            )
+        return out
+    rocm = directory / ROCM_SMI_JSON
+    if rocm.is_file():
+        return parse_rocm_smi_json(rocm.read_text(encoding="utf-8"))
+    return []

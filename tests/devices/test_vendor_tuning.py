@@ -1,0 +1,57 @@
+"""The demo's coordinator tunes a job on AMD MI300X and Intel Gaudi replays through a real
+mosquitto, with the power cap in the search: the agents cap the fake amdsmi / HLML devices
+(microwatts, milliwatts), the job's power follows the cap, and the energy objective reads the
+devices' energy counters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperagent.demo import JOB, demo_power_limits_w, simulated_cluster
+
+from conftest import FIXTURES, Mosquitto
+
+MI300X = FIXTURES / "replay" / "amd-mi300x-8gpu"
+GAUDI = FIXTURES / "replay" / "gaudi-hl205-8card"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("capture", "limits"),
+    [(MI300X, (375.0, 750.0)), (GAUDI, (150.0, 350.0))],
+    ids=["amd-mi300x", "gaudi-hl205"],
+)
+async def test_the_coordinator_caps_power_and_minimises_energy(
+    mosquitto: Mosquitto, capture: Path, limits: tuple[float, float]
+) -> None:
+    assert demo_power_limits_w(capture) == limits
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=8,
+        seed=3,
+        objective="energy",
+        speedup=100,
+        capture_dir=capture,
+        job_overrides={"search_power_cap": True},
+    ) as (coordinator, nodes, model):
+        await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+        caps = [node.power_cap_w() for node in nodes]
+    scored = [t for t in state.trials if t.score is not None]
+    assert len(scored) >= 4, [t.status for t in state.trials]
+    tried = {t.settings["power_cap_w"] for t in state.trials if "power_cap_w" in t.settings}
+    assert len(tried) >= 3 and all(limits[0] <= w <= limits[1] for w in tried), tried
+    best = state.best
+    assert best is not None
+    assert caps == [best[0]["power_cap_w"]] * 2  # every node's devices at the best cap
+    assert state.gain is not None and state.gain > 0, state.gain
+    model_gain = model.score(best[0], "energy") / model.score(state.trials[0].settings, "energy")
+    assert model_gain > 1
+    print(
+        f"{capture.name}: {len(state.trials)} trials, caps tried {sorted(tried)} W, "
+        f"best {best[0]} at {best[1]:.4g} samples/J, measured gain {state.gain:+.1%}, "
+        f"model gain {model_gain - 1:+.1%}"
+    )
