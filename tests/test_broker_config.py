@@ -67,9 +67,9 @@ def secure_broker(tmp_path: Path) -> Iterator[SecureBroker]:
         .replace(
             "/etc/mosquitto/hyperagent.acl", str(REPO / "systemd" / "mosquitto" / "hyperagent.acl")
         )
-        .replace("/var/lib/mosquitto/", f"{tmp_path}/")
         .replace("listener 8883", f"listener {port} 127.0.0.1")
     )
+    conf += f"persistence_location {tmp_path}/\n"  # Debian's mosquitto.conf sets it
     if os.geteuid() == 0:
         conf += "user root\n"
     (tmp_path / "broker.conf").write_text(conf)

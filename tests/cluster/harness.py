@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,16 @@ TOOLS = (
     "systemd-sysusers",
     "useradd",
 )
+
+
+def shipped_toml(nodes: Sequence[str]) -> str:
+    """systemd/hyperagent.toml with the job's node list naming ``nodes``."""
+    text = (SYSTEMD / "hyperagent.toml").read_text()
+    names = ", ".join(f'"{n}"' for n in nodes)
+    text, count = re.subn(r"(?m)^nodes = \[.*\]$", f"nodes = [{names}]", text)
+    assert count == 1, "the shipped hyperagent.toml lists a job's nodes once"
+    tomllib.loads(text)
+    return text
 
 
 class Unavailable(Exception):
@@ -261,15 +271,6 @@ class Cluster:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def shipped_toml(self) -> str:
-        """systemd/hyperagent.toml with the job's node list naming this cluster's nodes."""
-        text = (SYSTEMD / "hyperagent.toml").read_text()
-        nodes = ", ".join(f'"{n}"' for n in NODES)
-        text, count = re.subn(r"(?m)^nodes = \[.*\]$", f"nodes = [{nodes}]", text)
-        assert count == 1, "the shipped hyperagent.toml lists a job's nodes once"
-        tomllib.loads(text)
-        return text
-
     def _tmpfiles(self, root: Path) -> None:
         """The shipped tmpfiles.d entries under ``root``."""
         for line in (SYSTEMD / "hyperagent.tmpfiles").read_text().splitlines():
@@ -287,7 +288,7 @@ class Cluster:
         hyperagent = pwd.getpwnam("hyperagent")
         group = grp.getgrnam("hyperagent").gr_gid
         key = secrets.token_hex(32)
-        toml = self.shipped_toml()
+        toml = shipped_toml(NODES)
         self.passwords = {"coordinator": secrets.token_urlsafe(16)}
         self.passwords |= {self.hosts[k].name: secrets.token_urlsafe(16) for k in self.node_keys}
         hosts_file = self._hosts_file()
@@ -331,6 +332,10 @@ class Cluster:
         (etc / "conf.d").mkdir(parents=True)
         (etc / "certs").mkdir()
         shutil.copy(SYSTEMD / "mosquitto" / "hyperagent.conf", etc / "conf.d" / "hyperagent.conf")
+        # what Debian's /etc/mosquitto/mosquitto.conf sets that the conf.d file relies on
+        (etc / "mosquitto.conf").write_text(
+            "persistence_location /var/lib/mosquitto/\ninclude_dir /etc/mosquitto/conf.d\n"
+        )
         shutil.copy(SYSTEMD / "mosquitto" / "hyperagent.acl", etc / "hyperagent.acl")
         passwd = etc / "hyperagent.passwd"
         for i, (user, password) in enumerate(self.passwords.items()):
@@ -506,7 +511,7 @@ class Cluster:
         self.spawn(
             "mosquitto",
             self.hosts["ctl"],
-            ["mosquitto", "-c", "/etc/mosquitto/conf.d/hyperagent.conf"],
+            ["mosquitto", "-c", "/etc/mosquitto/mosquitto.conf"],
         )
         # started as root, mosquitto drops to its own user itself, as its Debian unit has it
         self.wait_listening("ctl", 8883)
