@@ -226,25 +226,27 @@ def skopt_dimensions(space: SearchSpace) -> list[Dimension]:
     return dimensions
 
 
+def skopt_settings(space: SearchSpace, dimensions: list[Dimension], point: list[Any]) -> Settings:
+    """The settings a point of ``skopt_dimensions(space)`` stands for (a knob with one value at
+    that value)."""
+    settings: Settings = {k: space.values(k)[0] for k in space.knobs if len(space.values(k)) < 2}
+    for dimension, value in zip(dimensions, point, strict=True):
+        knob = dimension.name
+        if knob == "power_cap_w":
+            settings[knob] = space.values(knob)[int(value)]
+        elif knob == "allreduce":
+            settings[knob] = str(value)
+        else:
+            settings[knob] = 2 ** int(value)
+    return {k: settings[k] for k in space.knobs}
+
+
 def skopt_run(landscape: Landscape, seed: int, trials: int) -> Run:
     """scikit-optimize's ``Optimizer`` with its defaults (a GP, gp_hedge, 10 random initial
     points), minimising the negated score; its pick is its best measurement. A repeated
     proposal is measured again, as a user's loop would."""
     space = landscape.space
     dimensions = skopt_dimensions(space)
-    fixed = {k: space.values(k)[0] for k in space.knobs if len(space.values(k)) < 2}
-
-    def settings_of(point: list[Any]) -> Settings:
-        settings: Settings = dict(fixed)
-        for dimension, value in zip(dimensions, point, strict=True):
-            knob = dimension.name
-            if knob == "power_cap_w":
-                settings[knob] = space.values(knob)[int(value)]
-            elif knob == "allreduce":
-                settings[knob] = str(value)
-            else:
-                settings[knob] = 2 ** int(value)
-        return {k: settings[k] for k in space.knobs}
 
     optimizer = Optimizer(dimensions, random_state=seed)
     rng = random.Random(1000 + seed)
@@ -255,7 +257,7 @@ def skopt_run(landscape: Landscape, seed: int, trials: int) -> Run:
         warnings.simplefilter("ignore", UserWarning)  # "objective has been evaluated at point"
         for trial in range(1, trials + 1):
             point = optimizer.ask()
-            settings = settings_of(point)
+            settings = skopt_settings(space, dimensions, point)
             score = landscape.measure(settings, rng)
             optimizer.tell(point, -score)
             if best is None or score > best[1]:

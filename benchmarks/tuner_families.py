@@ -265,19 +265,6 @@ def skopt_trials(problem: Problem, seed: int, trials: int) -> int | None:
     """Plain ``skopt.Optimizer`` with its defaults, minimising the negated score."""
     space = problem.space
     dimensions = sim_benchmark.skopt_dimensions(space)
-    fixed = {k: space.values(k)[0] for k in space.knobs if len(space.values(k)) < 2}
-
-    def settings_of(point: list[Any]) -> Settings:
-        settings: Settings = dict(fixed)
-        for dimension, value in zip(dimensions, point, strict=True):
-            knob = dimension.name
-            if knob == "power_cap_w":
-                settings[knob] = space.values(knob)[int(value)]
-            elif knob == "allreduce":
-                settings[knob] = str(value)
-            else:
-                settings[knob] = 2 ** int(value)
-        return {k: settings[k] for k in space.knobs}
 
     optimizer = Optimizer(dimensions, random_state=seed)
     rng = random.Random(1000 + seed)
@@ -285,7 +272,7 @@ def skopt_trials(problem: Problem, seed: int, trials: int) -> int | None:
         warnings.simplefilter("ignore", UserWarning)  # "objective has been evaluated at point"
         for trial in range(1, trials + 1):
             point = optimizer.ask()
-            settings = settings_of(point)
+            settings = sim_benchmark.skopt_settings(space, dimensions, point)
             if problem.on_target(settings):
                 return trial
             optimizer.tell(point, -problem.measure(settings, rng)[0])
