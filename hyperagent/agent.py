@@ -138,7 +138,7 @@ class Agent:
             (s for s in self.runner.sources if isinstance(s, AcceleratorSource)), None
         )
         self.actuator = None
-        devices = hardware.nvml if hardware.nvml is not None else hardware.accelerators
+        devices = hardware.power_library
         if devices is None and self.accelerator_source is not None:
             devices = self.accelerator_source.library
         if config.actuation.power_cap and devices is not None:

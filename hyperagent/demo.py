@@ -25,14 +25,13 @@ from typing import Any, Protocol
 
 from hyperagent import durable
 from hyperagent.agent import Agent
-from hyperagent.capture import amd_smi, hl_smi
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
 from hyperagent.coordinator import Coordinator, JobState, TrialRecord, coordinator_link
 from hyperagent.devices import as_library
 from hyperagent.job import KNOBS, JobReporter
 from hyperagent.sim import JobModel
-from hyperagent.sources import Hardware
+from hyperagent.sources import Hardware, replayed_library
 
 log = logging.getLogger(__name__)
 
@@ -109,22 +108,10 @@ def demo_hardware(capture_dir: Path | None, clock: Callable[[], float]) -> DemoH
     if capture_dir is None:
         nvml = FakeNvml.from_capture(demo_capture(), clock=clock)
         return DemoHardware(NvmlGpus(nvml), Hardware(nvml=nvml), {}, nvml)
-    if any((capture_dir / name).is_file() for name in amd_smi.CAPTURE_FILES):
-        from hyperagent.capture.fake_amdsmi import FakeAmdsmi
-        from hyperagent.devices.amd import AmdsmiLibrary
-
-        amd = FakeAmdsmi.from_capture(capture_dir, clock=clock)
-        library: Any = AmdsmiLibrary(amd, check_s=0.0)
-        name = "amdsmi"
-        fake: Any = amd
-    elif (capture_dir / hl_smi.CAPTURE_FILE).is_file():
-        from hyperagent.capture.fake_hlml import FakeHlml
-        from hyperagent.devices.gaudi import HlmlLibrary
-
-        fake = FakeHlml.from_capture(capture_dir, clock=clock)
-        library, name = HlmlLibrary(fake), "hlml"
-    else:
+    replayed = replayed_library(capture_dir, clock)
+    if replayed is None:
         raise ValueError(f"{capture_dir}: no AMD (amd-smi, rocm-smi) or Gaudi (hl-smi) capture")
+    fake, library, name = replayed
     sources = {"nvml": {"enabled": False}, name: {"enabled": True}}
     return DemoHardware(VendorGpus(fake), Hardware(nvml=None, accelerators=library), sources)
 
@@ -133,11 +120,8 @@ def demo_power_limits_w(capture_dir: Path | None) -> tuple[float, float]:
     """The power-cap range the demo's coordinator searches: the devices' own, where a device
     accepts down to 0 W (AMD Instinct) from half its maximum, as an operator would set it."""
     probe = demo_hardware(capture_dir, lambda: 0.0)
-    devices = (
-        probe.hardware.nvml if probe.hardware.nvml is not None else probe.hardware.accelerators
-    )
-
-    low_mw, high_mw = as_library(devices).power_devices()[0].power_limit_constraints_mw()
+    device = as_library(probe.hardware.power_library).power_devices()[0]
+    low_mw, high_mw = device.power_limit_constraints_mw()
     low, high = low_mw / 1000, high_mw / 1000
     return (high / 2 if low <= 0 else low), high
 

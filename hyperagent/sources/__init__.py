@@ -54,6 +54,12 @@ class Hardware:
 
         return cls(nvml=pynvml)
 
+    @property
+    def power_library(self) -> Any:
+        """What the power-cap actuator sets limits through: NVML, else the other vendor's
+        library (``accelerators``), else None."""
+        return self.nvml if self.nvml is not None else self.accelerators
+
 
 SourceFactory = Callable[[Config, Hardware], list[Source]]
 
@@ -319,30 +325,41 @@ def capture_sources(
     return sources, replace(hardware, nvml=nvml, accelerators=library)
 
 
-def _replayed_accelerators(
-    directory: Path, config: Config, clock: Callable[[], float]
-) -> Source | None:
-    """The source over a fake vendor library replaying the directory's AMD (amd-smi, rocm-smi)
-    or Gaudi (hl-smi) capture, when it holds one; text tools' captures (npu-smi, cnmon) as
-    their text source."""
+def replayed_library(directory: Path, clock: Callable[[], float]) -> tuple[Any, Any, str] | None:
+    """The fake vendor library replaying the directory's AMD (amd-smi, rocm-smi) or Gaudi
+    (hl-smi) capture, its :class:`~hyperagent.devices.base.DeviceLibrary` and its source name;
+    None when the directory holds neither."""
     from hyperagent.capture import amd_smi, hl_smi
-    from hyperagent.devices import smi_text
-    from hyperagent.devices.source import AcceleratorSource
 
-    timeout_s = config.sources.timeout_s
     if any((directory / name).is_file() for name in amd_smi.CAPTURE_FILES):
         from hyperagent.capture.fake_amdsmi import FakeAmdsmi
         from hyperagent.devices.amd import AmdsmiLibrary
 
         amd = FakeAmdsmi.from_capture(directory, clock=clock)
-        library: Any = AmdsmiLibrary(amd, check_s=0.0)
-        return AcceleratorSource(library, name="amdsmi", timeout_s=timeout_s)
+        return amd, AmdsmiLibrary(amd, check_s=0.0), "amdsmi"
     if (directory / hl_smi.CAPTURE_FILE).is_file():
         from hyperagent.capture.fake_hlml import FakeHlml
         from hyperagent.devices.gaudi import HlmlLibrary
 
         hlml = FakeHlml.from_capture(directory, clock=clock)
-        return AcceleratorSource(HlmlLibrary(hlml), name="hlml", timeout_s=timeout_s)
+        return hlml, HlmlLibrary(hlml), "hlml"
+    return None
+
+
+def _replayed_accelerators(
+    directory: Path, config: Config, clock: Callable[[], float]
+) -> Source | None:
+    """The source over a fake vendor library replaying the directory's AMD or Gaudi capture
+    (:func:`replayed_library`), when it holds one; text tools' captures (npu-smi, cnmon) as
+    their text source."""
+    from hyperagent.devices import smi_text
+    from hyperagent.devices.source import AcceleratorSource
+
+    timeout_s = config.sources.timeout_s
+    replayed = replayed_library(directory, clock)
+    if replayed is not None:
+        _, library, name = replayed
+        return AcceleratorSource(library, name=name, timeout_s=timeout_s)
     for name, capture in smi_text.CAPTURE_FILES.items():
         if (directory / capture).is_file():
             return smi_text.SmiTextSource(
