@@ -26,7 +26,7 @@ import orjson
 
 from hyperagent import durable
 from hyperagent.devices import as_library
-from hyperagent.devices.base import Accelerator, DeviceLibrary, call_name
+from hyperagent.devices.base import Accelerator, DeviceLibrary, call_name, clamp_mw
 from hyperagent.errors import ActuationError, DeviceCallError
 from hyperagent.gate import DeviceGate
 
@@ -193,8 +193,7 @@ class PowerCapActuator:
         for index, uuid, h in self._devices():
             setting = False
             try:
-                low, high = self._call(h.power_limit_constraints_mw)
-                target = round(min(max(watts * 1000, low), high))
+                target = clamp_mw(watts, self._call(h.power_limit_constraints_mw))
                 current = self._call(h.power_limit_mw)
                 changed = current != target
                 if changed:
