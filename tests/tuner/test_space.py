@@ -416,6 +416,24 @@ def test_energy_objective_seeds_half_the_maximum_power_cap() -> None:
         Tuner(space, objective="speed")
 
 
+def test_the_energy_seed_caps_whichever_of_the_first_two_seeds_measured_better() -> None:
+    space = SearchSpace.default("mpi", nodes=16, power_limits_w=(100, 250))
+    start, table = space.defaults(), space.recommended(base=space.defaults())
+    assert start != table
+    for start_score, table_score, capped in ((1.0, 1.2, table), (1.2, 1.0, start)):
+        tuner = Tuner(space, seed=0, objective="energy")
+        assert tuner.ask() == start
+        tuner.tell(start, start_score)
+        assert tuner.ask() == table
+        tuner.tell(table, table_score)
+        assert tuner.ask() == {**capped, "power_cap_w": 125}
+    replayed = Tuner(space, seed=0, objective="energy")  # a journal told the table alone
+    replayed.tell(table, 1.0)
+    assert replayed.ask() == start
+    replayed.tell(start, 0.5)
+    assert replayed.ask() == {**table, "power_cap_w": 125}
+
+
 def test_model_proposals_stay_near_the_incumbent_until_the_search_stalls() -> None:
     space = SearchSpace.default("mpi", nodes=16, power_limits_w=(100, 250))
     numeric = ("bucket_mb", "chunk_kb", "power_cap_w")
