@@ -36,6 +36,17 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``long(seconds)`` first, longest first, the others in their order: with
+    ``-n 2`` a worker then never starts a long test while the other is about to finish."""
+
+    def seconds(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("long")
+        return float(mark.args[0]) if mark is not None else 0.0
+
+    items.sort(key=lambda item: -seconds(item))
+
+
 @pytest.fixture
 def root_only() -> None:
     """Use in tests that need root (``pytest.mark.usefixtures("root_only")``): skipped

@@ -43,6 +43,7 @@ KEYS = (
 
 
 @pytest.mark.peer
+@pytest.mark.long(25)
 def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) -> None:
     """``--smoke`` is ``--quick`` cut to seconds: every section, worker and peer runs."""
     out = tmp_path / "figures.json"

@@ -88,6 +88,8 @@ def power_limits(c: Cluster, key: str) -> set[float]:
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.long(220)
+@pytest.mark.xdist_group("deployed-shape")  # users, mount points and a CPU of its own
 def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     c = deployed
     n1, n2, n3 = c.node_keys

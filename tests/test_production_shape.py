@@ -31,7 +31,13 @@ from production.scenario import (
     until,
 )
 
-pytestmark = [pytest.mark.peer, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.peer,
+    pytest.mark.timeout(240),
+    pytest.mark.long(40),
+    # one cluster at a time: the timings asserted here are a lone cluster's on two cores
+    pytest.mark.xdist_group("deployed-shape"),
+]
 
 TUNED_S = 90.0
 """A tuning of this shape ends within about 20 s on two busy cores; this bounds a slow run."""

@@ -39,6 +39,7 @@ def is_running(pid: int) -> bool:
     return True
 
 
+@pytest.mark.long(16)
 async def test_the_demo_tunes_two_real_ranks_and_stops_them(mosquitto: Mosquitto) -> None:
     seen: list[TrialRecord] = []
 
