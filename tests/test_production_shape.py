@@ -31,12 +31,13 @@ from production.scenario import (
     until,
 )
 
+from conftest import BUSY
+
 pytestmark = [
     pytest.mark.peer,
     pytest.mark.timeout(240),
     pytest.mark.long(40),
-    # one cluster at a time: the timings asserted here are a lone cluster's on two cores
-    pytest.mark.xdist_group("deployed-shape"),
+    BUSY,
 ]
 
 TUNED_S = 90.0
