@@ -36,6 +36,24 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+BUSY = pytest.mark.xdist_group("busy")
+"""For a test that keeps many processes busy (a whole cluster, real PyTorch ranks, the benchmark
+harness): under ``-n 2`` these run one at a time on one worker, so that none starves another's
+processes (an agent takes a job that does not step for 2 s as stalled). The namespace cluster
+also needs it as it adds users and mount points on the host."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``long(seconds)`` first, longest first, the others in their order: with
+    ``-n 2`` a worker then never starts a long test while the other is about to finish."""
+
+    def seconds(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("long")
+        return float(mark.args[0]) if mark is not None else 0.0
+
+    items.sort(key=lambda item: -seconds(item))
+
+
 @pytest.fixture
 def root_only() -> None:
     """Use in tests that need root (``pytest.mark.usefixtures("root_only")``): skipped

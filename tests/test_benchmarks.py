@@ -27,7 +27,7 @@ from hyperagent.readings import Kind, Reading, Snapshot, by_name
 from hyperagent.sources import capture_sources
 from hyperagent.sources.runner import SourceRunner
 
-from conftest import REPO
+from conftest import BUSY, REPO
 
 KEYS = (
     "agent_cpu_percent_1hz",
@@ -43,6 +43,8 @@ KEYS = (
 
 
 @pytest.mark.peer
+@BUSY
+@pytest.mark.long(25)
 def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) -> None:
     """``--smoke`` is ``--quick`` cut to seconds: every section, worker and peer runs."""
     out = tmp_path / "figures.json"

@@ -22,7 +22,7 @@ from cluster.harness import (
 )
 from test_prometheus_e2e import panel_queries, variable_queries
 
-from conftest import unavailable
+from conftest import BUSY, unavailable
 
 JOB = "llama-ft"
 TORCH_NODE = NODES[0]
@@ -88,6 +88,8 @@ def power_limits(c: Cluster, key: str) -> set[float]:
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.long(220)
+@BUSY
 def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     c = deployed
     n1, n2, n3 = c.node_keys

@@ -211,6 +211,7 @@ async def test_a_node_that_refuses_every_version_pauses_the_job(
     assert len(pauses) == 1 and "node-2" in pauses[0].getMessage()
 
 
+@pytest.mark.long(12)
 async def test_most_nodes_stalling_longer_than_a_trial_pause_then_resume(
     mosquitto: Mosquitto,
 ) -> None:

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.long(19)
 def test_demo_prints_best_settings_and_gain(tmp_path: Path) -> None:
     result = subprocess.run(
         [

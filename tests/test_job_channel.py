@@ -244,9 +244,12 @@ async def test_a_job_id_belongs_to_the_user_that_claimed_it(shared_dir: Path) ->
         told = await _rank_as(NOBODY, shared_dir / "job.sock", "train")
         assert told.startswith("job_claimed"), told
         assert source.jobs["train"].steps == 1  # nothing it sent was counted
-        # the same user may run a job of its own
-        assert await _rank_as(NOBODY, shared_dir / "job.sock", "its-own") == "settings v0"
-        assert "its-own" in source.jobs and source.jobs["its-own"].owner == NOBODY
+        # the same user may run a job of its own: its steps count, its settings reach it
+        its_own = asyncio.create_task(_rank_as(NOBODY, shared_dir / "job.sock", "its-own"))
+        await _until(lambda: "its-own" in source.jobs and source.jobs["its-own"].steps, 30)
+        assert source.jobs["its-own"].owner == NOBODY
+        source.send_settings("its-own", JobSettings(5, {"bucket_mb": 16}))
+        assert await its_own == "settings v5"
         owner.close()
     finally:
         await source.close()

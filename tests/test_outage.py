@@ -10,6 +10,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hyperagent.coordinator import Coordinator, JobState
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.spool import Spool
@@ -19,6 +21,7 @@ from conftest import Mosquitto
 OUTAGE_S = 30.0
 
 
+@pytest.mark.long(70)
 async def test_reports_survive_a_30s_broker_outage(mosquitto: Mosquitto) -> None:
     loop = asyncio.get_running_loop()
     outage: dict[str, float] = {}

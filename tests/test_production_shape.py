@@ -31,7 +31,14 @@ from production.scenario import (
     until,
 )
 
-pytestmark = [pytest.mark.peer, pytest.mark.timeout(240)]
+from conftest import BUSY
+
+pytestmark = [
+    pytest.mark.peer,
+    pytest.mark.timeout(240),
+    pytest.mark.long(40),
+    BUSY,
+]
 
 TUNED_S = 90.0
 """A tuning of this shape ends within about 20 s on two busy cores; this bounds a slow run."""

@@ -10,7 +10,7 @@ import pytest
 
 from hyperagent.coordinator import JobState, TrialRecord
 
-from conftest import Mosquitto
+from conftest import BUSY, Mosquitto
 
 try:
     import torch  # noqa: F401
@@ -39,6 +39,8 @@ def is_running(pid: int) -> bool:
     return True
 
 
+@BUSY
+@pytest.mark.long(16)
 async def test_the_demo_tunes_two_real_ranks_and_stops_them(mosquitto: Mosquitto) -> None:
     seen: list[TrialRecord] = []
 

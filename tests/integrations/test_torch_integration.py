@@ -25,7 +25,7 @@ from hyperagent.job import JobReporter, JobSettings, StepReport
 from hyperagent.sources.job import JobSource
 from hyperagent.tuner.space import SearchSpace
 
-from conftest import REPO, ManualClock, free_port
+from conftest import BUSY, REPO, ManualClock, free_port
 
 try:
     import torch
@@ -516,6 +516,8 @@ def runs(versions: list[int]) -> list[int]:
     return [v for i, v in enumerate(versions) if i == 0 or versions[i - 1] != v]
 
 
+@BUSY
+@pytest.mark.long(31)
 async def test_ranks_switch_settings_together_whenever_each_receives_them(tmp_path: Path) -> None:
     sources = [JobSource(tmp_path / f"agent{rank}.sock") for rank in range(2)]
     reports: list[list[StepReport]] = [[], []]
@@ -601,6 +603,8 @@ def gradient_worker(rank: int, port: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
+@BUSY
+@pytest.mark.long(26)
 def test_the_chunked_hook_gives_the_default_hooks_gradients(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "OMP_NUM_THREADS": "1"}
