@@ -293,16 +293,20 @@ class Tuner:
         at :data:`ENERGY_SEED_POWER_SHARE` of the maximum."""
         if self._energy_seed_cap is None:
             return self._seeds
-        measured: dict[Point, list[float]] = {}
-        for settings, value in self._observations:
-            measured.setdefault(self._key(settings), []).append(value)
-        scored = [
-            (statistics.fmean(measured[self._key(seed)]), -order, seed)
-            for order, seed in enumerate(self._seeds)
-            if self._key(seed) in measured
-        ]
-        base = max(scored, key=lambda row: row[:2])[2] if scored else self._seeds[0]
+        scores = self._scores()
+        base = max(
+            (seed for seed in self._seeds if self._key(seed) in scores),
+            key=lambda seed: statistics.fmean(scores[self._key(seed)]),
+            default=self._seeds[0],
+        )
         return [*self._seeds, self.space.snap({**base, "power_cap_w": self._energy_seed_cap})]
+
+    def _scores(self) -> dict[Point, list[float]]:
+        """Every measured point's scores, in the order first told."""
+        scores: dict[Point, list[float]] = {}
+        for settings, value in self._observations:
+            scores.setdefault(self._key(settings), []).append(value)
+        return scores
 
     def _next_seed(self) -> Settings | None:
         for seed in self._seed_points():
@@ -427,9 +431,7 @@ class Tuner:
         """
         if not self._observations:
             return None
-        scores: dict[Point, list[float]] = {}
-        for settings, value in self._observations:
-            scores.setdefault(self._key(settings), []).append(value)
+        scores = self._scores()
         chosen = max(scores, key=lambda k: max(scores[k]))
         if self._optimizer is not None:
             with threadpool_limits(limits=1, user_api="blas"):
