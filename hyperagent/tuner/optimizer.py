@@ -93,6 +93,11 @@ TRUST_GROWTH_TRIALS = 2
 ``TRUST_RADIUS`` grid steps (in every numeric knob; any algorithm) from the measured point with
 the best posterior mean, the radius growing by one for every ``TRUST_GROWTH_TRIALS`` tells
 since the best score last improved; the whole grid when that region is exhausted."""
+RESTART_AFTER_STALLED = 8
+"""Each time the best score has gone this many tells without improving (8, 16, ...), the next
+proposal is the space-filling design's instead of the acquisition's: a search held on one mode
+of the landscape by its trust region measures once far from everything measured (TuRBO restarts
+its region for the same reason)."""
 BOUNDARY_WEIGHT = 2.0
 """In the space-filling design a face of the space counts as a point at this many times its
 distance: the design keeps off the corners (without it the families took 13 trials on average
@@ -319,7 +324,10 @@ class Tuner:
             return dict(self._grid[0])
         with threadpool_limits(limits=1, user_api="blas"):
             self._fit()
-            if not self._optimizer.models:
+            stalled = self._stalled()
+            if not self._optimizer.models or (
+                stalled and stalled % RESTART_AFTER_STALLED == 0
+            ):
                 return self._space_filling()
             return self._best_by_acquisition()
 
@@ -372,10 +380,13 @@ class Tuner:
         best = np.flatnonzero(gaps >= (1 - DESIGN_SLACK) * gaps.max() - 1e-9).tolist()
         return dict(self._grid[int(unevaluated[self._rng.choice(best)])])
 
-    def _trust_radius(self) -> int:
+    def _stalled(self) -> int:
+        """Tells since the best score (0 before the first)."""
         scores = [v for _, v in self._observations]
-        stalled = len(scores) - 1 - scores.index(max(scores))
-        return TRUST_RADIUS + stalled // TRUST_GROWTH_TRIALS
+        return len(scores) - 1 - scores.index(max(scores)) if scores else 0
+
+    def _trust_radius(self) -> int:
+        return TRUST_RADIUS + self._stalled() // TRUST_GROWTH_TRIALS
 
     def _best_by_acquisition(self) -> Settings:
         assert self._optimizer is not None and self._grid_x is not None

@@ -59,6 +59,14 @@ BACKEND_DEFAULT_BUCKET_MB: dict[str, float] = {"horovod": 64}
 
 DEEPSPEED_DEFAULT_BUCKET_ELEMENTS = 500_000_000
 
+BUCKET_FLOOR_ELEMENTS = 40_000_000
+BUCKET_ELEMENTS_PER_DATA_PARALLEL_RANK = 1_000_000
+"""Megatron-core's default DDP bucket, ``max(40M, 1M x data-parallel size)`` gradient elements
+("larger DP sizes need larger buckets to ensure collectives do not become latency-bound";
+``megatron/core/distributed/distributed_data_parallel_config.py``).
+:meth:`SearchSpace.recommended` takes the data-parallel size as the node count, the inter-node
+AllReduce's participants."""
+
 GRADIENT_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 """Bytes per gradient element; DeepSpeed sizes its buckets in elements."""
 
@@ -153,6 +161,14 @@ def _nearest_log2(value: float, choices: tuple[int, ...]) -> int:
         return choices[0]
     target = math.log2(value)
     return min(choices, key=lambda c: (abs(math.log2(c) - target), c))
+
+
+def ddp_bucket_mb(data_parallel_size: int, gradient_dtype: str = "fp32") -> float:
+    """Megatron-core's default DDP bucket for ``data_parallel_size`` ranks, in MiB
+    (:data:`BUCKET_FLOOR_ELEMENTS`): 152.6 MiB up to 40 ranks with fp32 gradients."""
+    per_rank = BUCKET_ELEMENTS_PER_DATA_PARALLEL_RANK * data_parallel_size
+    elements = max(BUCKET_FLOOR_ELEMENTS, per_rank)
+    return elements * GRADIENT_DTYPE_BYTES[gradient_dtype] / MIB
 
 
 def _number(knob: str, value: object) -> float:
@@ -409,13 +425,16 @@ class SearchSpace:
     def recommended(
         self, nodes: int | None = None, base: Mapping[str, object] | None = None
     ) -> Settings:
-        """BACKGROUND.md's table applied over ``base`` (default :meth:`defaults`).
+        """BACKGROUND.md's table applied over ``base`` (default :meth:`defaults`), with
+        Megatron-core's bucket size for PyTorch DDP.
 
         Up to 8 nodes ring with 256 KiB chunks, 9-64 halving-doubling with 1 MiB, above 64 tree
         with 4 MiB. Where the backend lacks that algorithm it uses the nearest it has: NCCL has
         only ring and tree, so it keeps ring up to 64 nodes and uses tree above; Open MPI has no
-        tree, so halving-doubling stays above 64 nodes; gloo is always ring. A knob the space
-        lacks is left out (Horovod and DeepSpeed: the table changes nothing).
+        tree, so halving-doubling stays above 64 nodes; gloo is always ring. The DDP backends
+        (nccl, gloo, mpi) take the bucket from :func:`ddp_bucket_mb` for the node count: 128 MiB
+        up to 47 nodes, 256 MiB from 48 with fp32 gradients. A knob the space lacks is left out
+        (Horovod and DeepSpeed: the table changes nothing).
 
         How the tuner uses it: as one candidate, measured second (after the job's current
         settings), among the points of a space-filling initial design, never as a narrowed
@@ -442,6 +461,8 @@ class SearchSpace:
             else:
                 algorithm = "ring"
         point = dict(self.defaults() if base is None else self.snap(base))
+        if self.backend in CHUNKED_BACKENDS:
+            point["bucket_mb"] = ddp_bucket_mb(nodes, self.gradient_dtype)
         if self.chunk_kb:
             point["chunk_kb"] = chunk
         if self.allreduce:

@@ -8,7 +8,15 @@ from collections.abc import Mapping
 import pytest
 
 from hyperagent.tuner.optimizer import Tuner
-from hyperagent.tuner.space import APPLIED_AT, APPLY_MODES, BACKENDS, BUCKET_MB, SearchSpace
+from hyperagent.tuner.space import (
+    APPLIED_AT,
+    APPLY_MODES,
+    BACKENDS,
+    BUCKET_MB,
+    MIB,
+    SearchSpace,
+    ddp_bucket_mb,
+)
 
 
 def test_nccl_space_values_and_size() -> None:
@@ -139,38 +147,50 @@ def test_defaults_are_ddp_defaults_snapped() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "nodes", "algorithm", "chunk_kb"),
+    ("backend", "nodes", "algorithm", "chunk_kb", "bucket_mb"),
     [
-        ("mpi", 1, "ring", 256),
-        ("mpi", 8, "ring", 256),
-        ("mpi", 9, "halving_doubling", 1024),
-        ("mpi", 64, "halving_doubling", 1024),
-        ("mpi", 65, "halving_doubling", 4096),
-        ("nccl", 4, "ring", 256),
-        ("nccl", 16, "ring", 1024),
-        ("nccl", 64, "ring", 1024),
-        ("nccl", 65, "tree", 4096),
-        ("nccl", 512, "tree", 4096),
-        ("gloo", 16, "ring", 1024),
-        ("gloo", 128, "ring", 4096),
+        ("mpi", 1, "ring", 256, 128),
+        ("mpi", 8, "ring", 256, 128),
+        ("mpi", 9, "halving_doubling", 1024, 128),
+        ("mpi", 47, "halving_doubling", 1024, 128),
+        ("mpi", 48, "halving_doubling", 1024, 256),
+        ("mpi", 65, "halving_doubling", 4096, 256),
+        ("nccl", 4, "ring", 256, 128),
+        ("nccl", 16, "ring", 1024, 128),
+        ("nccl", 64, "ring", 1024, 256),
+        ("nccl", 65, "tree", 4096, 256),
+        ("nccl", 512, "tree", 4096, 256),
+        ("gloo", 16, "ring", 1024, 128),
+        ("gloo", 128, "ring", 4096, 256),
     ],
 )
 def test_recommended_follows_the_table(
-    backend: str, nodes: int, algorithm: str, chunk_kb: int
+    backend: str, nodes: int, algorithm: str, chunk_kb: int, bucket_mb: int
 ) -> None:
     space = SearchSpace.default(backend, nodes=nodes, power_limits_w=(100, 250))
     point = space.recommended()
     assert point["allreduce"] == algorithm
     assert point["chunk_kb"] == chunk_kb
-    assert point["bucket_mb"] == 32 and point["power_cap_w"] == 250
+    assert point["bucket_mb"] == bucket_mb and point["power_cap_w"] == 250
     assert space.contains(point)
+
+
+def test_the_recommended_bucket_is_megatron_cores_for_the_node_count() -> None:
+    assert ddp_bucket_mb(40) == ddp_bucket_mb(1) == 40e6 * 4 / MIB
+    assert ddp_bucket_mb(128) == 128e6 * 4 / MIB
+    assert ddp_bucket_mb(128, "bf16") == ddp_bucket_mb(128) / 2
+    half = SearchSpace.default("nccl", nodes=4, gradient_dtype="bf16")
+    assert half.recommended()["bucket_mb"] == 64
+    narrow = SearchSpace(backend="nccl", nodes=128, bucket_mb=(8, 16), allreduce=("ring", "tree"))
+    assert narrow.recommended()["bucket_mb"] == 16
 
 
 def test_recommended_for_other_node_counts_and_bases() -> None:
     space = SearchSpace.default("mpi", nodes=4, power_limits_w=(100, 250))
     assert space.recommended(32)["allreduce"] == "halving_doubling"
+    assert space.recommended(128)["bucket_mb"] == 256
     base = {"bucket_mb": 8, "chunk_kb": 64, "power_cap_w": 150, "allreduce": "ring"}
-    assert space.recommended(base=base) == {**base, "chunk_kb": 256}
+    assert space.recommended(base=base) == {**base, "bucket_mb": 128, "chunk_kb": 256}
 
 
 def test_grid_enumerates_every_point_once() -> None:
