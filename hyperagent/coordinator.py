@@ -1012,8 +1012,9 @@ class Coordinator:
             state.recommendation = table
             state.why = (
                 f"BACKGROUND.md's table for {len(cfg.nodes)} nodes on {cfg.backend} "
-                f"({table.get('allreduce')}, {table.get('chunk_kb')} KiB chunks) over the "
-                "starting settings; no measurement yet"
+                f"({table.get('allreduce')}, {table.get('chunk_kb')} KiB chunks, "
+                f"{table['bucket_mb']} MiB buckets) over the starting settings; "
+                "no measurement yet"
             )
         state.phase = Tuned()
         log.info("%s: recommend %s because %s", cfg.id, state.recommendation, state.why)

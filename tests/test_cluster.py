@@ -151,7 +151,8 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     assert all(len(t["reports"]) == len(NODES) for t in completed(c)), done
 
     # the job runs as another user, 8 ranks per node, each on its own connection, and every
-    # rank received every settings version published after it began
+    # rank received every settings version published after it began (the coordinator goes on
+    # tuning: versions newer than this read of the journal, and the newest in flight, aside)
     published = [e["version"] for e in c.journal() if e.get("type") == "published"]
     for key in (n2, n3):
         ranks = [v for lb, v in agent_metric(c, key, "hyperagent_job_ranks") if lb["job_id"] == JOB]
@@ -163,12 +164,9 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
                 by_rank.setdefault(e["rank"], []).append(e["received"])
         assert len(by_rank) == RANKS_PER_NODE, (key, sorted(by_rank))
         for rank, received in by_rank.items():
-            assert received == [v for v in published if v >= received[0]], (
-                key,
-                rank,
-                received,
-                published,
-            )
+            expected = [v for v in published if v >= received[0]]
+            until_read = [v for v in received if v <= published[-1]]
+            assert until_read in (expected, expected[:-1]), (key, rank, received, published)
     torch_versions = {e["version"] for e in c.node_log(n1, "torch-0.jsonl")}
     assert {v for v in published[-3:]} - torch_versions <= {published[-1]}, (
         torch_versions,

@@ -204,9 +204,11 @@ def test_coordinator_recommend_mode_publishes_nothing_and_explains(tmp_path: Pat
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    # ten nodes: BACKGROUND.md's table says halving-doubling with 1 MiB segments
+    # ten nodes: BACKGROUND.md's table says halving-doubling with 1 MiB segments, Megatron-core
+    # 40M fp32 gradients per bucket (snapped to 128 MiB)
     assert "big: would set" in result.stdout and "chunk 1024 KiB, halving_doubling" in result.stdout
     assert "because BACKGROUND.md's table for 10 nodes" in result.stdout
+    assert "128 MiB buckets" in result.stdout and "bucket 128 MiB" in result.stdout
     assert not (tmp_path / "big.jsonl").exists()
 
 

@@ -15,7 +15,9 @@ def limits_w(nvml) -> set[float]:  # type: ignore[no-untyped-def]
 
 
 async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore[no-untyped-def]
-    async with simulated_cluster(mosquitto.url, nodes=3, trials=10, seed=1, speedup=100) as (
+    async with simulated_cluster(
+        mosquitto.url, nodes=3, trials=14, seed=1, speedup=100, job_overrides={"patience": 14}
+    ) as (
         coordinator,
         nodes,
         model,
@@ -24,8 +26,8 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         state = coordinator.jobs[JOB]
         names = {n.name for n in nodes}
 
-        # ten trials, then the start and the best trial's settings measured again, interleaved
-        assert len(state.trials) == 10 and not any(t.confirmation for t in state.trials)
+        # 14 trials, then the start and the best trial's settings measured again, interleaved
+        assert len(state.trials) == 14 and not any(t.confirmation for t in state.trials)
         start = state.trials[0].settings
         candidate = next((c.settings for c in state.confirmations if c.settings != start), start)
         assert [c.settings for c in state.confirmations] == [start, candidate, candidate, start]
@@ -59,10 +61,11 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
             assert node.versions_run == sorted(node.versions_run)
 
         # the landscape's optimum is about 10% above the start (longer chunks and buckets on
-        # three nodes): ten trials find part of it (the space-filling design spends trials 3-5
-        # away from the seeds: +2.7% of +10.2% with seed 1), and the best trial's settings are
-        # published because their gain over the start, both measured the same way, has an
-        # interval above zero
+        # three nodes): 14 trials find most of it (the table's 256 KiB chunks measure 21% below
+        # the start and the space-filling design spends trials 3-6 away from the seeds, so ten
+        # trials often ended on the start under load; 14 chose +6.7% to +10.2% of +10.2% with
+        # seed 1 on a loaded machine), and the best trial's settings are published because
+        # their gain over the start, both measured the same way, has an interval above zero
         space = state.space
         optimum = model.optimum(space)[1] / model.throughput(start) - 1
         assert optimum > 0.05

@@ -11,16 +11,16 @@ measured on the simulated job (benchmarks/tuner.py) and on families of landscape
 lie anywhere (benchmarks/tuner_families.py, 30 landscapes per family, the trial noise
 ``hyperagent demo --workload torch-ddp`` measured):
 
-- The seeds (the job's settings, BACKGROUND.md's table, for energy half the maximum power
-  cap) are the first points of a space-filling initial design, not the centre of a narrowed
-  search: the points after them are the unmeasured ones farthest from everything measured
-  (maximin; a face of the space counts at twice its distance, so the design keeps off the
-  corners). The model-driven search then centres on whichever measured point it rates best,
-  so a prior steers it only while the measurements agree with it. Against the local design
-  this replaced (random neighbours of the best seed), the families' mean trials to 95% of the
-  optimum went from 13.1 to 11.6 (medians per family lower on 14 of 18, higher on 3). Its
-  cost: design points far from the seeds can measure 50-80% below them (a guardrail aborts
-  such trials early).
+- The seeds (the job's settings, BACKGROUND.md's table with Megatron-core's DDP bucket, for
+  energy half the maximum power cap) are the first points of a space-filling initial design, not
+  the centre of a narrowed search: the points after them are the unmeasured ones farthest from
+  everything measured (maximin; a face of the space counts at twice its distance, so the design
+  keeps off the corners). The model-driven search then centres on whichever measured point it
+  rates best, so a prior steers it only while the measurements agree with it. Against the local
+  design this replaced (random neighbours of the best seed), the families' mean trials to 95% of
+  the optimum went from 13.1 to 11.6 (medians per family lower on 14 of 18, higher on 3). Its
+  cost: design points far from the seeds can measure 50-80% below them (a guardrail aborts such
+  trials early).
 - The space is a finite grid (about 1,400 points for a typical GPU), so the acquisition
   function is evaluated on every point not yet measured and the best is proposed: exact,
   cheaper than skopt's 10,000 random candidates, and never a repeat (so skopt's duplicate
@@ -35,6 +35,10 @@ lie anywhere (benchmarks/tuner_families.py, 30 landscapes per family, the trial 
   64 MiB chunks) where its variance is largest. On benchmarks/tuner.py's eight 5%-noise
   landscapes (10 seeds) the median trials to 95% of the optimum went from 9, 16, 2, 21.5,
   12.5, 13, 18, 17 to 10, 11.5, 2, 16, 11, 13, 17, 16 (without the energy seed).
+- Every 8 tells without a better score (:data:`RESTART_AFTER_STALLED`) the next point is the
+  space-filling design's again: a trust region holds the search on the mode it found, and on
+  the families the third-worst of 30 landscapes were searches held on the wrong one (flat
+  plateaus just below the target, or ring's mode when halving-doubling's was the optimum).
 - For throughput the coordinator holds the power cap at its highest value
   (:meth:`SearchSpace.for_objective`): on the four throughput landscapes the medians went from
   10, 2, 11, 17 to 9.5, 2, 10, 12.
@@ -153,14 +157,17 @@ class Tuner:
     """Proposes settings from ``space`` and learns from their scores (higher is better).
 
     The first proposals are seeds: ``start`` (snapped into the space; default the backend's
-    defaults), then BACKGROUND.md's recommendation for the node count applied over it, and for
+    defaults), then BACKGROUND.md's recommendation for the node count applied over it
+    (:meth:`SearchSpace.recommended`, with Megatron-core's DDP bucket), and for
     the ``energy`` objective whichever of those two measured better at half the maximum power
     cap (:data:`ENERGY_SEED_POWER_SHARE`); a seed stays first in line until it is told, and one
     equal to an already told point is skipped.
     Until ``n_initial_points`` observations exist (seeds and foreign tells included), the
     unmeasured points farthest from every measured one and every seed still to come follow
     (a space-filling design around the seeds); then the unevaluated point with the best
-    acquisition value within a trust region around the incumbent (:data:`TRUST_RADIUS`).
+    acquisition value within a trust region around the incumbent (:data:`TRUST_RADIUS`),
+    or the design's next point every :data:`RESTART_AFTER_STALLED` tells without a better
+    score.
     Nothing is proposed twice until every point of the space has been measured.
 
     ``ask()`` returns the same settings until the next ``tell()``. ``tell()`` accepts any point
@@ -325,9 +332,7 @@ class Tuner:
         with threadpool_limits(limits=1, user_api="blas"):
             self._fit()
             stalled = self._stalled()
-            if not self._optimizer.models or (
-                stalled and stalled % RESTART_AFTER_STALLED == 0
-            ):
+            if not self._optimizer.models or (stalled and stalled % RESTART_AFTER_STALLED == 0):
                 return self._space_filling()
             return self._best_by_acquisition()
 
