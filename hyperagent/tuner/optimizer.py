@@ -342,7 +342,7 @@ class Tuner:
             stalled = self._stalled()
             if not self._optimizer.models or (stalled and stalled % RESTART_AFTER_STALLED == 0):
                 return self._space_filling()
-            return self._best_by_acquisition()
+            return self._best_by_acquisition(TRUST_RADIUS + stalled // TRUST_GROWTH_TRIALS)
 
     def _fit(self) -> None:
         assert self._optimizer is not None
@@ -398,10 +398,9 @@ class Tuner:
         scores = [v for _, v in self._observations]
         return len(scores) - 1 - scores.index(max(scores)) if scores else 0
 
-    def _trust_radius(self) -> int:
-        return TRUST_RADIUS + self._stalled() // TRUST_GROWTH_TRIALS
-
-    def _best_by_acquisition(self) -> Settings:
+    def _best_by_acquisition(self, trust_radius: int) -> Settings:
+        """The unmeasured point with the best acquisition value at most ``trust_radius`` grid
+        steps from the incumbent (anywhere once that region is exhausted)."""
         assert self._optimizer is not None and self._grid_x is not None
         model = self._optimizer.models[-1]
         evaluated = np.flatnonzero(self._evaluated)
@@ -409,7 +408,7 @@ class Tuner:
         incumbent = float(np.min(mean))
         centre = evaluated[int(np.argmin(mean))]
         offset = np.abs(self._steps - self._steps[centre]).max(axis=1, initial=0)
-        candidates = np.flatnonzero(~self._evaluated & (offset <= self._trust_radius()))
+        candidates = np.flatnonzero(~self._evaluated & (offset <= trust_radius))
         if candidates.size == 0:
             candidates = np.flatnonzero(~self._evaluated)
         if candidates.size == 0:

@@ -61,11 +61,6 @@ DEEPSPEED_DEFAULT_BUCKET_ELEMENTS = 500_000_000
 
 BUCKET_FLOOR_ELEMENTS = 40_000_000
 BUCKET_ELEMENTS_PER_DATA_PARALLEL_RANK = 1_000_000
-"""Megatron-core's default DDP bucket, ``max(40M, 1M x data-parallel size)`` gradient elements
-("larger DP sizes need larger buckets to ensure collectives do not become latency-bound";
-``megatron/core/distributed/distributed_data_parallel_config.py``).
-:meth:`SearchSpace.recommended` takes the data-parallel size as the node count, the inter-node
-AllReduce's participants."""
 
 GRADIENT_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 """Bytes per gradient element; DeepSpeed sizes its buckets in elements."""
@@ -144,6 +139,11 @@ def _has_allreduce(backend: str) -> bool:
     return bool(ALGORITHMS[backend])
 
 
+def _has_ddp_buckets(backend: str) -> bool:
+    """Whether ``bucket_mb`` is PyTorch DDP's ``bucket_cap_mb`` on this backend."""
+    return "bucket_cap_mb" in APPLIED_AT[backend]
+
+
 def power_grid(power_limits_w: tuple[float, float]) -> tuple[int, ...]:
     """Whole-watt power caps: both limits (rounded inwards) and every 25 W multiple between."""
     low, high = (float(v) for v in power_limits_w)
@@ -164,8 +164,12 @@ def _nearest_log2(value: float, choices: tuple[int, ...]) -> int:
 
 
 def ddp_bucket_mb(data_parallel_size: int, gradient_dtype: str = "fp32") -> float:
-    """Megatron-core's default DDP bucket for ``data_parallel_size`` ranks, in MiB
-    (:data:`BUCKET_FLOOR_ELEMENTS`): 152.6 MiB up to 40 ranks with fp32 gradients."""
+    """Megatron-core's default DDP bucket for ``data_parallel_size`` ranks, in MiB:
+    ``max(40M, 1M x data-parallel size)`` gradient elements ("larger DP sizes need larger
+    buckets to ensure collectives do not become latency-bound";
+    ``megatron/core/distributed/distributed_data_parallel_config.py``), 152.6 MiB up to 40 ranks
+    with fp32 gradients. :meth:`SearchSpace.recommended` takes the data-parallel size as the node
+    count, the inter-node AllReduce's participants."""
     per_rank = BUCKET_ELEMENTS_PER_DATA_PARALLEL_RANK * data_parallel_size
     elements = max(BUCKET_FLOOR_ELEMENTS, per_rank)
     return elements * GRADIENT_DTYPE_BYTES[gradient_dtype] / MIB
@@ -462,7 +466,7 @@ class SearchSpace:
             else:
                 algorithm = "ring"
         point = dict(self.defaults() if base is None else self.snap(base))
-        if self.backend in CHUNKED_BACKENDS:
+        if _has_ddp_buckets(self.backend):
             point["bucket_mb"] = ddp_bucket_mb(nodes, self.gradient_dtype)
         if self.chunk_kb:
             point["chunk_kb"] = chunk
