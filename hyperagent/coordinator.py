@@ -255,7 +255,8 @@ class Coordinator:
             table = state.partials if message.get("partial") else state.reports
         if message.get("stalled") is True:
             # its job stopped stepping while its agent is online: out of the trial at once,
-            # its partial windows discarded; back at its next ack or report of a stepping job
+            # its partial windows discarded; back in scoring at its next ack, report or step,
+            # but its agent has left this version's trial: the message is its answer to it
             if state.lost.get(node) != "stalled":
                 log.warning(
                     "%s: node %s's job stopped stepping (v%d); excluded from scoring",
@@ -266,8 +267,7 @@ class Coordinator:
             state.lost[node] = "stalled"
             async with state.changed:
                 state.partials.get(message["version"], {}).pop(node, None)
-                if kind == "ack":
-                    table.setdefault(message["version"], {})[node] = message
+                table.setdefault(message["version"], {})[node] = message
                 state.changed.notify_all()
             return
         self._readmit(state, node, f"its {kind}")
@@ -544,16 +544,17 @@ class Coordinator:
         def abort() -> bool:
             return abortable and self._should_abort(state, version)
 
-        reports = await self._collect(
+        answers = await self._collect(
             state, state.reports, version, state.config.trial_timeout_s, abort=abort
         )
         active = state.active_nodes
-        if abort() and not set(active) <= set(reports):
+        if abort() and not set(active) <= set(answers):
             partials = state.partials[version]
             record.status = "aborted"
             record.reports = {n: partials[n] for n in active}
             record.score = self._score(state, list(record.reports.values()))
             return
+        reports = {n: r for n, r in answers.items() if not r.get("stalled")}
         self._lose(state, set(active) - set(reports), "no measurement", version)
         record.reports = {n: reports[n] for n in state.active_nodes if n in reports}
         usable = list(record.reports.values())

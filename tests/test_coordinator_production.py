@@ -250,6 +250,49 @@ async def test_most_nodes_stalling_longer_than_a_trial_pause_then_resume(
     assert set(paused[0]["nodes"]) == {"node-1", "node-2"}
 
 
+@pytest.mark.long(25)
+async def test_a_node_stalling_briefly_at_a_trials_start_costs_it_no_timeout(
+    mosquitto: Mosquitto,
+) -> None:
+    """A job that stops stepping when a trial begins and steps again before the other nodes
+    have measured: its agent left that trial (it measures again from the next one), so the
+    trial ends with the others' reports instead of waiting out ``trial_timeout_s``."""
+    resumed: list[asyncio.Task[None]] = []
+
+    def stall_briefly(state: JobState, record: Any) -> None:
+        if record.index != 0:
+            return
+        nodes[2].stalled = True
+
+        async def step_again_once_out() -> None:
+            while state.lost.get("node-2") != "stalled":
+                await asyncio.sleep(0.05)
+            nodes[2].stalled = False
+
+        resumed.append(asyncio.create_task(step_again_once_out()))
+
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=3,
+        trials=3,
+        seed=3,
+        speedup=10,
+        on_trial=stall_briefly,
+        job_overrides={
+            "confirm_best": False,
+            "abort_below": 0,
+            "trial_timeout_s": 120,
+        },
+    ) as (coordinator, nodes, _):
+        async with asyncio.timeout(90):  # below the trial timeout
+            await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+    assert [t.status for t in state.trials] == ["ok"] * 3
+    assert set(state.trials[1].reports) == {"node-0", "node-1"}
+    assert state.trials[1].seconds < 60
+    assert set(state.trials[2].reports) == {"node-0", "node-1", "node-2"} and not state.lost
+
+
 async def test_a_journal_of_refusals_alone_does_not_resume_as_tuned(
     mosquitto: Mosquitto, tmp_path: Path
 ) -> None:
