@@ -14,7 +14,8 @@ def test_an_explicit_id_wins_over_every_scheduler():
 def test_slurm_wins_over_torchrun_and_names_the_step():
     env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "abc"}
     job = from_environment(env)
-    assert (job.id, job.scheduler, job.scheduler_id, job.step) == ("slurm-4242-0", "slurm", "4242", "0")
+    described = (job.id, job.scheduler, job.scheduler_id, job.step)
+    assert described == ("slurm-4242-0", "slurm", "4242", "0")
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ def test_torchrun_run_ids_are_made_safe_for_every_broker():
 
 
 def test_no_id_says_what_to_pass():
-    with pytest.raises(NoJobId, match="SLURM_JOB_ID.*--rdzv-id"):
+    with pytest.raises(NoJobId, match=r"SLURM_JOB_ID.*--rdzv-id"):
         from_environment({"TORCHELASTIC_RUN_ID": "none"})
     with pytest.raises(NoJobId, match="not a Slurm job id"):
         from_environment({"SLURM_JOB_ID": "12.3"})
