@@ -19,8 +19,9 @@ import statistics
 import time
 from typing import Any
 
-from hyperagent.coordinator import JobState, TrialRecord
 from hyperagent.demo import JOB, SimulatedNode, embedded_broker, simulated_cluster
+from hyperagent.tuner.jobstate import TrialRecord
+from hyperagent.tuner.tuning import JobTuning
 
 NODES = 5
 
@@ -28,7 +29,7 @@ NODES = 5
 async def tune(url: str, seed: int, trials: int, fault: str) -> dict[str, Any]:
     nodes: list[SimulatedNode] = []
 
-    def inject(state: JobState, record: TrialRecord) -> None:
+    def inject(state: JobTuning, record: TrialRecord) -> None:
         if record.index != 1:
             return
         if fault == "node gone":
@@ -49,7 +50,8 @@ async def tune(url: str, seed: int, trials: int, fault: str) -> dict[str, Any]:
         nodes.extend(cluster)
         async with asyncio.timeout(600):
             await coordinator.run(until_tuned=True)
-        state = coordinator.jobs[JOB]
+        state = coordinator.job(JOB)
+        assert state.space is not None
         optimum = model.optimum(state.space)[1]
         best = model.throughput(state.best[0]) if state.best else 0.0
     return {

@@ -26,13 +26,14 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   the calls to the real pynvml are counted the same way (``workers.CountingNvml``).
 - floor: the same sources' ``read()`` alone on the same schedule in a process that imports
   nothing else; ``agent_overhead_vs_floor`` is agent CPU / floor CPU (the worst schedule).
-- coordinator: a real ``Coordinator`` (one job listing every simulated node, recommend mode so
-  only ingest runs) behind mosquitto; simulated agents publish real telemetry payloads at 1 Hz
+- coordinator: a real ``Coordinator`` with no job list behind mosquitto (every simulated node
+  carries 8 ranks of one job that did not ask to be tuned: found, every sighting kept, nothing
+  tuned); simulated agents publish real telemetry payloads at 1 Hz
   each over raw MQTT connections, in steps of more agents. A step's rate is the messages
   handled per second over the step (its first second left out); messages per CPU second of
   the coordinator is the figure the machine's other load does not change.
-- fan-out: a real ``Coordinator`` publishes a signed settings version and waits for every ack
-  (``_publish_settings`` then ``_collect``, as a trial does); simulated agents decode and verify
+- fan-out: the coordinator's link publishes a signed, retained settings version (as a trial
+  does) and waits for every ack; simulated agents decode and verify
   it with ``hyperagent.bus`` and ack it at QoS 1. p50/p99 over rounds, after one warm-up round.
 - tuner: ``benchmarks/tuner.py``'s ``timing()``: one ask+tell at 25, 50 and 100 observations.
 - replay: a recording (``hyperagent.replay.Recorder``) of the capture directory at 1 Hz,

@@ -310,11 +310,10 @@ def _coordinator_config(broker: str, state: Path, jobs: list[dict[str, Any]]) ->
 
 
 async def coordinator_worker(args: argparse.Namespace) -> None:
-    """A real Coordinator whose job lists every simulated node; it ingests their telemetry.
-
-    The job is in recommend mode, so nothing but the ingest path runs; a subclass counts the
-    telemetry messages handled. Prints a stats line every ``--every`` seconds.
-    """
+    """A real Coordinator with no job list ingesting every simulated node's telemetry: each
+    node carries 8 ranks of one job that did not ask to be tuned, so the coordinator finds
+    it, keeps every node's sighting and tunes nothing; a subclass counts the telemetry
+    messages handled. Prints a stats line every ``--every`` seconds."""
     from hyperagent.coordinator import Coordinator, coordinator_link
 
     class CountingCoordinator(Coordinator):
@@ -324,8 +323,7 @@ async def coordinator_worker(args: argparse.Namespace) -> None:
             self.ingested += 1
             await super()._on_telemetry(topic, payload)
 
-    job = {"id": JOB, "nodes": node_names(args.nodes), "mode": "recommend"}
-    config = _coordinator_config(args.broker, args.state, [job])
+    config = _coordinator_config(args.broker, args.state, [])
     coordinator = CountingCoordinator(config, coordinator_link(config), SETTINGS_KEY)
     running = asyncio.create_task(coordinator.run(), name="coordinator")
     try:
@@ -334,14 +332,13 @@ async def coordinator_worker(args: argparse.Namespace) -> None:
         emit("READY", {"nodes": args.nodes})
         stop = asyncio.create_task(stdin_closed())
         while not stop.done():
-            state = coordinator.jobs[JOB]
             emit(
                 "STATS",
                 {
                     "t": time.monotonic(),
                     "ingested": coordinator.ingested,
                     "invalid": coordinator.invalid_payloads,
-                    "tracked_nodes": len(state.progress),
+                    "tracked_nodes": len(coordinator.registry.jobs.get(JOB, {})),
                     "cpu_s": cpu_seconds(),
                     "peak_rss_mib": peak_rss_mib(),
                 },
@@ -356,33 +353,58 @@ async def coordinator_worker(args: argparse.Namespace) -> None:
 
 
 async def fanout_worker(args: argparse.Namespace) -> None:
-    """A real Coordinator publishing settings versions to ``--nodes`` simulated agents and
-    waiting for every ack (``_publish_settings`` then ``_collect``, as a trial does)."""
-    from hyperagent.coordinator import Coordinator, coordinator_link
+    """The coordinator's link publishing signed settings versions (as the coordinator signs
+    and retains them) to ``--nodes`` simulated agents and waiting for every ack."""
+    from hyperagent import bus
+    from hyperagent.coordinator import coordinator_link
 
     job_id = f"fan{args.nodes}"
-    job = {"id": job_id, "nodes": node_names(args.nodes), "ack_timeout_s": args.timeout}
-    config = _coordinator_config(args.broker, args.state, [job])
-    coordinator = Coordinator(config, coordinator_link(config), SETTINGS_KEY)
-    link = coordinator.link
+    config = _coordinator_config(args.broker, args.state, [])
+    link = coordinator_link(config)
+    topics = bus.Topics(CLUSTER)
+    nodes = node_names(args.nodes)
+    acked: dict[int, set[str]] = {}
+    complete: dict[int, asyncio.Event] = {}
+
+    async def on_ack(topic: str, payload: bytes) -> None:
+        message = bus.decode(payload, "ack")
+        version = message["version"]
+        acked.setdefault(version, set()).add(message["node"])
+        if version in complete and len(acked[version]) >= args.nodes:
+            complete[version].set()
+
+    link.subscribe(topics.ack(job_id, "+"), 1, on_ack)
     running = asyncio.create_task(link.run(), name="mqtt")
-    state = coordinator.jobs[job_id]
-    settings = state.space.defaults()
+    settings = {"bucket_mb": 25, "chunk_kb": 4096, "power_cap_w": None, "allreduce": "ring"}
     times: list[float] = []
     missing = 0
     try:
         async with asyncio.timeout(30):
             await link.connected.wait()
         emit("READY", {"nodes": args.nodes})
-        for round_ in range(args.rounds + 1):
+        for version in range(1, args.rounds + 2):
+            complete[version] = asyncio.Event()
             began = time.perf_counter()
-            version = coordinator._publish_settings(state, settings, None, None)
-            acks = await coordinator._collect(state, state.acks, version, args.timeout)
+            message = {
+                "job": job_id,
+                "version": version,
+                "trial": version,
+                "nodes": nodes,
+                "settings": settings,
+                "backend": {},
+                "plan": None,
+                "issued_at": time.time(),
+            }
+            link.publish(topics.settings(job_id), bus.encode(bus.sign(message, SETTINGS_KEY)),
+                         1, True)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(args.timeout):
+                    await complete[version].wait()
             elapsed = time.perf_counter() - began
-            if round_:  # the first round warms the broker's subscription tree up
+            if version > 1:  # the first round warms the broker's subscription tree up
                 times.append(elapsed)
-                missing += args.nodes - len(acks)
-        link.publish(coordinator.topics.settings(job_id), b"", 1, True)  # clear the retained
+                missing += args.nodes - len(acked.get(version, ()))
+        link.publish(topics.settings(job_id), b"", 1, True)  # clear the retained
         await link.flush(5)
     finally:
         running.cancel()
@@ -665,6 +687,7 @@ class LoadGenerator:
         self.names = [orjson.dumps(name) for name in node_names(nodes)]
         self.topics = [topics.telemetry(name).encode() for name in node_names(nodes)]
         self.samples = [0] * nodes
+        self.nodes = nodes
         self.sockets: list[socket.socket] = []
         for i in range(connections):
             sock = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -686,7 +709,8 @@ class LoadGenerator:
                 self.names[node],
                 b',"ts":',
                 now,
-                f',"jobs":{{"{JOB}":{{"samples":{samples},"step_s":{samples / 320!r}}}}}'.encode(),
+                f',"jobs":{{"{JOB}":{{"samples":{samples},"step_s":{samples / 320!r},'
+                f'"attached":8,"world_size":{8 * self.nodes}}}}}'.encode(),
                 self.tail,
             )
         )

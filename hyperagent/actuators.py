@@ -17,7 +17,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,7 +65,8 @@ class AppliedCap:
 
 
 class PowerCapActuator:
-    """Applies one power cap to every GPU of the node, clamped to each device's constraints.
+    """Applies one power cap to every GPU of the node (or of one job), clamped to each
+    device's constraints.
 
     ``devices`` is a :class:`~hyperagent.devices.base.DeviceLibrary`, or the ``pynvml`` module
     (or a fake with its API), which stands for NVML's. ``latency_timeout_s`` bounds the wait
@@ -161,11 +162,17 @@ class PowerCapActuator:
             self._handles = [(d.identity.index, d.identity.uuid, d) for d in found]
         return self._handles
 
+    def _selected(self, gpus: Collection[int] | None) -> list[tuple[int, str, Accelerator]]:
+        """The node's GPUs whose index is in ``gpus`` (None: every GPU)."""
+        found = self._devices()
+        return found if gpus is None else [d for d in found if d[0] in gpus]
+
     @_serialised
-    def limits_w(self) -> tuple[float, float] | None:
-        """The power-limit range every GPU of the node accepts (intersection), or None."""
+    def limits_w(self, gpus: Collection[int] | None = None) -> tuple[float, float] | None:
+        """The power-limit range every GPU (of ``gpus``, None: of the node) accepts
+        (intersection), or None."""
         lows, highs = [], []
-        for index, _, h in self._devices():
+        for index, _, h in self._selected(gpus):
             try:
                 low, high = self._call(h.power_limit_constraints_mw)
             except self._errors as e:
@@ -177,8 +184,10 @@ class PowerCapActuator:
         return max(lows), min(highs)
 
     @_serialised
-    def apply(self, watts: float) -> list[AppliedCap]:
-        """Set ``watts`` (clamped to each GPU's [min, max]) on every GPU, all or nothing.
+    def apply(self, watts: float, gpus: Collection[int] | None = None) -> list[AppliedCap]:
+        """Set ``watts`` (clamped to each GPU's [min, max]) on every GPU whose index is in
+        ``gpus`` (None: every GPU of the node; two jobs on one node cap only their own), all
+        or nothing.
 
         When a GPU fails (an NVML error, a call over ``timeout_s``), the GPUs this call changed
         get their previous limits back (best effort: a put-back that fails is logged) and
@@ -190,7 +199,7 @@ class PowerCapActuator:
         changes: dict[int, tuple[Accelerator, float, float]] = {}
         previous: list[tuple[int, str, Accelerator, int]] = []
         """(index, uuid, handle, limit before this call) of every GPU a set call was made on."""
-        for index, uuid, h in self._devices():
+        for index, uuid, h in self._selected(gpus):
             setting = False
             try:
                 target = clamp_mw(watts, self._call(h.power_limit_constraints_mw))
@@ -272,10 +281,14 @@ class PowerCapActuator:
         return found
 
     @_serialised
-    def restore(self) -> int:
-        """Put back every limit hyperagent changed; returns how many were restored."""
+    def restore(self, gpus: Collection[int] | None = None) -> int:
+        """Put back every limit hyperagent changed (on the GPUs whose index is in ``gpus``;
+        None: on every GPU); returns how many were restored."""
         restored = 0
+        chosen = None if gpus is None else {uuid for _, uuid, _ in self._selected(gpus)}
         for uuid, (h, original) in list(self.original_mw.items()):
+            if chosen is not None and uuid not in chosen:
+                continue
             try:
                 if self._call(h.power_limit_mw) != original:
                     self._call(h.set_power_limit_mw, original)

@@ -92,6 +92,8 @@ class _Trial:
     energy_start_j: float | None = None
     xid_start: float = 0.0
     windows_reported: int = 0
+    gpus: frozenset[int] | None = None
+    """The job's GPUs on this node, whose energy the trial counts (None: every GPU)."""
 
 
 @dataclass
@@ -171,12 +173,21 @@ class Agent:
         self._telemetry_at = -math.inf
         self._gpu_pids: dict[str, list[int]] = {}
         self._gpu_pids_at = -math.inf
+        self._job_gpus: dict[str, set[int]] = {}
+        """job -> the GPU indices its ranks run on (their processes, or what they declared)."""
+        self._capped: dict[str, set[int] | None] = {}
+        """job -> the GPUs its settings capped (None: every GPU of the node)."""
+        self._limits_w: tuple[float, float] | None = None
+        self._gpu_model: str | None = None
+        self._job_events: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        """(job, "left" | "back"): its last rank left the node, or a rank came back."""
         self._device_problems: set[tuple[str, str]] = set()
         """(call, error type) of the agent's own NVML calls that failed, each logged once."""
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
             self.job_source.rank_listeners.append(self._on_rank_left)
+            self.job_source.attach_listeners.append(self._on_rank_attached)
             self.job_source.release_listeners.append(self._on_job_released)
         if link is not None:
             link.subscribe(self.topics.settings("+"), 1, self._on_settings)
@@ -274,6 +285,11 @@ class Agent:
                         "restored the original power limit of %d GPU(s) left by a crashed run",
                         recovered,
                     )
+        if self.actuator is not None:
+            try:
+                self._limits_w = await asyncio.to_thread(self.actuator.limits_w)
+            except ActuationError as e:
+                log.warning("cannot read the GPUs' power-limit range: %s", e)
         if self.metrics is not None:
             self.metrics.start()
             log.info("serving /metrics on %s:%s", self.metrics.host, self.metrics.port)
@@ -282,6 +298,7 @@ class Agent:
                 tasks.create_task(self._collect_loop(), name="collect")
                 tasks.create_task(self._trial_loop(), name="trials")
                 tasks.create_task(self._stall_loop(), name="stalls")
+                tasks.create_task(self._job_loop(), name="job-caps")
                 tasks.create_task(self.notifier.watchdog(self._alive), name="watchdog")
                 if self.link is not None:
                     tasks.create_task(self.link.run(), name="mqtt")
@@ -352,6 +369,15 @@ class Agent:
         )
         snapshot = snapshot.extended(indicators)
         self.snapshot = snapshot
+        if self._gpu_model is None:
+            self._gpu_model = next(
+                (
+                    r.labels["model"]
+                    for r in readings
+                    if r.name == "hyperagent_gpu_info" and r.labels.get("model")
+                ),
+                None,
+            )
         self.collector.update(snapshot.readings)
         self.collections += 1
         self.last_collection = time.monotonic()
@@ -360,27 +386,73 @@ class Agent:
         )
         if self.link is not None and telemetry_due:
             self._telemetry_at = self.last_collection
-            jobs: dict[str, Any] = {}
-            if self.job_source is not None:
-                for j, t in self.job_source.jobs.items():
-                    jobs[j] = {
-                        "samples": t.samples,
-                        "step_s": t.step_s,
-                        "ranks": t.reporting_ranks,
-                    }
-                    knobs = t.knobs()
-                    if knobs is not None:
-                        jobs[j]["knobs"] = list(knobs)
             self.link.publish(
-                self.topics.telemetry(self.node), telemetry_payload(snapshot, indicators, jobs)
+                self.topics.telemetry(self.node),
+                telemetry_payload(snapshot, indicators, self._jobs_summary(), self._actuation()),
             )
         return snapshot
+
+    def _jobs_summary(self) -> dict[str, Any]:
+        """Per job on this node: its running totals (for drift) and what the coordinator needs
+        to find and tune it (its ranks and what they said, its owner, its GPUs)."""
+        jobs: dict[str, Any] = {}
+        if self.job_source is None:
+            return jobs
+        live = [j for j, t in self.job_source.jobs.items() if t.ranks]
+        for j, t in self.job_source.jobs.items():
+            entry: dict[str, Any] = {
+                "samples": t.samples,
+                "step_s": t.step_s,
+                "ranks": t.reporting_ranks,
+                **t.describe(),
+            }
+            knobs = t.knobs()
+            if knobs is not None:
+                entry["knobs"] = list(knobs)
+            user = self.job_source.user_name(t.owner)
+            if user is not None:
+                entry["user"] = user
+            gpus, separable = self.job_gpus(j, live)
+            entry["gpus"] = sorted(gpus) if gpus is not None else []
+            entry["gpus_separable"] = separable
+            jobs[j] = entry
+        return jobs
+
+    def job_gpus(self, job: str, live: list[str] | None = None) -> tuple[set[int] | None, bool]:
+        """The GPU indices ``job`` runs on here (None: every GPU, the job being alone on the
+        node with no GPU known), and whether they can be told from the other live jobs'."""
+        if live is None:
+            live = (
+                []
+                if self.job_source is None
+                else [j for j, t in self.job_source.jobs.items() if t.ranks]
+            )
+        mine = self._job_gpus.get(job, set())
+        others = [j for j in live if j != job]
+        if not others:
+            return (set(mine) if mine else None), True
+        sets = [self._job_gpus.get(j, set()) for j in others]
+        separable = bool(mine) and all(s and not (s & mine) for s in sets)
+        return (set(mine) if separable else None), separable
+
+    def _actuation(self) -> dict[str, Any]:
+        """What this node can apply: the coordinator narrows a job's space to it."""
+        actuation = self.config.actuation
+        limits = None if self.actuator is None else self._limits_w
+        return {
+            "power_cap": self.actuator is not None,
+            "min_w": actuation.min_power_w,
+            "max_w": actuation.max_power_w,
+            "limits_w": list(limits) if limits else None,
+            "gpu_model": self._gpu_model,
+        }
 
     async def _gpu_job_readings(self, readings: list[Reading]) -> list[Reading]:
         """``hyperagent_gpu_job_info{gpu,uuid,job_id}``: which job runs on which GPU, from
         NVML's running processes matched against the job channel's peer pids (checked every
         few seconds), else from the GPU a rank declared in its hello."""
         if self.job_source is None or not self.job_source.peers:
+            self._job_gpus = {}
             return []
         now = time.monotonic()
         if now - self._gpu_pids_at >= GPU_PROCESSES_INTERVAL_S and self.hardware.nvml is not None:
@@ -391,12 +463,16 @@ class Agent:
             self._gpu_pids = found or {}
         pids = self.job_source.job_pids()
         owners: dict[str, str] = {}
+        job_gpus: dict[str, set[int]] = {}
         for gpu, running in self._gpu_pids.items():
             for pid in running:
                 if pid in pids:
                     owners[gpu] = pids[pid]
+                    job_gpus.setdefault(pids[pid], set()).add(int(gpu))
         for index, job in self.job_source.declared_gpus().items():
             owners.setdefault(str(index), job)
+            job_gpus.setdefault(job, set()).add(index)
+        self._job_gpus = job_gpus
         uuids = {
             r.labels.get("gpu"): r.labels.get("uuid", "")
             for r in readings
@@ -536,6 +612,7 @@ class Agent:
                 ok=False,
                 error=f"stale: v{applied} applied",
                 applied={"version": applied},
+                refusal="stale",
             )
             return
         if version == applied:
@@ -585,6 +662,8 @@ class Agent:
                     await self._apply(job, message, again=True)
 
     def _check_bounds(self, settings: dict[str, Any]) -> str | None:
+        """Why this node can never apply ``settings``' power cap (a fact about the settings:
+        the coordinator takes it as an infeasible point), or None."""
         cap = settings.get("power_cap_w")
         if cap is None:
             return None
@@ -599,21 +678,31 @@ class Agent:
 
     async def _apply(self, job: str, message: dict[str, Any], again: bool = False) -> None:
         """Apply ``message``'s settings (``again``: the version already applied, after a
-        restart or after the power limits were restored) and ack them."""
+        restart or after the power limits were restored) and ack them. A power cap goes on
+        the job's own GPUs only (every GPU when the job is alone on the node)."""
         version, settings = message["version"], message["settings"]
         problem = self._check_bounds(settings)
+        refusal = "settings" if problem is not None else "node"
         applied: dict[str, Any] = {}
+        gpus: set[int] | None = None
         if problem is None and settings.get("power_cap_w") is not None and self.actuator:
-            try:
-                caps = await asyncio.to_thread(self.actuator.apply, float(settings["power_cap_w"]))
-                applied["power_cap_w"] = [c.applied_w for c in caps]
-                if self.actuator.last_latency_s is not None and any(c.changed for c in caps):
-                    applied["power_cap_latency_s"] = round(self.actuator.last_latency_s, 4)
-            except ActuationError as e:
-                problem = str(e)
+            gpus, separable = self.job_gpus(job)
+            if not separable:
+                problem = f"cannot tell the GPUs of {job} from another job's on this node"
+            else:
+                try:
+                    cap = float(settings["power_cap_w"])
+                    caps = await asyncio.to_thread(self.actuator.apply, cap, gpus)
+                    self._capped[job] = gpus
+                    applied["power_cap_w"] = [c.applied_w for c in caps]
+                    applied["gpus"] = [c.gpu for c in caps]
+                    if self.actuator.last_latency_s is not None and any(c.changed for c in caps):
+                        applied["power_cap_latency_s"] = round(self.actuator.last_latency_s, 4)
+                except ActuationError as e:
+                    problem = str(e)
         if problem is not None:
             self._reject("refused", problem)
-            self._ack(job, version, ok=False, error=problem)
+            self._ack(job, version, ok=False, error=problem, refusal=refusal)
             return
         if self.job_source is not None:
             attached = self.job_source.attached(job)
@@ -626,7 +715,7 @@ class Agent:
             if delivered < attached:
                 problem = f"settings v{version} reached {delivered} of {attached} ranks"
                 self._reject("undelivered", problem)
-                self._ack(job, version, ok=False, error=problem, applied=applied)
+                self._ack(job, version, ok=False, error=problem, applied=applied, refusal="node")
                 return
         self.live_versions[job] = version
         if again:
@@ -642,8 +731,13 @@ class Agent:
         if plan_data:
             try:
                 plan = MeasurementPlan.from_dict(plan_data)
+                job_gpus, _ = self.job_gpus(job)
                 self._trials[job] = _Trial(
-                    job, version, message.get("trial"), TrialMeasurement(version, plan)
+                    job,
+                    version,
+                    message.get("trial"),
+                    TrialMeasurement(version, plan),
+                    gpus=None if job_gpus is None else frozenset(job_gpus),
                 )
                 self._measuring.set()
             except ValueError as e:
@@ -660,21 +754,25 @@ class Agent:
         ok: bool,
         error: str | None = None,
         applied: dict[str, Any] | None = None,
+        refusal: str | None = None,
     ) -> None:
+        """Ack (``ok``) or refuse a version; a refusal says whether it is a fact about the
+        settings (``refusal`` "settings": never applicable here) or about the node now."""
         if self.link is None:
             return
-        payload = bus.encode(
-            {
-                "job": job,
-                "node": self.node,
-                "version": version,
-                "ok": ok,
-                "error": error,
-                "applied": applied or {},
-                "stalled": self.job_stalled(job),
-                "ts": time.time(),
-            }
-        )
+        message: dict[str, Any] = {
+            "job": job,
+            "node": self.node,
+            "version": version,
+            "ok": ok,
+            "error": error,
+            "applied": applied or {},
+            "stalled": self.job_stalled(job),
+            "ts": time.time(),
+        }
+        if not ok:
+            message["refusal"] = refusal or "node"
+        payload = bus.encode(message)
         self.link.publish(self.topics.ack(job, self.node), payload, qos=1)
 
     def job_stalled(self, job: str) -> bool:
@@ -702,6 +800,29 @@ class Agent:
         clock = self._step_clocks.get(job)
         if clock is not None:
             clock.leave(rank)
+        if self.job_source is not None and not self.job_source.attached(job):
+            self._job_events.put_nowait((job, "left"))
+
+    def _on_rank_attached(self, job: str, rank: int) -> None:
+        if self.live_versions.get(job) is None and job in self.applied_messages:
+            self._job_events.put_nowait((job, "back"))
+
+    async def _job_loop(self) -> None:
+        """A job whose ranks all left gets its GPUs' original power limits back at once (the
+        next job on them must not inherit its cap); when a rank comes back, its applied
+        settings are applied again."""
+        while True:
+            job, what = await self._job_events.get()
+            if what == "left" and job in self._capped and self.actuator is not None:
+                gpus = self._capped.pop(job)
+                restored = await asyncio.to_thread(self.actuator.restore, gpus)
+                self.live_versions.pop(job, None)
+                if restored:
+                    log.info("%s left: restored the power limit of %d GPU(s)", job, restored)
+            elif what == "back" and self.live_versions.get(job) is None:
+                message = self.applied_messages.get(job)
+                if message is not None and self.job_source and self.job_source.attached(job):
+                    await self._apply(job, message, again=True)
 
     def _on_job_released(self, job: str) -> None:
         """A job released by the job channel (no rank for ``release_after_s``): its step times
@@ -725,10 +846,12 @@ class Agent:
             trial.windows_reported = measurement.completed_windows
             self._publish_report(trial, None, partial=True)
 
-    async def _energy_j(self) -> float | None:
-        """The GPUs' energy counter now (None when NVML did not answer within
-        ``sources.timeout_s``); without an NVML source (GPU readings replayed as recorded), as
-        of the latest collection."""
+    async def _energy_j(self, gpus: frozenset[int] | None = None) -> float | None:
+        """The energy counter of ``gpus`` (None: every GPU) now (None when NVML did not answer
+        within ``sources.timeout_s``); without an NVML source (GPU readings replayed as
+        recorded), as of the latest collection."""
+        if gpus is not None:
+            return self._gpus_energy_j(gpus)
         source = self.nvml_source
         if source is None:
             accel = self.accelerator_source
@@ -738,14 +861,27 @@ class Agent:
             return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
         return await self._device_call(source.nvml, source.total_energy_j, "total energy")
 
+    def _gpus_energy_j(self, gpus: frozenset[int]) -> float | None:
+        """The energy counters of ``gpus`` summed, as of the latest collection."""
+        if self.snapshot is None:
+            return None
+        values = [
+            r.value
+            for r in self.snapshot.readings
+            if r.name == GPU_ENERGY
+            and r.labels.get("gpu", "").isdigit()
+            and int(r.labels["gpu"]) in gpus
+        ]
+        return sum(values) if len(values) == len(gpus) else None
+
     async def _trial_loop(self) -> None:
         while True:
             trial, phase = await self._trial_events.get()
             if phase is Phase.MEASURING:
-                trial.energy_start_j = await self._energy_j()
+                trial.energy_start_j = await self._energy_j(trial.gpus)
                 trial.xid_start = self._xid_total()
             elif phase is Phase.DONE:
-                end = await self._energy_j()
+                end = await self._energy_j(trial.gpus)
                 energy = None
                 if trial.energy_start_j is not None and end is not None:
                     energy = end - trial.energy_start_j
@@ -803,7 +939,10 @@ def _job_settings(message: dict[str, Any]) -> JobSettings:
 
 
 def telemetry_payload(
-    snapshot: Snapshot, indicators: list[Reading], jobs: dict[str, Any] | None = None
+    snapshot: Snapshot,
+    indicators: list[Reading],
+    jobs: dict[str, Any] | None = None,
+    actuation: dict[str, Any] | None = None,
 ) -> bytes:
     """The node's summary for MQTT: indicators, GPU power and energy, which sources are up,
     and each job's running totals (samples and step seconds, both summed over the job's ranks
@@ -823,6 +962,7 @@ def telemetry_payload(
             "node": snapshot.node,
             "ts": snapshot.ts,
             "jobs": jobs or {},
+            **({"actuation": actuation} if actuation is not None else {}),
             "gpu_power_w": power,
             "gpu_energy_j": energy,
             "sources_up": up,

@@ -241,18 +241,22 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, _overrides(args))
     if args.recommend:
-        jobs = tuple(
-            job.model_copy(update={"mode": "recommend"}) for job in config.coordinator.jobs
-        )
+        section = config.coordinator
+        jobs = tuple(job.model_copy(update={"mode": "recommend"}) for job in section.jobs)
+        defaults = section.defaults.model_copy(update={"mode": "recommend"})
         config = config.model_copy(
-            update={"coordinator": config.coordinator.model_copy(update={"jobs": jobs})}
+            update={"coordinator": section.model_copy(update={"jobs": jobs, "defaults": defaults})}
         )
+        named = [job for job in jobs if job.exact and job.nodes]
+        if named:
+            for job in named:
+                settings, why = recommend(config.coordinator, job.id)
+                print(f"{job.id}: would set {_describe(settings)}, because {why}")
+            return 0
     key = read_settings_key(config)
     problems = []
     if key is None:
         problems.append(ConfigProblem("security.settings_key_file", "required by the coordinator"))
-    if not config.coordinator.jobs:
-        problems.append(ConfigProblem("coordinator.jobs", "no job to tune"))
     if not config.mqtt.enabled:
         problems.append(ConfigProblem("mqtt.enabled", "the coordinator needs the broker"))
     if problems:
@@ -261,13 +265,6 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     link = coordinator_link(config)
     coordinator = Coordinator(config, link, key)
     try:
-        if args.recommend:
-            _run(coordinator.run(until_tuned=True))
-            for job, state in coordinator.jobs.items():
-                print(
-                    f"{job}: would set {_describe(state.recommendation or {})}, because {state.why}"
-                )
-            return 0
         address = config.coordinator.metrics_address
         if not address:
             return _run(coordinator.run())
@@ -286,6 +283,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             journal = journal.exceptions[0]
         print(f"hyperagent coordinator: tuning journal: {journal}", file=sys.stderr)
         return 2
+
+
+def recommend(section: Any, job: str) -> tuple[dict[str, Any], str]:
+    """What the coordinator would set for ``job`` (a rule naming it with its nodes), and why:
+    the last finished tuning of it (its journal), else the table over the starting settings."""
+    from hyperagent.tuner import tuning
+    from hyperagent.tuner.discovery import plan_space
+    from hyperagent.tuner.journal import Journal
+
+    cfg = section.tuning(job, section.rule_for(job).nodes)
+    journal = Journal(section.state_dir / f"{job}.jsonl").load()
+    machine = tuning.JobTuning(job, cfg, journal)
+    start = cfg.start.model_dump()
+    if start["power_cap_w"] is None and cfg.power_limits_w:
+        start["power_cap_w"] = cfg.power_limits_w[1]
+    machine.handle(tuning.Begin(0.0, cfg, plan_space(cfg), start))
+    return dict(machine.recommendation or {}), machine.why
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -314,9 +328,11 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     read_settings_key(config)
+    rules = len(config.coordinator.jobs)
     print(
         f"{args.file}: OK (node {config.node}, cluster {config.cluster}, "
-        f"{len(config.coordinator.jobs)} job(s) to tune)"
+        f"jobs found by the agents, tune = {config.coordinator.defaults.tune!r}, "
+        f"{rules} job rule(s))"
     )
     return 0
 

@@ -6,6 +6,7 @@ applied as overrides on the raw mapping before validation, so they are checked t
 
 from __future__ import annotations
 
+import fnmatch
 import socket
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -355,10 +356,25 @@ class TrialPlanSection(_Model):
     """... or this many windows are done (0: four times ``windows``)."""
 
 
-class JobTuningSection(_Model):
-    id: Name
-    nodes: Annotated[tuple[Name, ...], Field(min_length=1)]
-    backend: Backend = "nccl"
+JobPattern = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.*?\[\]-]+$")]
+"""A job id, or a shell-style pattern of ids (``slurm-*``, ``llama-?``)."""
+
+WILDCARDS = frozenset("*?[")
+
+
+class JobPolicy(_Model):
+    """How the coordinator tunes the jobs it finds: ``[coordinator.defaults]``, and what a
+    ``[[coordinator.jobs]]`` rule overrides for the ids it matches."""
+
+    tune: Literal["asked", "all", "never"] = "asked"
+    """Which jobs are tuned: "asked", those whose ranks ask (TunedDDP does; JobReporter with
+    ``tune=True`` or ``HYPERAGENT_TUNE=1``); "all", every job whose ranks do not refuse
+    (``tune=False``); "never", none (they are still seen, on /metrics). A rule naming one job
+    id exactly (no wildcard) tunes that job unless it says otherwise."""
+    users: tuple[str | int, ...] = ()
+    """The users (names or uids) whose jobs may be tuned; empty: anyone's."""
+    backend: Backend | None = None
+    """The job's collective backend; None: as its ranks say (nccl when they do not)."""
     gradient_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     """Gradient element type (DeepSpeed's bucket sizes are in elements)."""
     objective: Objective = "throughput"
@@ -381,15 +397,27 @@ class JobTuningSection(_Model):
     model_params_b: Annotated[float, Field(gt=0)] | None = None
     gpu_model: str | None = None
     """With the node count and backend, identify the job: a finished tuning of the same
-    fingerprint warm-starts the next one."""
+    fingerprint warm-starts the next one (default: as the ranks and the nodes say)."""
     trials: Annotated[int, Field(ge=1, le=10_000)] = 30
     patience: Annotated[int, Field(ge=1)] = 10
     power_limits_w: tuple[float, float] | None = None
+    """The power caps searched (W); default: the range every node's GPUs take, as the agents
+    say."""
     start: StartSettings = StartSettings()
     plan: TrialPlanSection = TrialPlanSection()
     ack_timeout_s: PositiveSeconds = 30.0
     trial_timeout_s: PositiveSeconds = 600.0
     seed: int = 0
+    ranks_wait_s: PositiveSeconds = 120.0
+    """A job tunes once every rank of its world size is attached; after this long without
+    them it says which are missing (and keeps waiting)."""
+    end_after_s: PositiveSeconds = 10.0
+    """A job none of whose ranks has been attached anywhere for this long has ended."""
+    release_after_s: Annotated[float, Field(ge=0, le=86400)] = 300.0
+    """An ended or failed job's state (and series) stays this long, then goes."""
+    max_retries: Annotated[int, Field(ge=0, le=10_000)] = 20
+    """A run that cannot be measured is retried this many times (with back-off up to 5
+    minutes apart), then the job fails with the reason."""
 
     @field_validator("power_limits_w")
     @classmethod
@@ -397,6 +425,32 @@ class JobTuningSection(_Model):
         if value is not None and not 0 < value[0] <= value[1]:
             raise ValueError("expected [low, high] watts with 0 < low <= high")
         return value
+
+
+class JobRule(JobPolicy):
+    """``[[coordinator.jobs]]``: the jobs whose id matches ``id`` (a name or a pattern; the
+    first rule that matches applies), with what they override of the defaults."""
+
+    id: JobPattern
+    nodes: tuple[Name, ...] = ()
+    """A fixed node set (optional: a job's nodes are the agents that carry it)."""
+
+    @property
+    def exact(self) -> bool:
+        """The rule names one job (no wildcard)."""
+        return not WILDCARDS & set(self.id)
+
+    def matches(self, job: str) -> bool:
+        return self.id == job if self.exact else fnmatch.fnmatchcase(job, self.id)
+
+
+class JobTuningSection(JobPolicy):
+    """One job's tuning as resolved: the defaults, the rule that matches it, what its ranks
+    said (:meth:`CoordinatorSection.tuning`)."""
+
+    id: Name
+    nodes: Annotated[tuple[Name, ...], Field(min_length=1)]
+    backend: Backend = "nccl"
 
     @model_validator(mode="after")
     def _power_search(self) -> JobTuningSection:
@@ -409,9 +463,59 @@ class CoordinatorSection(_Model):
     metrics_address: str = f"127.0.0.1:{DEFAULT_METRICS_PORT + 1}"
     state_dir: Path = Path("/var/lib/hyperagent-coordinator")
     """Where the tuning journals live (one file per job)."""
-    jobs: tuple[JobTuningSection, ...] = ()
+    defaults: JobPolicy = JobPolicy()
+    jobs: tuple[JobRule, ...] = ()
+    max_jobs: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    """Jobs tuned at once at most; a job found beyond it waits for a slot (said once)."""
+    journal_keep_days: Annotated[float, Field(gt=0)] = 30.0
+    """Journals of jobs that are no longer live are deleted this long after their last entry
+    ..."""
+    journal_keep: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    """... and beyond this many files, the oldest first (a live job's journal is kept)."""
 
     _address = field_validator("metrics_address")(_check_address)
+
+    def rule_for(self, job: str) -> JobRule | None:
+        """The first ``[[coordinator.jobs]]`` rule that matches ``job``."""
+        return next((rule for rule in self.jobs if rule.matches(job)), None)
+
+    def tuning(
+        self, job: str, nodes: Sequence[str], said: Mapping[str, Any] | None = None
+    ) -> JobTuningSection:
+        """The tuning of ``job`` on ``nodes``: the defaults, overridden by what its rule sets,
+        then what the ranks and nodes said (``backend``, ``model_params_b``, ``gpu_model``,
+        ``power_limits_w``) where neither the defaults nor the rule set it. Raises ValueError
+        (pydantic's) when the combination is invalid."""
+        rule = self.rule_for(job)
+        merged = self.defaults.model_dump()
+        explicit = set(self.defaults.model_fields_set)
+        if rule is not None:
+            for key in rule.model_fields_set - {"id", "nodes"}:
+                merged[key] = getattr(rule, key)
+            explicit |= rule.model_fields_set
+            if rule.nodes:
+                nodes = rule.nodes
+        for key, value in (said or {}).items():
+            if key not in explicit and value is not None:
+                merged[key] = value
+        if merged.get("backend") is None:
+            merged["backend"] = "nccl"
+        return JobTuningSection.model_validate({**merged, "id": job, "nodes": tuple(nodes)})
+
+    def tune_policy(self, job: str) -> str:
+        """Which of the job's own wishes decide (:attr:`JobPolicy.tune`) for ``job``."""
+        rule = self.rule_for(job)
+        if rule is None:
+            return self.defaults.tune
+        if "tune" in rule.model_fields_set:
+            return rule.tune
+        return "all" if rule.exact else self.defaults.tune
+
+    def users_for(self, job: str) -> tuple[str | int, ...]:
+        rule = self.rule_for(job)
+        if rule is not None and "users" in rule.model_fields_set:
+            return rule.users
+        return self.defaults.users
 
 
 class Config(_Model):
@@ -472,9 +576,26 @@ def build_config(
         "id",
         "two jobs of one id would share one journal file and one settings topic",
     )
+    problems += _unresolvable(config.coordinator)
     if problems:
         raise ConfigError(problems, file)
     return config
+
+
+def _unresolvable(coordinator: CoordinatorSection) -> list[ConfigProblem]:
+    """A problem for the defaults, and for each rule, that no job could be tuned with (each
+    tried alone, for a job on one node)."""
+    trials = [("coordinator.defaults", coordinator.model_copy(update={"jobs": ()}))]
+    for index, rule in enumerate(coordinator.jobs):
+        alone = (rule.model_copy(update={"id": "job"}),)
+        trials.append((f"coordinator.jobs.{index}", coordinator.model_copy(update={"jobs": alone})))
+    problems = []
+    for key, section in trials:
+        try:
+            section.tuning("job", ["node"])
+        except ValidationError as e:
+            problems += [ConfigProblem(key, problem.reason) for problem in _problems(e)]
+    return problems
 
 
 def _duplicates(items: Sequence[BaseModel], key: str, field: str, why: str) -> list[ConfigProblem]:

@@ -27,11 +27,13 @@ from hyperagent import durable
 from hyperagent.agent import Agent
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
-from hyperagent.coordinator import Coordinator, JobState, TrialRecord, coordinator_link
+from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.devices import as_library
 from hyperagent.job import KNOBS, JobReporter
 from hyperagent.sim import JobModel
 from hyperagent.sources import Hardware, replayed_library
+from hyperagent.tuner.jobstate import TrialRecord
+from hyperagent.tuner.tuning import JobTuning
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +221,7 @@ def embedded_broker() -> Any:
 
 @dataclass
 class DemoResult:
-    state: JobState
+    state: JobTuning
     nodes: list[SimulatedNode]
     model: JobModel
 
@@ -292,7 +294,7 @@ async def simulated_cluster(
     key: bytes | None = None,
     job_overrides: Mapping[str, Any] | None = None,
     coordinator_dir: Path | None = None,
-    on_trial: Callable[[JobState, TrialRecord], None] | None = None,
+    on_trial: Callable[[JobTuning, TrialRecord], None] | None = None,
     job_knobs: tuple[str, ...] | None = JOB_KNOBS,
     capture_dir: Path | None = None,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
@@ -331,7 +333,13 @@ async def simulated_cluster(
             )
             agent = Agent.from_config(config, node_hw.hardware, settings_key=key)
             reporter = JobReporter(
-                JOB, rank=0, socket_path=config.sources.job.socket, knobs=job_knobs
+                JOB,
+                rank=i,
+                socket_path=config.sources.job.socket,
+                knobs=job_knobs,
+                world_size=nodes,
+                local_world_size=1,
+                tune=True,
             )
             sim_nodes.append(
                 SimulatedNode(name, node_hw.nvml, clock, agent, reporter, gpus=node_hw.gpus)
@@ -366,7 +374,7 @@ async def run_demo(
     nodes: int,
     trials: int,
     seed: int,
-    on_trial: Callable[[JobState, TrialRecord], None] | None = None,
+    on_trial: Callable[[JobTuning, TrialRecord], None] | None = None,
     report: Path | None = None,
     **kwargs: Any,
 ) -> DemoResult:
@@ -378,9 +386,9 @@ async def run_demo(
         model,
     ):
         await coordinator.run(until_tuned=True)
-        state = coordinator.jobs[JOB]
+        state = coordinator.job(JOB)
         if report is not None:
             from hyperagent.report import render_report
 
-            await asyncio.to_thread(render_report, state.journal.path, report)
+            await asyncio.to_thread(render_report, coordinator.journals.path(JOB), report)
         return DemoResult(state, sim_nodes, model)

@@ -44,7 +44,8 @@ from hyperagent.job import StepReport
 if TYPE_CHECKING:
     from torch import nn
 
-    from hyperagent.coordinator import JobState, TrialRecord
+    from hyperagent.tuner.jobstate import TrialRecord
+    from hyperagent.tuner.tuning import JobTuning
 
 JOB = "torch-ddp"
 NODE = "node-0"
@@ -74,7 +75,7 @@ STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 GLOO_TIMEOUT_S = 60.0
 
-TrialCallback = Callable[["JobState", "TrialRecord"], None]
+TrialCallback = Callable[["JobTuning", "TrialRecord"], None]
 
 
 def require_torch() -> None:
@@ -244,7 +245,7 @@ def torch_cluster_config(broker_url: str, trials: int, seed: int, workdir: Path)
 class TorchDemoResult:
     """What the demo measured: the tuning, its confirmations and every rank's steps."""
 
-    state: JobState
+    state: JobTuning
     rank_steps: dict[int, list[dict[str, Any]]]
     """rank -> one record per step: version, bucket_cap_mb, chunk_bytes, times, loss."""
     pids: list[int]
@@ -387,15 +388,11 @@ async def run_torch_demo(
         coordinator_config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)
         coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)
-        state = coordinator.jobs[JOB]
         ranks: list[RankProcess] = []
         failure: Exception | None = None
         startup_s = math.nan
         async with asyncio.TaskGroup() as tasks:
-            background = [
-                tasks.create_task(agent.run(), name="agent"),
-                tasks.create_task(link.run(), name="coordinator-mqtt"),
-            ]
+            background = [tasks.create_task(agent.run(), name="agent")]
             try:
                 await agent.ready.wait()
                 await agent.link.connected.wait()
@@ -404,8 +401,7 @@ async def run_torch_demo(
                 )
                 await wait_until_stepping(ranks, watch.stepping, STARTUP_TIMEOUT_S)
                 startup_s = time.monotonic() - began
-                await _while_ranks_run(ranks, coordinator.tune(state))
-                await link.flush(timeout_s=5)
+                await _while_ranks_run(ranks, coordinator.run(until_tuned=True))
             except Exception as e:
                 failure = e
             finally:
@@ -416,7 +412,7 @@ async def run_torch_demo(
             raise failure
         rank_steps = {r.rank: await asyncio.to_thread(r.steps) for r in ranks}
     return TorchDemoResult(
-        state=state,
+        state=coordinator.job(JOB),
         rank_steps=rank_steps,
         pids=[r.process.pid for r in ranks],
         returncodes=[r.process.returncode for r in ranks],
@@ -425,9 +421,7 @@ async def run_torch_demo(
     )
 
 
-async def _while_ranks_run(
-    ranks: Sequence[RankProcess], work: Coroutine[Any, Any, JobState]
-) -> JobState:
+async def _while_ranks_run(ranks: Sequence[RankProcess], work: Coroutine[Any, Any, None]) -> None:
     """Await ``work``; if a rank exits first, cancel it and raise HyperagentError."""
     task = asyncio.create_task(work, name="tune")
     exits = [asyncio.create_task(r.process.wait(), name=f"rank-{r.rank}-exit") for r in ranks]
@@ -441,8 +435,7 @@ async def _while_ranks_run(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         _raise_if_exited(ranks)
-    result: JobState = task.result()
-    return result
+    task.result()
 
 
 def build_model(seed: int) -> nn.Module:

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from hyperagent import scheduler
 from hyperagent.errors import PayloadError
 
 log = logging.getLogger(__name__)
@@ -125,16 +126,47 @@ def encode_step(step: StepReport) -> bytes:
     return orjson.dumps(message)
 
 
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A rank's first message: the job and rank it is, and what the coordinator needs to find
+    and tune the job without a config edit. Every field but ``job`` and ``rank`` is optional
+    (None: the rank did not say)."""
+
+    job: str
+    rank: int
+    knobs: tuple[str, ...] | None = None
+    """The knobs the rank applies live."""
+    gpu: int | None = None
+    """The GPU index the rank runs on, when it knows."""
+    world_size: int | None = None
+    """Ranks in the whole job (torchrun's ``WORLD_SIZE``)."""
+    local_world_size: int | None = None
+    """Ranks of the job on this node (``LOCAL_WORLD_SIZE``)."""
+    backend: str | None = None
+    """The collective backend: nccl, gloo, mpi, horovod or deepspeed."""
+    tune: bool | None = None
+    """Whether the job asks to be tuned (True), refuses (False) or does not say (None)."""
+    model_params: int | None = None
+    """The model's parameter count, for the tuning's fingerprint."""
+
+
+BACKENDS = ("nccl", "gloo", "mpi", "horovod", "deepspeed")
+
+
 def encode_hello(
-    job: str, rank: int, knobs: Iterable[str] | None = None, gpu: int | None = None
+    job: str,
+    rank: int,
+    knobs: Iterable[str] | None = None,
+    gpu: int | None = None,
+    **details: Any,
 ) -> bytes:
-    """A rank's first message: the job it belongs to, the knobs it applies live (None: it
-    does not say) and the GPU index it runs on, when it knows."""
+    """A rank's hello (see :class:`Hello`; ``details`` are its optional fields)."""
+    hello = Hello(job, rank, None if knobs is None else tuple(knobs), gpu, **details)
     message: dict[str, Any] = {"v": PROTOCOL, "type": "hello", "job": job, "rank": rank}
-    if knobs is not None:
-        message["knobs"] = list(knobs)
-    if gpu is not None:
-        message["gpu"] = gpu
+    for key in Hello.__slots__:
+        value = getattr(hello, key)
+        if key not in ("job", "rank") and value is not None:
+            message[key] = list(value) if key == "knobs" else value
     return orjson.dumps(message)
 
 
@@ -223,8 +255,17 @@ def parse_memory(message: Mapping[str, Any]) -> MemoryReport | None:
     return report
 
 
-def parse_hello(message: Mapping[str, Any]) -> tuple[int, tuple[str, ...] | None, int | None]:
-    """Rank, announced knobs (None when not said) and GPU index of a ``hello``."""
+def _optional_positive(message: Mapping[str, Any], key: str) -> int | None:
+    value = message.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PayloadError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_hello(message: Mapping[str, Any]) -> Hello:
+    """A validated Hello from a decoded ``hello`` message; raises PayloadError."""
     rank = _integer(message, "rank")
     knobs = message.get("knobs")
     if knobs is not None:
@@ -232,7 +273,28 @@ def parse_hello(message: Mapping[str, Any]) -> tuple[int, tuple[str, ...] | None
             raise PayloadError(f"knobs must be a list of {', '.join(ANNOUNCEABLE)}, got {knobs!r}")
         knobs = tuple(dict.fromkeys(knobs))
     gpu = None if message.get("gpu") is None else _integer(message, "gpu")
-    return rank, knobs, gpu
+    backend = message.get("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise PayloadError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    tune = message.get("tune")
+    if tune is not None and not isinstance(tune, bool):
+        raise PayloadError(f"tune must be true, false or absent, got {tune!r}")
+    world, local = _optional_positive(message, "world_size"), _optional_positive(
+        message, "local_world_size"
+    )
+    if world is not None and rank >= world:
+        raise PayloadError(f"rank {rank} is outside world_size {world}")
+    return Hello(
+        _job_name(message),
+        rank,
+        knobs,
+        gpu,
+        world,
+        local,
+        backend,
+        tune,
+        _optional_positive(message, "model_params"),
+    )
 
 
 def parse_step(message: Mapping[str, Any]) -> StepReport:
@@ -258,11 +320,27 @@ def parse_settings(message: Mapping[str, Any]) -> JobSettings:
     return JobSettings(_integer(message, "version"), settings, backend)
 
 
+def _environment_rank(environ: Mapping[str, str]) -> int:
+    """The rank torchrun (``RANK``) or Slurm (``SLURM_PROCID``) gave this process, else 0."""
+    for key in ("RANK", "SLURM_PROCID"):
+        value = environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 class JobReporter:
     """Client for training scripts: report steps, receive settings. Never blocks training.
 
-    ``knobs`` announces which knobs this rank applies live (the coordinator tunes only those);
-    ``gpu`` is the GPU index the rank runs on, where NVML cannot tell the agent.
+    ``job`` defaults to the scheduler's id (:func:`hyperagent.scheduler.from_environment`:
+    ``HYPERAGENT_JOB_ID``, Slurm's job and step, torchrun's run id; raises
+    :class:`~hyperagent.scheduler.NoJobId` saying what to pass when there is none), ``rank`` to
+    torchrun's ``RANK`` or Slurm's ``SLURM_PROCID``, ``world_size`` and ``local_world_size`` to
+    torchrun's (or Slurm's task counts). ``knobs`` announces which knobs this rank applies live
+    (the coordinator tunes only those); ``gpu`` is the GPU index the rank runs on, where NVML
+    cannot tell the agent; ``tune`` True asks the coordinator to tune the job (False: never;
+    None, the default, leaves it to the coordinator's policy; ``HYPERAGENT_TUNE=1`` or ``0``
+    says the same from the environment); ``backend`` and ``model_params`` describe the job.
 
     >>> reporter = JobReporter("llama-ft", rank=0)          # doctest: +SKIP
     >>> reporter.report_step(samples=32, step_s=0.41, compute_s=0.33, comm_s=0.08, loss=2.1)
@@ -271,20 +349,39 @@ class JobReporter:
 
     def __init__(
         self,
-        job: str,
-        rank: int = 0,
+        job: str | None = None,
+        rank: int | None = None,
         socket_path: Path | str | None = None,
         knobs: Iterable[str] | None = None,
         gpu: int | None = None,
+        *,
+        world_size: int | None = None,
+        local_world_size: int | None = None,
+        tune: bool | None = None,
+        backend: str | None = None,
+        model_params: int | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
-        if not job or len(job) > 64:
+        env = os.environ if environ is None else environ
+        job = scheduler.from_environment(env, job).id
+        if len(job) > 64:
             raise ValueError("job must be a non-empty name of at most 64 characters")
         self.job = job
-        self.rank = rank
+        self.rank = _environment_rank(env) if rank is None else rank
         self.knobs = None if knobs is None else tuple(knobs)
         self.gpu = gpu
+        world, local = scheduler.world_size(env)
+        if tune is None and env.get("HYPERAGENT_TUNE") in ("0", "1"):
+            tune = env["HYPERAGENT_TUNE"] == "1"
+        self.details: dict[str, Any] = {
+            "world_size": world if world_size is None else world_size,
+            "local_world_size": local if local_world_size is None else local_world_size,
+            "tune": tune,
+            "backend": backend,
+            "model_params": model_params,
+        }
         self.agent_path = str(
-            socket_path or os.environ.get("HYPERAGENT_JOB_SOCKET", DEFAULT_SOCKET)
+            socket_path or env.get("HYPERAGENT_JOB_SOCKET", DEFAULT_SOCKET)
         )
         self.applied: JobSettings | None = None
         self._pending: JobSettings | None = None
@@ -318,7 +415,7 @@ class JobReporter:
             sock.close()
             return
         self._sock = sock
-        self._send(encode_hello(self.job, self.rank, self.knobs, self.gpu))
+        self._send(encode_hello(self.job, self.rank, self.knobs, self.gpu, **self.details))
 
     def _disconnect(self, retry_after_s: float = RECONNECT_S) -> None:
         if self._sock is not None:

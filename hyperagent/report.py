@@ -200,8 +200,8 @@ def _apply(state: _Round, entry: object) -> None:
         state.trials.append(trial_)
         if state.in_flight == trial_.index:
             state.in_flight = None
-    elif kind == "paused":  # a run that was not a trial; the same trial runs again
-        pass
+    elif kind in ("paused", "confirm", "ended"):
+        pass  # a run that was not a trial; the confirmations' order; the job ended
     elif kind == "final":
         _settings(entry)
         _number(entry, "score", optional=True)

@@ -1,31 +1,50 @@
-"""The coordinator's telemetry ingest: what it keeps, what it counts as invalid."""
+"""The coordinator's ingest: jobs found from telemetry, admitted by policy, messages routed to
+their job, invalid payloads counted, only the jobs' nodes on /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from hyperagent import bus
 from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator
+from hyperagent.tuner import tuning
+from hyperagent.tuner.journals import Journals
 
 TOPICS = bus.Topics("c")
 KEY = b"k" * 32
 
 
-def _coordinator(tmp_path: Path, nodes: list[str]) -> Coordinator:
+def _coordinator(tmp_path: Path, **coordinator: Any) -> Coordinator:
     config = build_config(
         {
             "cluster": "c",
-            "coordinator": {
-                "state_dir": str(tmp_path),
-                "metrics_address": "",
-                "jobs": [{"id": "j", "nodes": nodes}, {"id": "other", "nodes": ["x"]}],
-            },
+            "coordinator": {"state_dir": str(tmp_path), "metrics_address": "", **coordinator},
         }
     )
     return Coordinator(config, bus.MqttLink("127.0.0.1", 1, "x"), KEY)
+
+
+def _job(ranks: range, world: int, **said: Any) -> dict[str, Any]:
+    return {
+        "samples": 64,
+        "step_s": 2.0,
+        "attached": len(ranks),
+        "ranks": len(ranks),
+        "rank_ids": list(ranks),
+        "world_size": world,
+        "local_world_size": len(ranks),
+        "tune": True,
+        "user": "alice",
+        "uid": 1001,
+        "gpus": list(range(len(ranks))),
+        **said,
+    }
 
 
 def _telemetry(node: str, jobs: object, ts: float = 5.0) -> bytes:
@@ -34,250 +53,210 @@ def _telemetry(node: str, jobs: object, ts: float = 5.0) -> bytes:
     )
 
 
-def test_telemetry_tracks_progress_of_the_jobs_nodes(tmp_path: Path) -> None:
-    nodes = [f"n{i}" for i in range(5000)]
-    coordinator = _coordinator(tmp_path, nodes)
+def _events(coordinator: Coordinator, job: str) -> list[tuning.Event]:
+    inbox = coordinator.tuned[job].inbox
+    return [inbox.get_nowait() for _ in range(inbox.qsize())]
 
-    async def feed() -> None:
-        for node in ("n0", "n4999", "stranger"):
-            payload = _telemetry(node, {"j": {"samples": 64, "step_s": 0.2}, "other": {}})
-            await coordinator._on_telemetry(TOPICS.telemetry(node), payload)
-        # a job's totals of the wrong type, no jobs at all, a job nobody tunes: ignored
-        await coordinator._on_telemetry(
-            TOPICS.telemetry("n1"), _telemetry("n1", {"j": {"samples": "many", "step_s": 1}})
-        )
-        await coordinator._on_telemetry(TOPICS.telemetry("n2"), _telemetry("n2", None))
-        await coordinator._on_telemetry(
-            TOPICS.telemetry("n3"), _telemetry("n3", {"nobody": {"samples": 1, "step_s": 1}})
-        )
 
-    asyncio.run(feed())
-    assert coordinator.jobs["j"].progress == {
-        "n0": (64.0, 0.2, 5.0, 1),
-        "n4999": (64.0, 0.2, 5.0, 1),
+def _feed(coordinator: Coordinator, *messages: tuple[str, bytes]) -> None:
+    async def go() -> None:
+        for topic, payload in messages:
+            handler = {
+                "telemetry": coordinator._on_telemetry,
+                "status": coordinator._on_status,
+                "settings": coordinator._on_settings,
+            }.get(topic.rsplit("/", 1)[-1], None)
+            if handler is None:
+                kind = "ack" if "/ack/" in topic else "report"
+                coordinator._route(topic, payload, kind)
+            else:
+                await handler(topic, payload)
+
+    asyncio.run(go())
+
+
+def test_a_job_is_found_from_its_ranks_on_two_nodes_and_waits_for_its_world(
+    tmp_path: Path,
+) -> None:
+    coordinator = _coordinator(tmp_path)
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(8), 16)})))
+    machine = coordinator.job("j")
+    seen = [e for e in _events(coordinator, "j") if isinstance(e, tuning.Seen)]
+    assert seen[-1].view.nodes == ("n0",) and not seen[-1].view.complete
+    missing = seen[-1].view.missing
+    assert "ranks 8, 9, 10" in missing and "(8 of 16 attached)" in missing
+    _feed(coordinator, (TOPICS.telemetry("n1"), _telemetry("n1", {"j": _job(range(8, 16), 16)})))
+    seen = [e for e in _events(coordinator, "j") if isinstance(e, tuning.Seen)]
+    assert seen[-1].view.complete and seen[-1].view.nodes == ("n0", "n1")
+    assert coordinator.found == 1 and machine is coordinator.job("j")
+
+
+def test_the_policy_decides_which_found_jobs_are_tuned_and_says_why_not(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path, defaults={"users": ["alice"]})
+    jobs = {
+        "asked": _job(range(8), 8),
+        "silent": _job(range(8), 8, tune=None),
+        "refuses": _job(range(8), 8, tune=False),
+        "bob": _job(range(8), 8, user="bob", uid=1002),
+        "idle": _job(range(0), 8),
     }
-    assert coordinator.jobs["other"].progress == {}
-    assert coordinator.invalid_payloads == 0
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", jobs)))
+    assert set(coordinator.tuned) == {"asked"}
+    assert coordinator.ignored == {
+        "silent": 'its ranks did not ask to be tuned (tune = "asked")',
+        "refuses": 'its ranks did not ask to be tuned (tune = "asked")',
+        "bob": "its user (bob) is not one of coordinator.defaults.users",
+    }
+    everyone = _coordinator(tmp_path / "all", defaults={"tune": "all"})
+    _feed(everyone, (TOPICS.telemetry("n0"), _telemetry("n0", jobs)))
+    assert set(everyone.tuned) == {"asked", "silent", "bob"}
+    assert everyone.ignored == {"refuses": "its ranks asked not to be tuned"}
+
+
+def test_no_more_jobs_than_max_jobs_are_tuned(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path, max_jobs=2)
+    jobs = {f"j{i}": _job(range(1), 1) for i in range(3)}
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", jobs)))
+    assert set(coordinator.tuned) == {"j0", "j1"}
+    assert "coordinator.max_jobs" in coordinator.ignored["j2"]
+
+
+def test_progress_reaches_only_its_jobs_machine(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path)
+    jobs = {"a": _job(range(8), 8), "b": _job(range(8), 8, samples=32, step_s=1.0)}
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", jobs)))
+    steps = {
+        job: [e.progress for e in _events(coordinator, job) if isinstance(e, tuning.Steps)]
+        for job in ("a", "b")
+    }
+    assert [(p.samples, p.step_s, p.ranks) for p in steps["a"]] == [(64.0, 2.0, 8)]
+    assert [(p.samples, p.step_s, p.ranks) for p in steps["b"]] == [(32.0, 1.0, 8)]
 
 
 def test_invalid_telemetry_is_counted_not_fatal(tmp_path: Path) -> None:
-    coordinator = _coordinator(tmp_path, ["n0"])
-    good = _telemetry("n0", {"j": {"samples": 1, "step_s": 1.0}})
+    coordinator = _coordinator(tmp_path)
+    good = _telemetry("n0", {"j": _job(range(1), 1)})
     bad = [
         (TOPICS.telemetry("n0"), b"not json"),
         (TOPICS.telemetry("n0"), b"[1, 2]"),
         (TOPICS.telemetry("n0"), bus.encode({"node": "n0", "ts": "late"})),
         (TOPICS.telemetry("n0"), good.replace(b'"schema":1', b'"schema":2')),
-        ("somewhere/else/node/n0/telemetry/x", good),
+        ("somewhere/else/node/n0/telemetry", good),
     ]
-
-    async def feed() -> None:
-        for topic, payload in bad:
-            await coordinator._on_telemetry(topic, payload)
-        await coordinator._on_telemetry(TOPICS.telemetry("n0"), good)
-
-    asyncio.run(feed())
+    _feed(coordinator, *bad, (TOPICS.telemetry("n0"), good))
     assert coordinator.invalid_payloads == len(bad)
-    assert coordinator.jobs["j"].progress == {"n0": (1.0, 1.0, 5.0, 1)}
+    assert set(coordinator.tuned) == {"j"}
 
 
-def test_job_membership_follows_the_jobs_config(tmp_path: Path) -> None:
-    coordinator = _coordinator(tmp_path, ["n0", "n1"])
-    state = coordinator.jobs["j"]
-    assert state.has_node("n1") and not state.has_node("n2")
-    state.config = state.config.model_copy(update={"nodes": ("n2",)})
-    assert state.has_node("n2") and not state.has_node("n1")
+def test_fields_of_the_wrong_type_are_taken_as_not_said(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path)
+    weird = _job(range(2), "two", rank_ids="0,1", user=7, knobs="everything", tune="yes")
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", {"j": weird, "k": None})))
+    assert coordinator.tuned == {}  # tune "yes" is not a yes
+    assert coordinator.ignored == {"j": 'its ranks did not ask to be tuned (tune = "asked")'}
 
 
-def test_the_knobs_jobs_announce_narrow_the_space(tmp_path: Path) -> None:
-    coordinator = _coordinator(tmp_path, ["n0", "n1"])
-    state = coordinator.jobs["j"]
-    assert state.space.allreduce == ("ring", "tree")
-
-    async def feed() -> None:
-        for node, knobs in (
-            ("n0", ["bucket_mb", "chunk_kb", "allreduce"]),
-            ("n1", ["chunk_kb", "bucket_mb"]),
-            ("n1", "everything"),  # not a list: ignored, n1's earlier word stands
-        ):
-            jobs = {"j": {"samples": 1, "step_s": 1.0, "knobs": knobs}}
-            await coordinator._on_telemetry(TOPICS.telemetry(node), _telemetry(node, jobs))
-
-    asyncio.run(feed())
-    assert state.knobs == {
-        "n0": ("bucket_mb", "chunk_kb", "allreduce"),
-        "n1": ("chunk_kb", "bucket_mb"),
-    }
-    assert state.announced_knobs == ("bucket_mb", "chunk_kb")  # what every node applies
-    coordinator._follow_knobs(state)
-    assert state.space.allreduce == ("ring",) and len(state.space.chunk_kb) == 11
-    assert state.space.contains(state.tuner.ask())
+def test_acks_and_reports_reach_their_jobs_machine_and_forgeries_are_dropped(
+    tmp_path: Path,
+) -> None:
+    coordinator = _coordinator(tmp_path)
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(1), 1)})))
+    _events(coordinator, "j")
+    ack = {"job": "j", "node": "n0", "version": 3, "ok": True, "applied": {}, "ts": 1.0}
+    _feed(
+        coordinator,
+        (TOPICS.ack("j", "n0"), bus.encode(ack)),
+        (TOPICS.ack("j", "n1"), bus.encode(ack)),  # n1 speaking for n0
+        (TOPICS.ack("other", "n0"), bus.encode({**ack, "job": "other"})),  # not tuned here
+    )
+    events = _events(coordinator, "j")
+    assert [type(e) for e in events] == [tuning.Ack] and events[0].message["version"] == 3
+    assert coordinator.invalid_payloads == 1
 
 
-def test_confirmations_resume_apart_from_the_trials(tmp_path: Path) -> None:
-    from hyperagent.coordinator import TrialRecord
-    from hyperagent.tuner.journal import JournalState
+def test_versions_retained_before_a_job_is_found_keep_rising(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path)
+    message = {"job": "j", "settings": {}, "backend": {}, "issued_at": 1.0}
+    signed = bus.sign({**message, "version": 41}, KEY)
+    forged = bus.sign({**message, "version": 900}, b"x" * 32)
+    _feed(
+        coordinator,
+        (TOPICS.settings("j"), bus.encode(signed)),
+        (TOPICS.settings("j"), bus.encode(forged)),
+        (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(1), 1)})),
+    )
+    assert coordinator.job("j").version == 41
 
-    coordinator = _coordinator(tmp_path, ["n0"])
-    state = coordinator.jobs["j"]
-    start = state.space.defaults()
-    other = {**start, "bucket_mb": 64}
 
-    def record(index: int, settings: dict, windows: list[float], confirmation: bool) -> dict:
-        report = {"throughput": sum(windows) / len(windows), "windows": windows}
-        trial = TrialRecord(index, index + 1, settings, report["throughput"], "ok")
-        trial.reports, trial.confirmation = {"n0": report}, confirmation
-        return trial.to_journal()
+def test_an_offline_node_takes_its_sightings_with_it(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path)
+    _feed(
+        coordinator,
+        (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(8), 16)})),
+        (TOPICS.telemetry("n1"), _telemetry("n1", {"j": _job(range(8, 16), 16)})),
+    )
+    _events(coordinator, "j")
+    offline = bus.status_message(TOPICS, "n1", "offline").payload
+    _feed(coordinator, (TOPICS.status("n1"), offline))
+    events = _events(coordinator, "j")
+    seen = [e for e in events if isinstance(e, tuning.Seen)]
+    assert seen and seen[-1].view.nodes == ("n0",) and not seen[-1].view.complete
 
-    entries = [
-        record(0, start, [100.0, 100.0], False),
-        record(1, other, [120.0, 120.0], False),
-        record(2, start, [99.0, 101.0, 100.0, 100.0], True),
-        record(3, other, [109.0, 111.0, 110.0, 110.0], True),
+
+def test_only_the_nodes_of_tuned_jobs_are_on_metrics(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path)
+    statuses = [
+        (TOPICS.status(f"elsewhere-{i}"), bus.status_message(TOPICS, f"elsewhere-{i}",
+                                                            "online").payload)
+        for i in range(2000)
     ]
-    coordinator._resume(state, JournalState(trials=entries))
-    assert [t.index for t in state.trials] == [0, 1]
-    assert [t.index for t in state.confirmations] == [2, 3]
-    gain = coordinator.confirmed_gain(state, start, other)
-    assert gain is not None and gain.better and abs(gain.value - 0.1) < 1e-9
-
-
-def test_a_cap_change_settles_for_the_latency_the_nodes_measured(tmp_path: Path) -> None:
-    coordinator = _coordinator(tmp_path, ["n0", "n1"])
-    state = coordinator.jobs["j"]
-    capped = {"bucket_mb": 25, "chunk_kb": 4096, "power_cap_w": 300, "allreduce": "ring"}
-    # nothing measured yet: three of NVML's 1 s averaging windows
-    assert coordinator._plan(state, capped).settle_s == 3.0
-    state.version = 1  # v1 published
-
-    async def acks() -> None:
-        for node, latency in (("n0", 0.42), ("n1", 2.5), ("stranger", 9.0)):
-            ack = {
-                "job": "j",
-                "node": node,
-                "version": 1,
-                "ok": True,
-                "applied": {"power_cap_w": [300.0], "power_cap_latency_s": latency},
-            }
-            await coordinator._on_ack(TOPICS.ack("j", node), bus.encode(ack))
-
-    asyncio.run(acks())
-    # the slowest node's measured latency, plus the averaging window
-    assert coordinator._plan(state, capped).settle_s == 2.5 + 1.0
-    state.current = dict(capped)
-    assert coordinator._plan(state, capped).settle_s == state.config.plan.settle_s  # no change
-
-
-def _ack(node: str, version: int, job: str = "j") -> bytes:
-    return bus.encode(
-        {"job": job, "node": node, "version": version, "ok": True, "applied": {}, "ts": 1.0}
+    _feed(
+        coordinator,
+        *statuses,
+        (TOPICS.status("n0"), bus.status_message(TOPICS, "n0", "online").payload),
+        (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(1), 1)})),
     )
+    entry = coordinator.tuned["j"]
+    seen = [e for e in _events(coordinator, "j") if isinstance(e, tuning.Seen)][-1]
 
+    async def begin() -> None:
+        await coordinator._feed(entry, seen)
+        await coordinator._feed(entry, await coordinator._begin(entry.machine, seen))
 
-def _report(node: str, version: int, partial: bool = False) -> bytes:
-    return bus.encode(
-        {
-            "job": "j",
-            "node": node,
-            "version": version,
-            "trial": 0,
-            "samples": 64,
-            "seconds": 1.0,
-            "throughput": 64.0,
-            "windows": [64.0],
-            "steps": 4,
-            "energy_j": None,
-            "nonfinite_loss": False,
-            "xid_errors": 0.0,
-            "partial": partial,
-            "stalled": False,
-            "ts": 1.0,
-        }
-    )
-
-
-def test_acks_and_reports_are_kept_only_for_the_version_in_play(tmp_path: Path) -> None:
-    coordinator = _coordinator(tmp_path, ["n0", "n1"])
-    state = coordinator.jobs["j"]
-
-    async def scenario() -> None:
-        # never published: a node naming v7 (a bug, a replay, another coordinator) is ignored
-        await coordinator._on_ack(TOPICS.ack("j", "n0"), _ack("n0", 7))
-        await coordinator._on_report(TOPICS.report("j", "n0"), _report("n0", 7))
-        assert state.acks == {} and state.reports == {}
-        for _ in range(300):  # a long tuning: trials, rollbacks, re-tunes
-            version = coordinator._publish_settings(state, state.space.defaults(), None, None)
-            for node in ("n0", "n1"):
-                await coordinator._on_ack(TOPICS.ack("j", node), _ack(node, version))
-                await coordinator._on_report(TOPICS.report("j", node), _report(node, version))
-                await coordinator._on_report(
-                    TOPICS.report("j", node), _report(node, version, partial=True)
-                )
-        # late messages of a version long gone change nothing
-        await coordinator._on_ack(TOPICS.ack("j", "n0"), _ack("n0", 3))
-        await coordinator._on_report(TOPICS.report("j", "n1"), _report("n1", 299))
-
-    asyncio.run(scenario())
-    assert state.version == 300
-    for table in (state.acks, state.reports, state.partials):
-        assert list(table) == [300] and set(table[300]) == {"n0", "n1"}
-
-
-def test_only_the_nodes_of_configured_jobs_are_tracked(tmp_path: Path) -> None:
-    from prometheus_client import CollectorRegistry
-
-    coordinator = _coordinator(tmp_path, ["n0", "n1"])
-
-    async def statuses() -> None:
-        for i in range(2000):  # a shared broker's other nodes, coming and going
-            node = f"elsewhere-{i}"
-            await coordinator._on_status(
-                TOPICS.status(node), bus.status_message(TOPICS, node, "online").payload
-            )
-        for node in ("n0", "x"):
-            await coordinator._on_status(
-                TOPICS.status(node), bus.status_message(TOPICS, node, "online").payload
-            )
-
-    asyncio.run(statuses())
-    assert set(coordinator.nodes) == {"n0", "x"}
+    asyncio.run(begin())
     registry = CollectorRegistry()
     coordinator.update_metrics()
     registry.register(coordinator.collector)
-    online = [
-        s.labels["node"]
-        for m in registry.collect()
-        for s in m.samples
-        if s.name == "hyperagent_node_online"
-    ]
-    assert sorted(online) == ["n0", "x"]
+    samples = [s for m in registry.collect() for s in m.samples]
+    online = [s.labels["node"] for s in samples if s.name == "hyperagent_node_online"]
+    assert online == ["n0"]
+    states = {s.labels["state"]: s.value for s in samples
+              if s.name == "hyperagent_coordinator_jobs"}
+    assert states["searching"] == 1 and sum(states.values()) == 1
+    found = [s.value for s in samples if s.name == "hyperagent_coordinator_jobs_found_total"]
+    assert found == [1.0]
 
 
-def test_the_journal_is_loaded_off_the_event_loop(tmp_path: Path) -> None:
-    import threading
-
-    from hyperagent.tuner.journal import Journal
-
-    coordinator = _coordinator(tmp_path, ["n0"])
-    state = coordinator.jobs["j"]
+def test_the_journals_are_loaded_off_the_event_loop(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path)
     threads: list[threading.Thread] = []
-    load = Journal.load
+    load = Journals.load
 
-    def recording_load(self: Journal) -> Any:
+    def recording_load(self: Journals) -> Any:
         threads.append(threading.current_thread())
         return load(self)
 
     async def start() -> None:
-        task = asyncio.create_task(coordinator.tune(state))
+        task = asyncio.create_task(coordinator.run())
         async with asyncio.timeout(10):
             while not threads:
                 await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    Journal.load = recording_load  # type: ignore[method-assign]
+    Journals.load = recording_load  # type: ignore[method-assign]
     try:
         asyncio.run(start())
     finally:
-        Journal.load = load  # type: ignore[method-assign]
+        Journals.load = load  # type: ignore[method-assign]
     assert threads and threading.main_thread() not in threads

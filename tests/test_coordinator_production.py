@@ -15,14 +15,17 @@ import orjson
 import pynvml
 import pytest
 from prometheus_client import CollectorRegistry
+from tuner.driver import Driver, Nodes, begin, coordinator_section
 
 from hyperagent import bus
-from hyperagent.config import build_config
-from hyperagent.coordinator import Coordinator, JobState
+from hyperagent.coordinator import Coordinator
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.notify import Notifier
+from hyperagent.tuner import tuning
+from hyperagent.tuner.jobstate import Progress
 from hyperagent.tuner.lifecycle import Backoff, Tuned
 from hyperagent.tuner.trial import score
+from hyperagent.tuner.tuning import JobTuning as JobState
 
 from conftest import Mosquitto
 
@@ -49,77 +52,48 @@ def metrics(coordinator: Coordinator) -> Any:
 # -- units: the drift watch against the tuned score ------------------------------------------
 
 
-def _watched(tmp_path: Path, ranks: int) -> tuple[Coordinator, JobState]:
-    config = build_config(
-        {
-            "cluster": "c",
-            "coordinator": {
-                "state_dir": str(tmp_path),
-                "metrics_address": "",
-                "jobs": [
-                    {
-                        "id": "j",
-                        "nodes": ["n0", "n1"],
-                        "drift_threshold": 0.15,
-                        "drift_sustained_s": 0.1,
-                    }
-                ],
-            },
-        }
-    )
-    coordinator = Coordinator(config, bus.MqttLink("127.0.0.1", 1, "x"), b"k" * 32)
-    state = coordinator.jobs["j"]
-    # the tuned score, as a trial scores the nodes' reports: a node's throughput is the sum of
-    # its ranks' (each RANK_SAMPLES per RANK_STEP_S)
+def _tuned(tmp_path: Path, ranks: int) -> Driver:
+    """A job on two nodes tuned to the score its nodes' ranks make (each RANK_SAMPLES per
+    RANK_STEP_S), as a trial scores the nodes' reports: a node's throughput is the sum of its
+    ranks'."""
     node = {"throughput": ranks * RANK_SAMPLES / RANK_STEP_S, "nonfinite_loss": False}
     tuned = score([node, node], "throughput", 2)
     assert tuned is not None
-    state.best, state.phase = (state.space.defaults(), tuned), Tuned()
-    return coordinator, state
+    section = coordinator_section(
+        trials=1, confirm_best=False, drift_threshold=0.15, drift_sustained_s=15.0
+    )
+    nodes = ("n0", "n1")
+    driver = begin("j", nodes, tmp_path / "j.jsonl", section, Nodes(nodes, lambda _: tuned))
+    driver.run_until_done()
+    assert isinstance(driver.machine.state, Tuned) and driver.machine.best is not None
+    assert driver.machine.best[1] == pytest.approx(tuned)
+    return driver
 
 
-async def _watch(coordinator: Coordinator, state: JobState, ranks: int, slow_after: int) -> int:
+def _watch(driver: Driver, ranks: int, slow_after: int) -> int:
     """Feed telemetry as an agent sums its ranks' steps (samples and step seconds, each summed
-    over the node's ranks), the ranks' steps taking twice as long from step ``slow_after``;
-    returns how many times the drift watch re-tuned."""
-    retunes = 0
-
-    async def retune(state: JobState) -> None:
-        nonlocal retunes
-        retunes += 1
-        state.phase = Tuned()
-
-    coordinator.retune = retune  # type: ignore[method-assign]
-    watch = asyncio.create_task(coordinator.watch(state, interval_s=0.05))
+    over the node's ranks), one step a second, the ranks' steps taking twice as long from step
+    ``slow_after``; returns how many rounds the drift watch began."""
     samples, step_s = 0, 0.0
-    try:
-        for step in range(60):
-            samples += ranks * RANK_SAMPLES
-            step_s += ranks * RANK_STEP_S * (2 if step >= slow_after else 1)
-            for node in ("n0", "n1"):
-                jobs = {"j": {"samples": samples, "step_s": step_s, "ranks": ranks}}
-                message = {
-                    "node": node,
-                    "ts": float(step),
-                    "indicators": {},
-                    "sources_up": {},
-                    "jobs": jobs,
-                }
-                await coordinator._on_telemetry(TOPICS.telemetry(node), bus.encode(message))
-            await asyncio.sleep(0.02)
-    finally:
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-    assert coordinator.invalid_payloads == 0 and set(state.progress) == {"n0", "n1"}
-    return retunes
+    for step in range(60):
+        samples += ranks * RANK_SAMPLES
+        step_s += ranks * RANK_STEP_S * (2 if step >= slow_after else 1)
+        for node in ("n0", "n1"):
+            progress = Progress(float(samples), step_s, float(step), ranks)
+            driver.feed(tuning.Steps(driver.now, node, progress))
+        driver.advance(1.0)
+        driver.answer = False  # a re-tune's trials stay in flight: the count is what matters
+    assert set(driver.machine.progress) == {"n0", "n1"}
+    return driver.machine.rounds - 1
 
 
 @pytest.mark.parametrize("ranks", [4, 8])
 def test_steady_throughput_on_several_ranks_per_node_is_no_drift(
     tmp_path: Path, ranks: int
 ) -> None:
-    coordinator, state = _watched(tmp_path, ranks)
-    assert asyncio.run(_watch(coordinator, state, ranks, slow_after=10**6)) == 0
+    driver = _tuned(tmp_path, ranks)
+    assert _watch(driver, ranks, slow_after=10**6) == 0
+    state = driver.machine
     previous = dict(state.progress)
     for node, progress in previous.items():
         previous[node] = progress._replace(
@@ -127,13 +101,21 @@ def test_steady_throughput_on_several_ranks_per_node_is_no_drift(
             step_s=progress.step_s - ranks * RANK_STEP_S,
         )
     assert state.best is not None
-    assert coordinator.job_throughput(state, previous) == pytest.approx(state.best[1])
+    assert state.job_throughput(previous) == pytest.approx(state.best[1])
 
 
 @pytest.mark.parametrize("ranks", [4, 8])
 def test_a_real_drop_on_several_ranks_per_node_re_tunes(tmp_path: Path, ranks: int) -> None:
-    coordinator, state = _watched(tmp_path, ranks)
-    assert asyncio.run(_watch(coordinator, state, ranks, slow_after=20)) >= 1
+    driver = _tuned(tmp_path, ranks)
+    assert _watch(driver, ranks, slow_after=20) >= 1
+
+
+async def found(coordinator: Coordinator, job: str, timeout_s: float = 60) -> JobState:
+    """The machine of ``job`` once the coordinator has found it."""
+    async with asyncio.timeout(timeout_s):
+        while job not in coordinator.jobs:
+            await asyncio.sleep(0.05)
+    return coordinator.jobs[job]
 
 
 # -- not-trials: refusals, stalls ------------------------------------------------------------
@@ -170,11 +152,12 @@ async def test_a_node_that_refuses_every_version_pauses_the_job(
         nodes[2].nvml.fail(3, pynvml.NVML_ERROR_NO_PERMISSION)  # its power cap cannot be set
         coordinator.backoff = Backoff(0.2, 0.8)
         coordinator.notifier = Notifier({"NOTIFY_SOCKET": str(notify.path)})
-        state = coordinator.jobs[JOB]
         tuning = asyncio.create_task(coordinator.run(until_tuned=True))
+        state = await found(coordinator, JOB)
+        path = coordinator.journals.path(JOB)
 
         def published() -> int:
-            return [e["type"] for e in entries(state.journal.path)].count("published")
+            return [e["type"] for e in entries(path)].count("published")
 
         def paused() -> bool:
             state_ = {"job_id": JOB, "state": "paused"}
@@ -191,7 +174,7 @@ async def test_a_node_that_refuses_every_version_pauses_the_job(
         finally:
             tuning.cancel()
             await asyncio.gather(tuning, return_exceptions=True)
-        journal = entries(state.journal.path)
+        journal = entries(path)
     assert not ended  # a refusal is not a trial: the tuning cannot end on refusals
     paused = paused_then
     # no trial counted, none told, the tuning not over
@@ -242,7 +225,7 @@ async def test_most_nodes_stalling_longer_than_a_trial_pause_then_resume(
         async with asyncio.timeout(120):
             await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
-        paused = [e for e in entries(state.journal.path) if e["type"] == "paused"]
+        paused = [e for e in entries(coordinator.journals.path(JOB)) if e["type"] == "paused"]
     assert state.done and [t.status for t in state.trials] == ["ok"] * 3
     everyone = {"node-0", "node-1", "node-2"}
     assert set(state.trials[-1].reports) == everyone and not state.lost

@@ -28,6 +28,7 @@ from hyperagent.replay import RecordingError, load_recording
 from hyperagent.sources import Hardware, ipmi, pdu, rdma, rdma_ethtool, rdma_resources
 from hyperagent.sources.host import parse_numa_balancing
 from hyperagent.sources.job import JobSource, Peer
+from hyperagent.tuner.tuning import Ack
 
 FUZZ = settings(
     max_examples=150,
@@ -86,26 +87,6 @@ KEY = b"k" * 32
 TOPICS = bus.Topics("f")
 
 
-_coordinators: dict[Path, Coordinator] = {}
-
-
-def coordinator_for(tmp_path: Path) -> Coordinator:
-    """One coordinator per test function (building its tuner is the slow part)."""
-    if tmp_path not in _coordinators:
-        config = build_config(
-            {
-                "cluster": "f",
-                "coordinator": {
-                    "state_dir": str(tmp_path),
-                    "metrics_address": "",
-                    "jobs": [{"id": "j", "nodes": ["n1"]}],
-                },
-            }
-        )
-        _coordinators[tmp_path] = Coordinator(config, bus.MqttLink("127.0.0.1", 1, "x"), KEY)
-    return _coordinators[tmp_path]
-
-
 def agent(tmp_path: Path) -> Agent:
     config = build_config(
         {
@@ -162,33 +143,40 @@ def test_agent_never_crashes_on_settings(payload: bytes, tmp_path: Path) -> None
 
 
 @FUZZ
-@given(payload=payloads, topic=st.sampled_from(["ack", "report", "status", "telemetry"]))
+@given(
+    payload=payloads,
+    topic=st.sampled_from(["ack", "report", "status", "telemetry", "settings"]),
+)
 def test_coordinator_never_crashes_on_input(payload: bytes, topic: str, tmp_path: Path) -> None:
     config = build_config(
-        {
-            "cluster": "f",
-            "coordinator": {
-                "state_dir": str(tmp_path),
-                "metrics_address": "",
-                "jobs": [{"id": "j", "nodes": ["n1"]}],
-            },
-        }
+        {"cluster": "f", "coordinator": {"state_dir": str(tmp_path), "metrics_address": ""}}
     )
     coordinator = Coordinator(config, bus.MqttLink("127.0.0.1", 1, "x"), KEY)
-    handler = {
-        "ack": coordinator._on_ack,
-        "report": coordinator._on_report,
-        "status": coordinator._on_status,
-        "telemetry": coordinator._on_telemetry,
-    }[topic]
-    name = "j" if topic in ("ack", "report") else "n1"
-    path = getattr(TOPICS, topic)(*((name, "n1") if topic in ("ack", "report") else (name,)))
-    asyncio.run(handler(path, payload))
-    coordinator.readings()  # /metrics still renders
-    coordinator.jobs["j"].version = 3  # v3 published: its acks are in play
-    good = bus.encode({"job": "j", "node": "n1", "version": 3, "ok": True})
-    asyncio.run(coordinator._on_ack(TOPICS.ack("j", "n1"), good))
-    assert "n1" in coordinator.jobs["j"].acks[3]
+    found = {"j": {"samples": 1, "step_s": 1.0, "attached": 1, "world_size": 1, "tune": True}}
+    telemetry = {"node": "n1", "ts": 1.0, "indicators": {}, "sources_up": {}, "jobs": found}
+
+    async def feed() -> None:
+        handlers = {
+            "ack": coordinator._on_ack,
+            "report": coordinator._on_report,
+            "status": coordinator._on_status,
+            "telemetry": coordinator._on_telemetry,
+            "settings": coordinator._on_settings,
+        }
+        if topic in ("ack", "report"):
+            path = getattr(TOPICS, topic)("j", "n1")
+        else:
+            path = getattr(TOPICS, topic)("j" if topic == "settings" else "n1")
+        await handlers[topic](path, payload)
+        coordinator.readings()  # /metrics still renders
+        await coordinator._on_telemetry(TOPICS.telemetry("n1"), bus.encode(telemetry))
+        good = bus.encode({"job": "j", "node": "n1", "version": 3, "ok": True})
+        await coordinator._on_ack(TOPICS.ack("j", "n1"), good)
+
+    asyncio.run(feed())
+    inbox = coordinator.tuned["j"].inbox
+    events = [inbox.get_nowait() for _ in range(inbox.qsize())]
+    assert isinstance(events[-1], Ack) and events[-1].message["version"] == 3
 
 
 @FUZZ

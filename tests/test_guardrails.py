@@ -8,56 +8,54 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import time
 from pathlib import Path
 from typing import Any
 
+import aiomqtt
 import orjson
 
+from hyperagent import bus
 from hyperagent.config import build_config
-from hyperagent.coordinator import Coordinator, JobState, coordinator_link
+from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, simulated_cluster
+from hyperagent.job import JobReporter
 from hyperagent.tuner.lifecycle import Backoff
+from hyperagent.tuner.tuning import JobTuning as JobState
 
 from conftest import REPO, Mosquitto
 
 TERRIBLE = {"bucket_mb": 1, "chunk_kb": 64, "power_cap_w": 100, "allreduce": "tree"}
 
 
-@asynccontextmanager
-async def link_running(coordinator: Coordinator) -> AsyncIterator[None]:
-    task = asyncio.create_task(coordinator.link.run())
-    try:
-        async with asyncio.timeout(10):
-            await coordinator.link.connected.wait()
-        await asyncio.sleep(0.3)
-        yield
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-def journal(state: JobState) -> list[dict[str, Any]]:
-    if not state.journal.path.exists():
+def journal(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
         return []
-    lines = state.journal.path.read_bytes().splitlines()
+    lines = path.read_bytes().splitlines()
     return [orjson.loads(line) for line in lines if line.endswith(b"}")]
 
 
 async def test_a_bad_trial_is_aborted_early(mosquitto: Mosquitto) -> None:
+    def propose_terrible(state: JobState, record: Any) -> None:
+        if record.index == 0:
+            assert state.tuner is not None
+            state.tuner.ask = lambda: dict(TERRIBLE)  # type: ignore[method-assign]
+
     async with simulated_cluster(
-        mosquitto.url, nodes=2, trials=3, speedup=100, job_overrides={"search_power_cap": True}
+        mosquitto.url,
+        nodes=2,
+        trials=2,
+        speedup=100,
+        on_trial=propose_terrible,
+        job_overrides={"search_power_cap": True, "confirm_best": False},
     ) as (coordinator, _, model):
+        async with asyncio.timeout(120):
+            await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
-        start = state.space.defaults()
-        assert model.throughput(TERRIBLE) < 0.5 * model.throughput(start)
-        async with link_running(coordinator):
-            baseline = await coordinator.run_trial(state, start, 0)
-            state.record(baseline, None)
-            assert baseline.status == "ok" and state.baseline == baseline.score
-            bad = await coordinator.run_trial(state, TERRIBLE, 1)
-    assert bad.status == "aborted"
+    baseline, bad = state.trials
+    assert model.throughput(TERRIBLE) < 0.5 * model.throughput(baseline.settings)
+    assert baseline.status == "ok" and state.baseline == baseline.score
+    assert bad.settings == TERRIBLE and bad.status == "aborted"
     assert bad.score is not None and bad.score < 0.7 * baseline.score  # type: ignore[operator]
     plan_steps = state.config.plan.measure_steps
     assert all(r["partial"] and r["steps"] < plan_steps for r in bad.reports.values())
@@ -78,7 +76,7 @@ async def test_nan_loss_rolls_back_to_the_last_good_settings(mosquitto: Mosquitt
     ) as (coordinator, nodes, _):
         await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
-        entries = journal(state)
+        entries = journal(coordinator.journals.path(JOB))
     statuses = [t.status for t in state.trials]
     assert statuses[2] == "nonfinite_loss" and statuses.count("nonfinite_loss") == 1
     failed = next(i for i, e in enumerate(entries) if e["type"] == "trial" and e["index"] == 2)
@@ -86,8 +84,6 @@ async def test_nan_loss_rolls_back_to_the_last_good_settings(mosquitto: Mosquitt
     good = max(state.trials[:2], key=lambda t: t.score or 0).settings
     assert rollback["type"] == "published" and rollback["trial"] is None
     assert rollback["settings"] == good
-    assert state.rollback is not None and state.rollback[0] == rollback["version"]
-    assert set(state.rollback[1]) == {"node-0", "node-1"}
 
 
 async def test_a_lost_node_is_excluded_and_the_tuning_completes(mosquitto: Mosquitto) -> None:
@@ -173,26 +169,23 @@ def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
     key = tmp_path / "settings.key"
     key.write_bytes(os.urandom(32).hex().encode())
     key.chmod(0o600)
+    socket_path = tmp_path / "job.sock"
     raw = {
         "cluster": "g",
-        "node": "node-1",
+        "node": "coordinator",
         "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
-        "agent": {"metrics_address": "", "state_dir": str(tmp_path / "agent")},
         "security": {"settings_key_file": str(key)},
         "coordinator": {
             "state_dir": str(tmp_path / "coordinator"),
             "metrics_address": "",
-            "jobs": [
-                {
-                    "id": "j",
-                    "nodes": ["node-1"],
-                    "trials": 1,
-                    "ack_timeout_s": 2,
-                    "trial_timeout_s": 2,
-                    "confirm_best": False,
-                    "power_limits_w": [100, 250],
-                }
-            ],
+            "defaults": {
+                "trials": 2,
+                "ack_timeout_s": 2,
+                "trial_timeout_s": 10,
+                "confirm_best": False,
+                "abort_below": 0,
+                "plan": {"settle_steps": 2, "settle_s": 0.2, "measure_steps": 8, "measure_s": 0.4},
+            },
         },
     }
     config_file = tmp_path / "agent.toml"
@@ -200,6 +193,7 @@ def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
         f'cluster = "g"\nnode = "node-1"\n[mqtt]\nurl = "{mosquitto.url}"\n'
         f'[agent]\nstate_dir = "{tmp_path / "agent"}"\n'
         f'[security]\nsettings_key_file = "{key}"\n'
+        f'[sources.job]\nsocket = "{socket_path}"\n'
     )
     agent = subprocess.Popen(
         [
@@ -217,48 +211,55 @@ def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
         stderr=subprocess.DEVNULL,
     )
 
-    async def scenario() -> JobState:
-        coordinator = Coordinator(
-            build_config(raw),
-            coordinator_link(build_config(raw)),
-            key.read_bytes().strip(),
-            backoff=Backoff(1.0, 4.0),
-        )
-        state = coordinator.jobs["j"]
-        async with link_running(coordinator):
-            async with asyncio.timeout(20):
-                while coordinator.nodes.get("node-1", (False, 0))[0] is False:
-                    await asyncio.sleep(0.05)
+    def hang_after_trial_0(state: JobState, record: Any) -> None:
+        if record.index == 0:
             agent.send_signal(signal.SIGSTOP)  # hung: connected, silent
             asyncio.get_running_loop().call_later(4, agent.send_signal, signal.SIGCONT)
-            tuning = asyncio.create_task(coordinator._trials(state))
-            try:
-                async with asyncio.timeout(60):
-                    while len([e for e in journal(state) if e["type"] == "paused"]) < 2:
-                        await asyncio.sleep(0.1)
-            finally:
-                tuning.cancel()
-                await asyncio.gather(tuning, return_exceptions=True)
-        return state
+
+    async def scenario() -> tuple[JobState, Path]:
+        config = build_config(raw)
+        coordinator = Coordinator(
+            config,
+            coordinator_link(config),
+            key.read_bytes().strip(),
+            on_trial=hang_after_trial_0,
+            backoff=Backoff(1.0, 4.0),
+        )
+
+        async def train() -> None:
+            while not socket_path.exists():
+                await asyncio.sleep(0.05)
+            with JobReporter("j", 0, socket_path, world_size=1, tune=True) as rank:
+                while True:
+                    rank.poll_settings()
+                    rank.report_step(samples=8, step_s=0.05, compute_s=0.04, comm_s=0.01)
+                    await asyncio.sleep(0.05)
+
+        training = asyncio.create_task(train())
+        try:
+            async with asyncio.timeout(90):
+                await coordinator.run(until_tuned=True)
+        finally:
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+        return coordinator.jobs["j"], coordinator.journals.path("j")
 
     try:
-        state = asyncio.run(scenario())
+        state, path = asyncio.run(scenario())
     finally:
         agent.send_signal(signal.SIGCONT)
         agent.terminate()
         agent.wait(20)
-    # the missing ack is not a trial: the job paused, rolled back and ran trial 0 again once
-    # the node answered; the replayed node has no job, so that run measured nothing: a
-    # second pause, for that reason
-    assert state.trials == [] and not state.done
-    entries = journal(state)
+    # the missing ack is not a trial: the job paused, rolled back and ran trial 1 again once
+    # the node answered, and that run measured it
+    assert [t.status for t in state.trials] == ["ok", "ok"] and state.done
+    entries = journal(path)
     paused = [(e["trial"], e["reason"], e["nodes"]) for e in entries if e["type"] == "paused"]
-    assert paused == [(0, "no ack", ["node-1"]), (0, "no measurement", ["node-1"])]
+    assert paused == [(1, "no ack", ["node-1"])]
     published = [e for e in entries if e["type"] == "published"]
-    trial, rollback, retry, second_rollback = published[:4]
-    assert trial["trial"] == retry["trial"] == 0 and trial["settings"] == retry["settings"]
-    assert rollback["trial"] is None and second_rollback["trial"] is None
-    assert rollback["settings"] == state.space.defaults()
+    trial, rollback, retry = published[1:4]
+    assert trial["trial"] == retry["trial"] == 1 and trial["settings"] == retry["settings"]
+    assert rollback["trial"] is None and rollback["settings"] == state.trials[0].settings
     assert state.retries >= 1
 
 
@@ -288,34 +289,33 @@ def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path
         stderr=subprocess.PIPE,
         text=True,
     )
-    raw = {
-        "cluster": "g",
-        "mqtt": {"url": mosquitto.url},
-        "coordinator": {
-            "state_dir": str(tmp_path / "c"),
-            "metrics_address": "",
-            "jobs": [
-                {
-                    "id": "j",
-                    "nodes": ["node-1"],
-                    "trials": 1,
-                    "power_limits_w": [100, 250],
-                    "search_power_cap": True,
-                }
-            ],
-        },
-    }
-
     async def cap() -> int:
-        coordinator = Coordinator(
-            build_config(raw), coordinator_link(build_config(raw)), key.read_bytes().strip()
+        """Publish a signed 150 W cap as the coordinator would, and read the node's ack."""
+        topics = bus.Topics("g")
+        settings = {"bucket_mb": 32, "chunk_kb": 4096, "power_cap_w": 150, "allreduce": "ring"}
+        message = bus.sign(
+            {
+                "job": "j",
+                "version": 1,
+                "trial": None,
+                "nodes": ["node-1"],
+                "settings": settings,
+                "backend": {},
+                "plan": None,
+                "issued_at": time.time(),
+            },
+            key.read_bytes().strip(),
         )
-        state = coordinator.jobs["j"]
-        async with link_running(coordinator):
-            settings = {**state.space.defaults(), "power_cap_w": 150}
-            version = coordinator._publish_settings(state, settings, None, None)
-            acks = await coordinator._collect(state, state.acks, version, 30)
-        return int(acks["node-1"]["applied"]["power_cap_w"][0])
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port, identifier="coordinator") as c:
+            online = bus.encode({"state": "online", "node": "coordinator", "ts": time.time()})
+            await c.publish(topics.coordinator_status(), online, qos=1, retain=True)
+            await c.subscribe(topics.ack("j", "node-1"), qos=1)
+            await c.publish(topics.settings("j"), bus.encode(message), qos=1, retain=True)
+            async with asyncio.timeout(30):
+                async for incoming in c.messages:
+                    ack = bus.decode(bytes(incoming.payload), "ack")  # type: ignore[arg-type]
+                    return int(ack["applied"]["power_cap_w"][0])
+        raise AssertionError("no ack")
 
     try:
         assert asyncio.run(cap()) == 150

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from hyperagent.coordinator import Coordinator, JobState
+from hyperagent.coordinator import Coordinator
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.spool import Spool
+from hyperagent.tuner.tuning import JobTuning as JobState
 
 from conftest import Mosquitto
 
@@ -42,10 +43,10 @@ async def test_reports_survive_a_30s_broker_outage(mosquitto: Mosquitto) -> None
 
     accepted: Counter[tuple[int, str]] = Counter()
     deliveries: Counter[tuple[int, str]] = Counter()
-    original = Coordinator._store
+    original = Coordinator._route
 
-    async def counting_store(self: Coordinator, topic: str, payload: bytes, kind: str) -> None:
-        await original(self, topic, payload, kind)
+    def counting_route(self: Coordinator, topic: str, payload: bytes, kind: str) -> None:
+        original(self, topic, payload, kind)
         if kind == "report" and b'"partial":false' in payload:
             import orjson
 
@@ -54,7 +55,7 @@ async def test_reports_survive_a_30s_broker_outage(mosquitto: Mosquitto) -> None
             deliveries[key] += 1
             accepted[key] = 1
 
-    Coordinator._store = counting_store  # type: ignore[method-assign]
+    Coordinator._route = counting_route  # type: ignore[method-assign]
     try:
         async with simulated_cluster(
             mosquitto.url,
@@ -70,7 +71,7 @@ async def test_reports_survive_a_30s_broker_outage(mosquitto: Mosquitto) -> None
             sent = sum(n.agent.stats.reports_sent for n in nodes)
             spooled_left = sum(len(n.agent.link.spool) for n in nodes)  # type: ignore[union-attr]
     finally:
-        Coordinator._store = original  # type: ignore[method-assign]
+        Coordinator._route = original  # type: ignore[method-assign]
     assert "killed" in outage
     # three trials, then the start and the best re-measured interleaved
     runs = [*state.trials, *state.confirmations]

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hyperagent.job import JobReporter, JobSettings
+from hyperagent.job import BACKENDS, JobReporter, JobSettings
 from hyperagent.nccl import ALGORITHMS, PROTOCOLS, Choice, TunerPlugin
 
 log = logging.getLogger(__name__)
@@ -497,8 +497,12 @@ def chunked_allreduce_hook(
 class TunedDDP:
     """DistributedDataParallel whose bucket size and allreduce chunk the coordinator tunes.
 
-    ``module`` is the model (not yet wrapped); ``job`` names the training job for the agent, or
-    pass a ``reporter`` (then ``job`` and ``socket_path`` are unused). ``bucket_cap_mb`` and
+    ``module`` is the model (not yet wrapped); ``job`` names the training job for the agent
+    (default: the scheduler's id, Slurm's job and step or torchrun's run id; see
+    :class:`~hyperagent.job.JobReporter`), or pass a ``reporter`` (then ``job``,
+    ``socket_path`` and ``tune`` are unused). Wrapping a model in TunedDDP asks for it to be
+    tuned (``tune=False``: report only); the ranks also say the world size, the backend and the
+    model's parameter count, from which the coordinator finds the job. ``bucket_cap_mb`` and
     ``chunk_bytes`` are the starting values (None: PyTorch's default buckets, no chunking).
     ``control_group`` is a CPU (gloo) group over the ranks DDP reduces across, for the per-step
     agreement; by default one over the whole world is created, collectively (pass one when DDP's
@@ -527,17 +531,16 @@ class TunedDDP:
         clock: Callable[[], float] = time.perf_counter,
         comm_timer: CommTimer | None = None,
         nccl_plugin: TunerPlugin | None = None,
+        tune: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TunedDDP needs torch.distributed.init_process_group() first")
-        if reporter is None and job is None:
-            raise ValueError("pass job= (the training job's name) or reporter=")
         if history < 1:
             raise ValueError(f"history must be at least 1, got {history}")
         self.rank = dist.get_rank()
+        backend = str(dist.get_backend(ddp_kwargs.get("process_group")))
         if nccl_plugin is None:
-            backend = str(dist.get_backend(ddp_kwargs.get("process_group")))
             nccl_plugin, why = nccl_plugin_for(backend, os.environ)
             if nccl_plugin is None:
                 log.info("rank %d: allreduce and protocol are not tuned: %s", self.rank, why)
@@ -549,7 +552,14 @@ class TunedDDP:
         knobs = APPLIED_KNOBS + (PLUGIN_KNOBS if nccl_plugin is not None else ())
         self._owns_reporter = reporter is None
         self.reporter = reporter or JobReporter(
-            str(job), rank=self.rank, socket_path=socket_path, knobs=knobs
+            job,
+            rank=self.rank,
+            socket_path=socket_path,
+            knobs=knobs,
+            world_size=dist.get_world_size(),
+            tune=tune,
+            backend=backend if backend in BACKENDS else None,
+            model_params=sum(p.numel() for p in module.parameters()) or None,
         )
         self._owns_control = control_group is None
         self._control = control_group or dist.new_group(backend="gloo")

@@ -225,9 +225,17 @@ class Peer:
     gid: int
     job: str | None = None
     rank: int = 0
-    knobs: tuple[str, ...] | None = None
-    gpu: int | None = None
+    hello: protocol.Hello | None = None
+    """What the rank said of itself when it attached."""
     memory: protocol.MemoryReport | None = None
+
+    @property
+    def knobs(self) -> tuple[str, ...] | None:
+        return None if self.hello is None else self.hello.knobs
+
+    @property
+    def gpu(self) -> int | None:
+        return None if self.hello is None else self.hello.gpu
 
 
 @dataclass
@@ -312,6 +320,41 @@ class JobTotals:
         """The knobs every connected rank applies (None when no rank said)."""
         return protocol.common_knobs(p.knobs for p in self.ranks.values())
 
+    def said(self, field_name: str) -> object:
+        """What the connected ranks said of ``field_name`` in their hellos: the lowest rank's
+        answer among those that said (None when none did)."""
+        for rank in sorted(self.ranks):
+            hello = self.ranks[rank].hello
+            value = None if hello is None else getattr(hello, field_name)
+            if value is not None:
+                return value
+        return None
+
+    def tune(self) -> bool | None:
+        """Whether the job asks to be tuned: False when any connected rank refuses, True when
+        one asks, None when none says."""
+        said = [p.hello.tune for p in self.ranks.values() if p.hello is not None]
+        if False in said:
+            return False
+        return True if True in said else None
+
+    def describe(self) -> dict[str, object]:
+        """What the coordinator needs to find the job (see :class:`~hyperagent.job.Hello`):
+        its attached ranks, world size, backend, whether it asks to be tuned, its owner."""
+        out: dict[str, object] = {
+            "attached": len(self.ranks),
+            "rank_ids": sorted(self.ranks),
+            "uid": self.owner,
+        }
+        for key in ("world_size", "local_world_size", "backend", "model_params"):
+            value = self.said(key)
+            if value is not None:
+                out[key] = value
+        tune = self.tune()
+        if tune is not None:
+            out["tune"] = tune
+        return out
+
 
 class JobSource:
     """Listens on a unix seqpacket socket for the training job's ranks.
@@ -343,6 +386,11 @@ class JobSource:
         """Told of every rank whose connection closed (after its state here went)."""
         self.release_listeners: list[JobListener] = []
         """Told of every job released (after its state here went)."""
+        self.attach_listeners: list[RankListener] = []
+        """Told of every rank that said hello (after it joined its job)."""
+        self._names: dict[int, str | None] = {}
+        self._naming: set[int] = set()
+        self._lookups: set[asyncio.Task[None]] = set()
         self.clock = clock
         self.release_check_s = min(RELEASE_CHECK_S, max(self.policy.release_after_s / 2, 0.05))
         self._releaser: asyncio.Task[None] | None = None
@@ -513,7 +561,7 @@ class JobSource:
             if kind in ("settings", "refused"):
                 raise PayloadError(f"{kind} flows from the agent to the job, not back")
             if kind == "hello":
-                self._hello(peer, message["job"], *protocol.parse_hello(message))
+                self._hello(peer, protocol.parse_hello(message))
                 return
             step = protocol.parse_step(message)
         except PayloadError as e:
@@ -521,7 +569,7 @@ class JobSource:
             self._warn_once(str(e).split(":")[0], "dropped an invalid job report: %s", e)
             return
         if peer.job is None:
-            self._hello(peer, step.job, step.rank, None, None)
+            self._hello(peer, protocol.Hello(step.job, step.rank))
             if peer.job is None:
                 return
         if step.job != peer.job or step.rank != peer.rank:
@@ -543,9 +591,8 @@ class JobSource:
         for listener in self.listeners:
             listener(step)
 
-    def _hello(
-        self, peer: Peer, job: str, rank: int, knobs: tuple[str, ...] | None, gpu: int | None
-    ) -> None:
+    def _hello(self, peer: Peer, hello: protocol.Hello) -> None:
+        job, rank = hello.job, hello.rank
         if peer.job is not None and (peer.job, peer.rank) != (job, rank):
             self._refuse(peer, "not_claimed", f"connection is job {peer.job} rank {peer.rank}")
             return
@@ -570,11 +617,13 @@ class JobSource:
         previous = totals.ranks.get(rank)
         if previous is not None and previous is not peer:
             self._drop(previous)  # the rank restarted; its new connection replaces the old
-        peer.job, peer.rank, peer.knobs, peer.gpu = job, rank, knobs, gpu
+        peer.job, peer.rank, peer.hello = job, rank, hello
         totals.ranks[rank] = peer
         known = self._last_settings.get(job)
         if known is not None:
             self._send(peer, job, known)
+        for listener in self.attach_listeners:
+            listener(job, rank)
 
     # -- jobs' lifetime ------------------------------------------------------------------
 
@@ -650,6 +699,29 @@ class JobSource:
             )
             return False
         return True
+
+    def user_name(self, uid: int | None) -> str | None:
+        """The name of ``uid`` from the user database, once a lookup in a thread found it
+        (None until then, and for a uid the database does not know)."""
+        if uid is None:
+            return None
+        if uid in self._names:
+            return self._names[uid]
+        if uid not in self._naming and len(self._names) < NSS_CACHED_USERS:
+            self._naming.add(uid)
+            task = asyncio.get_running_loop().create_task(self._look_up_name(uid))
+            self._lookups.add(task)
+            task.add_done_callback(self._lookups.discard)
+        return None
+
+    async def _look_up_name(self, uid: int) -> None:
+        try:
+            entry = await asyncio.to_thread(pwd.getpwuid, uid)
+            self._names[uid] = entry.pw_name
+        except (KeyError, OSError):
+            self._names[uid] = None
+        finally:
+            self._naming.discard(uid)
 
     def job_pids(self) -> dict[int, str]:
         """pid -> job id of every connected rank."""

@@ -6,16 +6,21 @@ the disk; a message published after an entry leaves only once that entry is on d
 coordinator killed at any point restarts from it without repeating or losing a trial.
 Entries::
 
-    {"type": "start", "job": ..., "fingerprint": ..., "ts": ...}
+    {"type": "start", "fingerprint": ..., "space": {...}, "nodes": [...], "ts": ...}
     {"type": "published", "version": 7, "trial": 5, "settings": {...}, "ts": ...}
     {"type": "trial", "index": 5, "version": 7, "settings": {...}, "score": 812.4,
      "status": "ok", "reports": {...}, "seconds": 9.1, "ts": ...}
     {"type": "paused", "trial": 5, "version": 8, "reason": "refused", "nodes": [...], ...}
+    {"type": "confirm", "from": 9, "order": [{...}, {...}, {...}, {...}]}
     {"type": "final", "version": 31, "settings": {...}, "score": 840.2, "baseline": 771.0}
+    {"type": "ended", "reason": "every rank left"}       (or "failed": true)
 
-A ``published`` entry with a trial index but no ``trial`` entry is a trial in flight. A
-``paused`` entry says why a run of a trial could not be measured (not a trial: the same
-trial runs again); it changes nothing on replay.
+A ``start`` begins a round (a new tuning, or a re-tune after drift): what came before it no
+longer counts, but for the versions. A ``published`` entry with a trial index but no
+``trial`` entry is a trial in flight. A ``paused`` entry says why a run of a trial could not
+be measured (not a trial: the same trial runs again); it changes nothing on replay. A
+``confirm`` entry says the search is over and which settings the confirmations measure, in
+order, from trial index ``from``: a restart goes on confirming, never back to searching.
 """
 
 from __future__ import annotations
@@ -53,6 +58,16 @@ class JournalState:
     in_flight: dict[str, Any] | None = None
     """The ``published`` entry of a trial that has no result yet."""
     final: dict[str, Any] | None = None
+    rounds: int = 0
+    """``start`` entries: rounds of tuning begun."""
+    start: dict[str, Any] | None = None
+    """The current round's ``start`` entry (its space, nodes and fingerprint)."""
+    confirm: dict[str, Any] | None = None
+    """The current round's ``confirm`` entry, once its confirmations began."""
+    ended: dict[str, Any] | None = None
+    """The last ``ended`` entry (the job ended or failed), unless a round began after it."""
+    indices: set[int] = field(default_factory=set)
+    """Trial indices recorded in the current round."""
 
     @property
     def measured(self) -> bool:
@@ -110,19 +125,35 @@ class Journal:
             state.final = None
             state.trials = []
             state.in_flight = None
+            state.rounds += 1
+            state.start = dict(entry)
+            state.confirm = None
+            state.ended = None
+            state.indices = set()
         elif kind == "published":
             state.version = max(state.version, int(entry["version"]))
             state.in_flight = dict(entry) if entry.get("trial") is not None else None
         elif kind == "trial":
-            if any(t["index"] == entry["index"] for t in state.trials):
-                raise ValueError(f"trial {entry['index']} recorded twice")
+            index = int(entry["index"])
+            if index in state.indices:
+                raise ValueError(f"trial {index} recorded twice")
+            if state.confirm is not None and not entry.get("confirmation"):
+                raise ValueError(f"search trial {index} recorded after the confirmations began")
+            state.indices.add(index)
             state.trials.append(dict(entry))
             if state.in_flight is not None and state.in_flight["trial"] == entry["index"]:
                 state.in_flight = None
         elif kind == "paused":
             pass
+        elif kind == "confirm":
+            if not isinstance(entry["order"], list) or not isinstance(entry["from"], int):
+                raise ValueError("a confirm entry needs an order list and a from index")
+            state.confirm = dict(entry)
         elif kind == "final":
             state.final = dict(entry)
+            state.in_flight = None
+        elif kind == "ended":
+            state.ended = dict(entry)
             state.in_flight = None
         else:
             raise ValueError(f"unknown entry type {kind!r}")

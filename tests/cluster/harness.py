@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,12 +97,12 @@ TOOLS = (
 )
 
 
-def shipped_toml(nodes: Sequence[str]) -> str:
-    """systemd/hyperagent.toml with the job's node list naming ``nodes``."""
+def shipped_toml() -> str:
+    """systemd/hyperagent.toml as an operator sets it for these nodes: no job list, the power
+    caps searched between 200 and 400 W (its commented example taken)."""
     text = (SYSTEMD / "hyperagent.toml").read_text()
-    names = ", ".join(f'"{n}"' for n in nodes)
-    text, count = re.subn(r"(?m)^nodes = \[.*\]$", f"nodes = [{names}]", text)
-    assert count == 1, "the shipped hyperagent.toml lists a job's nodes once"
+    text, count = re.subn(r"(?m)^# (power_limits_w = \[200, 400\])", r"\1", text)
+    assert count == 1, "the shipped hyperagent.toml gives an example of power_limits_w once"
     tomllib.loads(text)
     return text
 
@@ -188,11 +188,14 @@ class Cluster:
         for key in self.node_keys:
             self.start_agent(key)
         self.start_coordinator()
+        # one job: two TunedDDP ranks on the torch node, 8 simulated ranks on each other node
+        torch = [k for k in self.node_keys if self.hosts[k].name == torch_node]
+        world = 2 * len(torch) + RANKS_PER_NODE * (len(self.node_keys) - len(torch))
         for key in self.node_keys:
-            if self.hosts[key].name == torch_node:
+            if key in torch:
                 self.start_torch_job(key)
             else:
-                self.start_job(key)
+                self.start_job(key, world_size=world)
         self.start_prometheus()
 
     @property
@@ -288,7 +291,7 @@ class Cluster:
         hyperagent = pwd.getpwnam("hyperagent")
         group = grp.getgrnam("hyperagent").gr_gid
         key = secrets.token_hex(32)
-        toml = shipped_toml(NODES)
+        toml = shipped_toml()
         self.passwords = {"coordinator": secrets.token_urlsafe(16)}
         self.passwords |= {self.hosts[k].name: secrets.token_urlsafe(16) for k in self.node_keys}
         hosts_file = self._hosts_file()
@@ -552,9 +555,11 @@ class Cluster:
         job: str = "llama-ft",
         ranks: int = RANKS_PER_NODE,
         name: str | None = None,
+        world_size: int | None = None,
     ) -> Path:
         """The simulated job's ``ranks`` ranks on ``key`` as ``user`` (ranks numbered from
-        the node's position times ``ranks``, one GPU each); their log."""
+        the node's position times ``ranks``, one GPU each; the world: ``ranks`` on every
+        node unless ``world_size``); their log."""
         host = self.hosts[key]
         first = self.node_keys.index(key) * ranks
         log = host.root / "jobs" / f"{name or f'job-{user}'}.jsonl"
@@ -570,6 +575,8 @@ class Cluster:
                 str(first),
                 "--ranks",
                 str(ranks),
+                "--world-size",
+                str(world_size or ranks * len(self.node_keys)),
                 "--gpu",
                 "0",
                 "--log",

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True)
     parser.add_argument("--rank", type=int, default=0, help="the first rank on this node")
     parser.add_argument("--ranks", type=int, default=1, help="ranks on this node")
+    parser.add_argument("--world-size", type=int, default=None, help="default: --ranks")
     parser.add_argument("--gpu", type=int, default=None, help="the first rank's GPU")
     parser.add_argument("--socket", type=Path, default=None)
     parser.add_argument("--log", type=Path, required=True)
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             socket_path=args.socket,
             knobs=("bucket_mb", "chunk_kb"),
             gpu=None if args.gpu is None else args.gpu + i,
+            world_size=args.world_size or args.ranks,
+            local_world_size=args.ranks,
+            tune=True,
         )
         for i in range(args.ranks)
     ]

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from hyperagent.coordinator import JobState, TrialRecord
+from hyperagent.tuner.jobstate import TrialRecord
+from hyperagent.tuner.tuning import JobTuning as JobState
 
 from conftest import BUSY, Mosquitto
 

@@ -132,9 +132,9 @@ def operator_supplies(root: Path, pki: Path) -> dict[str, str]:
     make_certificates(pki, BROKER_HOST, f"DNS:{BROKER_HOST}")
     for name in ("ca.crt", "broker.crt", "broker.key"):
         shutil.copy(pki / name, checkout / name)
-    # the job's node list: this host; a small trial budget
-    toml, count = re.subn(r"(?m)^trials = \d+", f"trials = {TRIALS}", shipped_toml([NODE]))
-    assert count == 1, "the shipped hyperagent.toml gives a job's trial budget once"
+    # no job list (the coordinator finds the job); the caps searched; a small trial budget
+    toml, count = re.subn(r"(?m)^trials = \d+", f"trials = {TRIALS}", shipped_toml())
+    assert count == 1, "the shipped hyperagent.toml gives the default trial budget once"
     (checkout / "systemd" / "hyperagent.toml").write_text(toml)
     # the host's name, and the broker's name resolving (here: this host)
     (root / "etc" / "hostname").write_text(f"{NODE}\n")
