@@ -113,6 +113,20 @@ def test_the_policy_decides_which_found_jobs_are_tuned_and_says_why_not(tmp_path
     assert everyone.ignored == {"refuses": "its ranks asked not to be tuned"}
 
 
+def test_a_job_whose_users_name_comes_after_its_uid_is_tuned_once_it_does(
+    tmp_path: Path,
+) -> None:
+    """An agent looks a rank's user name up off its loop: its first telemetry says the uid
+    only. The job waits for the name, then is tuned, with no other change on the node."""
+    coordinator = _coordinator(tmp_path, defaults={"users": ["alice"]})
+    early = _job(range(8), 8)
+    del early["user"]
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", {"j": early})))
+    assert coordinator.ignored == {"j": "its user's name (uid 1001) is not known yet"}
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(8), 8)}, 6.0)))
+    assert set(coordinator.tuned) == {"j"} and not coordinator.ignored
+
+
 def test_no_more_jobs_than_max_jobs_are_tuned(tmp_path: Path) -> None:
     coordinator = _coordinator(tmp_path, max_jobs=2)
     jobs = {f"j{i}": _job(range(1), 1) for i in range(3)}

@@ -214,7 +214,7 @@ class Registry:
             old = seen.get(node)
             seen[node] = new
             carried.add(job)
-            if old is None or (old.attached, old.rank_ids) != (new.attached, new.rank_ids):
+            if old is None or dataclasses.replace(old, seen=new.seen) != new:
                 changed.append(job)
         for job in carried - set(entries):
             carried.discard(job)
@@ -281,6 +281,8 @@ def admission(coordinator: CoordinatorSection, view: JobView) -> str | None:
     users = coordinator.users_for(view.job)
     user, uid = view.said("user"), view.said("uid")
     if users and user not in users and uid not in users:
+        if user is None and uid is not None:
+            return f"its user's name (uid {uid}) is not known yet"
         return f"its user ({user or uid}) is not one of coordinator.defaults.users"
     return None
 

@@ -32,10 +32,13 @@ GPU_MEMORY_BYTES = 80 * 2**30
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--job", required=True)
+    parser.add_argument("--job", default=None, help="default: the scheduler's (SLURM_JOB_ID...)")
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--ranks", type=int, default=8, help="ranks on this node")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the job")
+    parser.add_argument("--first-gpu", type=int, default=0, help="this node's first GPU of the job")
+    parser.add_argument("--first-rank", type=int, default=None, help="default: node rank x ranks")
+    parser.add_argument("--world-size", type=int, default=None, help="default: the scheduler's")
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--step-s", type=float, required=True, help="reported step time")
     parser.add_argument("--wall-step-s", type=float, default=None, help="real step time")
@@ -53,9 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     model = JobModel(nodes=args.nodes, gpus_per_node=args.ranks)
     scale = args.step_s / model.expected_step({**JOB_DEFAULTS, "power_cap_w": 250.0}).step_s
     rng = random.Random(args.seed * 1000 + args.node_rank)
-    first = args.node_rank * args.ranks
+    first = args.node_rank * args.ranks if args.first_rank is None else args.first_rank
     reporters = [
-        JobReporter(args.job, rank=first + i, socket_path=args.socket, knobs=KNOBS, gpu=i)
+        JobReporter(
+            args.job,
+            rank=first + i,
+            socket_path=args.socket,
+            knobs=KNOBS,
+            gpu=args.first_gpu + i,
+            world_size=args.world_size,
+            local_world_size=args.ranks,
+        )
         for i in range(args.ranks)
     ]
     knobs: list[dict[str, Any]] = [dict(JOB_DEFAULTS) for _ in reporters]

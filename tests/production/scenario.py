@@ -68,13 +68,30 @@ class JobShape:
     """The step time in real time."""
     trials: int
     search_power_cap: bool = False
+    slots: tuple[tuple[int, int], ...] = ()
+    """Per node of ``nodes``: (first GPU, ranks) of the job there; default (0, 8) on each."""
+    user: str | None = None
+    """The Unix user its ranks run as (default: the test's)."""
+    scheduler_id: str | None = None
+    """A Slurm job id its ranks take their job id from (``SLURM_JOB_ID``, step 0) instead of
+    ``id``, which is then the id the scheduler's gives (``slurm-<id>-0``)."""
+
+    def slot(self, node: str) -> tuple[int, int]:
+        """(first GPU, ranks) of the job on ``node``."""
+        return self.slots[self.nodes.index(node)] if self.slots else (0, RANKS_PER_NODE)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.slot(node)[1] for node in self.nodes)
+
+    def first_rank(self, node: str) -> int:
+        return sum(self.slot(n)[1] for n in self.nodes[: self.nodes.index(node)])
 
 
 JOBS = (
     JobShape("alpha", ("n0", "n1", "n2"), step_s=10.0, wall_step_s=0.1, trials=4),
     JobShape("beta", ("n3",), step_s=0.05, wall_step_s=0.05, trials=3, search_power_cap=True),
 )
-NODES = tuple(n for job in JOBS for n in job.nodes)
 HANG = {"*": {"block_s": 3.0}}
 """Every NVML call of a node blocks for 3 s (a hung driver)."""
 REFUSE = {"nvmlDeviceSetPowerManagementLimit": {"error": "NVML_ERROR_UNKNOWN", "gpus": [3]}}
@@ -156,15 +173,26 @@ class StatusListener:
 @dataclass
 class Scenario:
     """The cluster under ``root``; use as a context manager. ``faults`` maps a node to the
-    fake NVML faults it starts with."""
+    fake NVML faults it starts with. With ``policy`` (the ``[coordinator.defaults]`` table),
+    the coordinator has no job list and finds the jobs; otherwise each of ``jobs`` is a
+    ``[[coordinator.jobs]]`` entry with its nodes. ``start_jobs``: start every job's ranks
+    with the cluster (else :meth:`start_job`, :meth:`stop_job`)."""
 
     root: Path
     faults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    jobs: tuple[JobShape, ...] = JOBS
+    policy: dict[str, Any] | None = None
+    start_jobs: bool = True
+    agent_users: tuple[str, ...] = ()
+    """Users besides the agent's own whose ranks may attach (``sources.job.allowed_users``)."""
+    job_release_after_s: float = 600.0
+    """How long an agent keeps an ended job's series (``sources.job.release_after_s``)."""
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     started_at: float = 0.0
 
     def __post_init__(self) -> None:
+        self.nodes = tuple(dict.fromkeys(n for job in self.jobs for n in job.nodes))
         self.logs = self.root / "logs"
         self.state = self.root / "coordinator"
         self.capture = self.root / "capture"
@@ -186,14 +214,14 @@ class Scenario:
         self.status = StatusListener(self.root / "notify.sock")
         self.started_at = time.time()
         self.ports["coordinator"] = free_port()
-        for node in NODES:
+        for node in self.nodes:
             self.ports[node] = free_port()
             self.inject(node, self.faults.get(node, {}))
             self.start_agent(node)
         self.start_coordinator()
-        for job in JOBS:
-            for node in job.nodes:
-                self.start_ranks(job, node)
+        if self.start_jobs:
+            for job in self.jobs:
+                self.start_job(job)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -223,7 +251,14 @@ class Scenario:
         text += _section("sources", {"timeout_s": 1.0})
         for off in ("host", "ipmi", "rdma", "pdu"):
             text += _section(f"sources.{off}", {"enabled": False})
-        text += _section("sources.job", {"socket": self.socket(node)})
+        text += _section(
+            "sources.job",
+            {
+                "socket": self.socket(node),
+                "allowed_users": self.agent_users,
+                "release_after_s": self.job_release_after_s,
+            },
+        )
         text += _section("security", {"settings_key_file": self.root / "settings.key"})
         text += _section(
             "coordinator",
@@ -232,7 +267,13 @@ class Scenario:
                 "state_dir": self.state,
             },
         )
-        for job in JOBS:
+        if self.policy is not None:
+            policy = {k: v for k, v in self.policy.items() if k != "plan"}
+            text += _section("coordinator.defaults", policy)
+            text += _section("coordinator.defaults.plan", self.policy.get("plan", {}))
+            path.write_text(text)
+            return path
+        for job in self.jobs:
             text += "[[coordinator.jobs]]\n" + "".join(
                 f"{k} = {_toml(v)}\n"
                 for k, v in {
@@ -267,8 +308,16 @@ class Scenario:
 
     # -- processes -----------------------------------------------------------------------
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+    ) -> None:
         log = (self.logs / f"{name}.log").open("ab")
+        if user is not None:  # as the harness's units do (tests/cluster/harness.py)
+            argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", *argv]
         pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.processes[name] = subprocess.Popen(
             argv,
@@ -304,14 +353,35 @@ class Scenario:
         argv += ["--config", str(self.config("coordinator"))]
         self.spawn("coordinator", argv, {"NOTIFY_SOCKET": str(self.status.path)})
 
+    def start_job(self, job: JobShape) -> None:
+        """What a scheduler does: the job's ranks started on each of its nodes."""
+        for node in job.nodes:
+            self.start_ranks(job, node)
+
+    def stop_job(self, job: JobShape) -> None:
+        """The job ends: its ranks stop (SIGTERM) on every node."""
+        for node in job.nodes:
+            self.kill(self.ranks_name(job, node), signal.SIGTERM)
+
+    def ranks_name(self, job: JobShape, node: str) -> str:
+        return f"ranks-{node}" if self.policy is None else f"ranks-{job.id}-{node}"
+
     def start_ranks(self, job: JobShape, node: str) -> None:
+        first_gpu, ranks = job.slot(node)
+        name = self.ranks_name(job, node)
         argv = [sys.executable, str(REPO / "tests" / "production" / "ranks.py")]
-        argv += ["--job", job.id, "--node-rank", str(job.nodes.index(node))]
-        argv += ["--ranks", str(RANKS_PER_NODE), "--nodes", str(len(job.nodes))]
+        env: dict[str, str] = {}
+        if job.scheduler_id is None:
+            argv += ["--job", job.id]
+        else:
+            env = {"SLURM_JOB_ID": job.scheduler_id, "SLURM_STEP_ID": "0"}
+        argv += ["--node-rank", str(job.nodes.index(node)), "--ranks", str(ranks)]
+        argv += ["--first-rank", str(job.first_rank(node)), "--first-gpu", str(first_gpu)]
+        argv += ["--world-size", str(job.world_size), "--nodes", str(len(job.nodes))]
         argv += ["--socket", str(self.socket(node)), "--step-s", str(job.step_s)]
-        argv += ["--wall-step-s", str(job.wall_step_s), "--seed", str(NODES.index(node))]
-        argv += ["--log", str(self.logs / f"ranks-{node}.jsonl")]
-        self.spawn(f"ranks-{node}", argv)
+        argv += ["--wall-step-s", str(job.wall_step_s), "--seed", str(self.nodes.index(node))]
+        argv += ["--log", str(self.logs / f"{name}.jsonl")]
+        self.spawn(name, argv, env, job.user)
 
     def restart_agent(self, node: str, sig: int = signal.SIGKILL, down_s: float = 1.0) -> None:
         """The node's agent killed with ``sig`` and started again ``down_s`` later."""
@@ -393,7 +463,7 @@ class Scenario:
 
     def partial_trials(self, job: str) -> list[dict[str, Any]]:
         """Measured trials scored on fewer nodes than the job has (a node was excluded)."""
-        nodes = set(next(j for j in JOBS if j.id == job).nodes)
+        nodes = set(next(j for j in self.jobs if j.id == job).nodes)
         return [
             t
             for t in self.trials(job)
@@ -421,7 +491,9 @@ class Scenario:
 
 
 @contextlib.contextmanager
-def scenario(root: Path, faults: dict[str, dict[str, Any]] | None = None) -> Iterator[Scenario]:
-    """A started cluster under ``root``, stopped on the way out."""
-    with Scenario(root, dict(faults or {})) as s:
+def scenario(
+    root: Path, faults: dict[str, dict[str, Any]] | None = None, **shape: Any
+) -> Iterator[Scenario]:
+    """A started cluster under ``root``, stopped on the way out (``shape``: Scenario's fields)."""
+    with Scenario(root, dict(faults or {}), **shape) as s:
         yield s
