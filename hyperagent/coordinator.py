@@ -32,6 +32,7 @@ from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
 from hyperagent.tuner import lifecycle, tuning
 from hyperagent.tuner.discovery import (
+    JobView,
     Registry,
     SpacePlan,
     admission,
@@ -233,9 +234,7 @@ class Coordinator:
     def _consider(self, job: str, now: float) -> None:
         """A job's picture changed: tell its machine, or decide whether to tune it."""
         entry = self.tuned.get(job)
-        rule = self.section.rule_for(job)
-        nodes = rule.nodes if rule is not None else ()
-        view = self.registry.view(job, now, nodes)
+        view = self._view(job, now)
         if entry is not None:
             entry.inbox.put_nowait(tuning.Seen(now, view))
             return
@@ -266,9 +265,19 @@ class Coordinator:
             view.world_size or "?",
             view.said("user") or view.said("uid"),
         )
-        entry.inbox.put_nowait(tuning.Seen(now, view))
+        entry.inbox.put_nowait(tuning.Seen(now, self._view(job, now)))
         if self._tasks is not None:
             entry.task = self._tasks.create_task(self._drive(entry), name=f"job-{job}")
+
+    def _view(self, job: str, now: float) -> JobView:
+        """The job as the agents see it, on the nodes it must have: its rule's, else (a job
+        resumed after a restart, for a while) those of its journal's round."""
+        rule = self.section.rule_for(job)
+        if rule is not None and rule.nodes:
+            return self.registry.view(job, now, rule.nodes)
+        entry = self.tuned.get(job)
+        nodes = entry.machine.resuming_on(now) if entry is not None else ()
+        return self.registry.view(job, now, nodes, "the journal's round")
 
     async def _on_ack(self, topic: str, payload: bytes) -> None:
         self._route(topic, payload, "ack")
@@ -341,6 +350,7 @@ class Coordinator:
             journal = await asyncio.to_thread(self.journals.read, machine.job)
             machine.restored, machine.rounds = journal, journal.rounds
             machine.version = max(machine.version, journal.version)
+            self._consider(machine.job, self.clock.now())
         while not machine.terminal:
             wake = machine.wake_at()
             event: tuning.Event
@@ -350,6 +360,8 @@ class Coordinator:
                     event = await entry.inbox.get()
             except TimeoutError:
                 event = tuning.Tick(self.clock.now())
+                if isinstance(machine.state, lifecycle.WaitingForRanks):
+                    self._consider(machine.job, event.now)  # a wait for nodes may be over
             if isinstance(event, tuning.Seen) and isinstance(
                 machine.state, lifecycle.WaitingForRanks
             ):

@@ -131,7 +131,9 @@ def test_shipped_example_config_is_valid() -> None:
     from conftest import REPO
 
     config = load_config(REPO / "systemd" / "hyperagent.toml")
-    assert config.cluster == "prod" and config.coordinator.jobs[0].id == "llama-ft"
+    assert config.cluster == "prod"
+    # no job list: the coordinator finds jobs and tunes those whose ranks ask
+    assert config.coordinator.jobs == () and config.coordinator.defaults.tune == "asked"
 
 
 def test_coordinator_refuses_to_start_without_a_key_but_needs_no_job_list(

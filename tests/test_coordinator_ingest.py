@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import orjson
 from prometheus_client import CollectorRegistry
 
 from hyperagent import bus
@@ -274,3 +275,25 @@ def test_the_journals_are_loaded_off_the_event_loop(tmp_path: Path) -> None:
     finally:
         Journals.load = load  # type: ignore[method-assign]
     assert threads and threading.main_thread() not in threads
+
+
+def test_a_restarted_coordinator_resumes_a_round_on_its_nodes_not_the_first_heard_from(
+    tmp_path: Path,
+) -> None:
+    """The journal's round ran on n0 and n1. After a restart n0's telemetry comes first, and
+    its ranks say a world that n0 alone fills: the job waits for n1 (for ranks_wait_s), and
+    resumes on both instead of starting over on n0."""
+    start = {"type": "start", "fingerprint": "nccl/2n/?B/?", "nodes": ["n0", "n1"], "space": {}}
+    (tmp_path / "j.jsonl").write_bytes(orjson.dumps(start) + b"\n")
+    coordinator = _coordinator(tmp_path, defaults={"ranks_wait_s": 60})
+    coordinator.journals.load()
+    _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(2), 2)})))
+    seen = [e for e in _events(coordinator, "j") if isinstance(e, tuning.Seen)][-1]
+    assert not seen.view.complete
+    assert seen.view.missing == "nodes n1 (the journal's round) carry no rank"
+    _feed(coordinator, (TOPICS.telemetry("n1"), _telemetry("n1", {"j": _job(range(2, 10), 10)})))
+    seen = [e for e in _events(coordinator, "j") if isinstance(e, tuning.Seen)][-1]
+    assert seen.view.complete and seen.view.nodes == ("n0", "n1")
+    machine = coordinator.job("j")
+    assert machine.resuming_on(machine.state.since + 59) == ("n0", "n1")
+    assert machine.resuming_on(machine.state.since + 60) == ()  # then on what is there

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -30,7 +31,9 @@ def entries(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in lines if line.endswith(b"}")]
 
 
-def coordinator_config(tmp_path: Path, mosquitto: Mosquitto, key: bytes) -> Path:
+def coordinator_config(
+    tmp_path: Path, mosquitto: Mosquitto, key: bytes, trials: int = TRIALS, patience: int = TRIALS
+) -> Path:
     key_file = tmp_path / "settings.key"
     key_file.write_bytes(key)
     key_file.chmod(0o600)
@@ -41,7 +44,7 @@ def coordinator_config(tmp_path: Path, mosquitto: Mosquitto, key: bytes) -> Path
         f'[security]\nsettings_key_file = "{key_file}"\n'
         f'[coordinator]\nstate_dir = "{tmp_path / "state"}"\nmetrics_address = ""\n'
         f'[[coordinator.jobs]]\nid = "{JOB}"\nnodes = [{nodes}]\nbackend = "nccl"\n'
-        f"trials = {TRIALS}\npatience = {TRIALS}\npower_limits_w = [100.0, 250.0]\n"
+        f"trials = {trials}\npatience = {patience}\npower_limits_w = [100.0, 250.0]\n"
         "abort_below = 0\nack_timeout_s = 30\ntrial_timeout_s = 60\n"
     )
     return config
@@ -115,6 +118,91 @@ async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_pa
     assert message["version"] == final["version"] and message["settings"] == final["settings"]
     assert bus.verify(message, key)
     assert second.returncode == 0
+
+
+KILLS = 10
+
+
+def confirming(log: list[dict[str, Any]]) -> bool:
+    """The journal says the search is over and the confirmations run."""
+    return any(e["type"] == "confirm" for e in log)
+
+
+async def test_killed_at_ten_points_of_a_tuning_that_converges_early_it_finishes(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    """SIGKILL at 10 random points (and at the first confirmation's publish) of a search
+    that stops early (patience 3 of 14 trials) and of its confirmations: every start loads
+    the journal, no trial index repeats, no search trial follows a confirmation, and the
+    tuning ends with its final version applied."""
+    key = os.urandom(32).hex().encode()
+    config = coordinator_config(tmp_path, mosquitto, key, trials=14, patience=3)
+    journal = tmp_path / "state" / f"{JOB}.jsonl"
+    # kill points: a number of trials done (search and confirmations: this tuning runs
+    # about 8) and a delay into the next one, drawn; and the first confirmation's publish
+    rng = random.Random(33)
+    points = sorted((rng.randrange(8), rng.uniform(0.0, 2.0)) for _ in range(KILLS))
+    kills: list[str] = []
+    async with simulated_cluster(
+        mosquitto.url, nodes=NODES, trials=14, seed=7, speedup=60, key=key
+    ) as (_, nodes, _):
+        while points:
+            process = start(config)
+            try:
+                done, delay = points[0]
+                first = not any("confirming" in k for k in kills)
+
+                def due(done: int = done, process: Any = process, first: bool = first) -> bool:
+                    log = entries(journal)
+                    at_confirmation = first and confirming(log) and log[-1]["type"] == "published"
+                    finished = sum(e["type"] == "trial" for e in log)
+                    ended = any(e["type"] == "final" for e in log)
+                    return (
+                        finished >= done or at_confirmation or ended or process.poll() is not None
+                    )
+
+                await wait_until(due, 120)
+                log = entries(journal)
+                if sum(e["type"] == "trial" for e in log) >= done:
+                    points.pop(0)
+                    await asyncio.sleep(delay)
+                    log = entries(journal)
+                assert process.poll() is None, f"start {len(kills) + 1} exited {process.returncode}"
+                if any(e["type"] == "final" for e in log):
+                    break
+                last = log[-1] if log else {"type": "nothing journalled"}
+                where = f"{last['type']} {last.get('trial', last.get('index', ''))}"
+                kills.append(where + (" (confirming)" if confirming(log) else ""))
+                process.send_signal(signal.SIGKILL)
+                process.wait(10)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
+        last_start = start(config)
+        try:
+            await wait_until(lambda: any(e["type"] == "final" for e in entries(journal)), 180)
+            final = next(e for e in entries(journal) if e["type"] == "final")
+            await wait_until(
+                lambda: all(n.agent.applied_versions.get(JOB) == final["version"] for n in nodes),
+                30,
+            )
+        finally:
+            last_start.send_signal(signal.SIGTERM)
+            last_start.wait(30)
+    assert len(kills) >= KILLS and any("confirming" in k for k in kills), kills
+    trials = [e for e in entries(journal) if e["type"] == "trial"]
+    indices = [t["index"] for t in trials]
+    assert len(indices) == len(set(indices)), indices
+    search = [t["index"] for t in trials if not t.get("confirmation")]
+    confirmations = [t["index"] for t in trials if t.get("confirmation")]
+    assert search == list(range(len(search))) and len(search) < 14, search  # it stopped early
+    assert confirmations == list(range(len(search), len(search) + 4)), confirmations
+    first_confirmation = indices.index(confirmations[0])
+    assert all(t.get("confirmation") for t in trials[first_confirmation:]), indices
+    versions = [e["version"] for e in entries(journal) if e["type"] in ("published", "final")]
+    assert versions == sorted(versions)
+    assert last_start.returncode == 0
 
 
 async def test_a_coordinator_without_its_journal_learns_the_version_the_agents_apply(

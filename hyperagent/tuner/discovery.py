@@ -229,8 +229,11 @@ class Registry:
         """The node is gone (offline): its sightings no longer count; returns their jobs."""
         return self.observe(node, 0.0, {})
 
-    def view(self, job: str, now: float, nodes: Iterable[str] = ()) -> JobView:
-        """``job`` as seen now; ``nodes``, a configured node set, must all carry it."""
+    def view(
+        self, job: str, now: float, nodes: Iterable[str] = (), why: str = "configured"
+    ) -> JobView:
+        """``job`` as seen now; ``nodes`` (a node set, ``why`` says whose: configured, or
+        the journal's round) must all carry it."""
         seen = {
             n: s
             for n, s in self.jobs.get(job, {}).items()
@@ -241,7 +244,7 @@ class Registry:
         missing = ""
         absent = [n for n in nodes if n not in seen]
         if absent:
-            missing = f"nodes {', '.join(absent)} (configured) carry no rank"
+            missing = f"nodes {', '.join(absent)} ({why}) carry no rank"
         elif world is not None and attached < world:
             ids = sorted(set(range(world)) - {r for s in seen.values() for r in s.rank_ids})
             if ids and len(ids) == world - attached:

@@ -344,6 +344,22 @@ class JobTuning:
             return None
         return self.best[1] / self.baseline - 1
 
+    def resuming_on(self, now: float) -> tuple[str, ...]:
+        """The nodes a job waiting for its ranks waits for besides them: those of the
+        journal's unfinished round, for ``ranks_wait_s`` (after a restart the nodes'
+        telemetry comes back one by one; a job resumes where its round ran, rather than
+        start over on the first nodes heard from). Empty when none."""
+        state = self.state
+        start = self.restored.start
+        if (
+            not isinstance(state, lifecycle.WaitingForRanks)
+            or start is None
+            or now - state.since >= self.rules.ranks_wait_s
+        ):
+            return ()
+        nodes = start.get("nodes")
+        return tuple(n for n in nodes if isinstance(n, str)) if isinstance(nodes, list) else ()
+
     def wake_at(self) -> float | None:
         """When the machine needs a :class:`Tick` next (None: only events)."""
         times: list[float] = []
