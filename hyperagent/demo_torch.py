@@ -485,7 +485,9 @@ def train(args: argparse.Namespace) -> int:
         (torch.randn(BATCH, LAYERS[0], generator=data), torch.randint(0, LAYERS[-1], (BATCH,)))
         for _ in range(8)
     ]
-    tuned = TunedDDP(model, job=args.job, socket_path=args.socket)
+    tuned = TunedDDP(
+        model, job=args.job, socket_path=args.socket, job_world_size=args.job_world_size
+    )
     signal.signal(signal.SIGTERM, lambda *_: tuned.request_stop())
     signal.signal(signal.SIGINT, lambda *_: tuned.request_stop())
     step = 0
@@ -529,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=WORLD_SIZE)
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--job", default=JOB)
+    parser.add_argument(
+        "--job-world-size", type=int, default=None, help="the job's ranks, beyond this world's"
+    )
     parser.add_argument("--socket", type=Path, required=True, help="the agent's job socket")
     parser.add_argument("--log", type=Path, required=True, help="JSON lines, one per step")
     parser.add_argument("--seed", type=int, default=0)

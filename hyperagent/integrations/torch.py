@@ -510,6 +510,8 @@ class TunedDDP:
     times the exposed communication; by default :func:`comm_timer_for` the device of the
     module's first parameter (``clock`` on the CPU, CUDA events on a GPU). Other keyword
     arguments go to DistributedDataParallel on every (re-)wrap. Call as the module is called.
+    ``job_world_size``: the world size the agent is told, where the job has more ranks than
+    this torch world (default: the default group's size).
 
     ``nccl_plugin`` is the NCCL tuner plugin that sets ``allreduce`` and ``protocol``; by
     default :func:`nccl_plugin_for` DDP's process group and the environment. Passing one says
@@ -532,6 +534,7 @@ class TunedDDP:
         comm_timer: CommTimer | None = None,
         nccl_plugin: TunerPlugin | None = None,
         tune: bool = True,
+        job_world_size: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -556,7 +559,7 @@ class TunedDDP:
             rank=self.rank,
             socket_path=socket_path,
             knobs=knobs,
-            world_size=dist.get_world_size(),
+            world_size=job_world_size or dist.get_world_size(),
             tune=tune,
             backend=backend if backend in BACKENDS else None,
             model_params=sum(p.numel() for p in module.parameters()) or None,

@@ -24,8 +24,8 @@ class TrialRecord:
     settings: dict[str, Any]
     score: float | None
     status: str
-    """ok, aborted, infeasible, rejected, refused, no_ack, timeout, nonfinite_loss, xid or
-    lost_nodes."""
+    """ok, aborted, infeasible, rejected, refused, no_ack, timeout, no_energy, nonfinite_loss,
+    xid or lost_nodes."""
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     noise: float | None = None

@@ -48,6 +48,7 @@ NOT_TRIALS = {
     "no_ack": "no ack",
     "lost_nodes": "no ack",
     "timeout": "no measurement",
+    "no_energy": "no energy reading",
 }
 """Outcomes that are not trials, and the reason the job pauses for."""
 

@@ -938,6 +938,7 @@ class JobTuning:
         unmeasured = [n for n in active if n not in measured]
         if unmeasured:
             self._membership(members.Unmeasured(tuple(unmeasured), run.version), out)
+        blind: list[str] = []
         if self._needs_energy():
             blind = [n for n in self.members.active if measured[n].get("energy_j") is None]
             if blind:
@@ -946,9 +947,9 @@ class JobTuning:
         reports = {n: measured[n] for n in self.members.active if n in measured}
         usable = list(reports.values())
         if not usable or not self.members.quorum():
-            return Outcome(
-                "timeout", nodes=tuple(n for n in self.members.nodes if n not in reports)
-            )
+            missing = tuple(n for n in self.members.nodes if n not in reports)
+            no_energy = bool(missing) and set(missing) <= set(blind)
+            return Outcome("no_energy" if no_energy else "timeout", nodes=missing)
         if any(r["nonfinite_loss"] for r in usable):
             return Outcome("nonfinite_loss", reports)
         if any(r.get("xid_errors") for r in usable):

@@ -189,13 +189,17 @@ class Cluster:
             self.start_agent(key)
         self.start_coordinator()
         # one job: two TunedDDP ranks on the torch node, 8 simulated ranks on each other node
-        torch = [k for k in self.node_keys if self.hosts[k].name == torch_node]
+        # (the torch ranks are ranks 0 and 1 of the job, the simulated ones number on)
+        torch = [k for k in self.node_keys if self.hosts[k].name == torch_node][:1]
         world = 2 * len(torch) + RANKS_PER_NODE * (len(self.node_keys) - len(torch))
+        first = 0
+        for key in torch:
+            self.start_torch_job(key, world)
+            first += 2
         for key in self.node_keys:
-            if key in torch:
-                self.start_torch_job(key)
-            else:
-                self.start_job(key, world_size=world)
+            if key not in torch:
+                self.start_job(key, world_size=world, first_rank=first)
+                first += RANKS_PER_NODE
         self.start_prometheus()
 
     @property
@@ -556,12 +560,14 @@ class Cluster:
         ranks: int = RANKS_PER_NODE,
         name: str | None = None,
         world_size: int | None = None,
+        first_rank: int | None = None,
     ) -> Path:
         """The simulated job's ``ranks`` ranks on ``key`` as ``user`` (ranks numbered from
+        ``first_rank``, by default
         the node's position times ``ranks``, one GPU each; the world: ``ranks`` on every
         node unless ``world_size``); their log."""
         host = self.hosts[key]
-        first = self.node_keys.index(key) * ranks
+        first = self.node_keys.index(key) * ranks if first_rank is None else first_rank
         log = host.root / "jobs" / f"{name or f'job-{user}'}.jsonl"
         self.spawn(
             name or f"job-{host.name}-{user}",
@@ -587,7 +593,7 @@ class Cluster:
         )
         return log
 
-    def start_torch_job(self, key: str) -> None:
+    def start_torch_job(self, key: str, job_world_size: int | None = None) -> None:
         host = self.hosts[key]
         for rank in (0, 1):
             log = host.root / "jobs" / f"torch-{rank}.jsonl"
@@ -606,6 +612,7 @@ class Cluster:
                     "29517",
                     "--job",
                     "llama-ft",
+                    *(["--job-world-size", str(job_world_size)] if job_world_size else []),
                     "--socket",
                     "/run/hyperagent/job.sock",
                     "--log",

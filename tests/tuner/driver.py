@@ -20,7 +20,13 @@ def coordinator_section(**defaults: Any) -> CoordinatorSection:
     return build_config(raw).coordinator
 
 
-def view(job: str, nodes: Iterable[str], ranks_per_node: int = 8, **said: Any) -> JobView:
+def view(
+    job: str,
+    nodes: Iterable[str],
+    ranks_per_node: int = 8,
+    bounds: Mapping[str, NodeBounds] | None = None,
+    **said: Any,
+) -> JobView:
     nodes = tuple(nodes)
     world = ranks_per_node * len(nodes)
     sightings = {
@@ -35,7 +41,7 @@ def view(job: str, nodes: Iterable[str], ranks_per_node: int = 8, **said: Any) -
         )
         for i, n in enumerate(nodes)
     }
-    bounds = {n: NodeBounds(power_cap=True) for n in nodes}
+    bounds = {n: NodeBounds(power_cap=True) for n in nodes} | dict(bounds or {})
     return JobView(job, nodes, world, world, "", sightings, bounds)
 
 
@@ -54,9 +60,17 @@ class Nodes:
     """node -> refusal kind ("settings" or "node") for every version it is sent."""
     silent: set[str] = field(default_factory=set)
     energy: bool = True
+    refuses: Callable[[str, Mapping[str, Any]], str | None] | None = None
+    """(node, settings) -> refusal kind, or None: refusals that depend on the settings."""
+
+    def refusal(self, node: str, settings: Mapping[str, Any]) -> str | None:
+        """The kind of refusal ``node`` answers ``settings`` with (None: it applies them)."""
+        if self.refuses is not None and (kind := self.refuses(node, settings)) is not None:
+            return kind
+        return self.refuse.get(node)
 
     def ack(self, now: float, publish: tuning.Publish, node: str) -> tuning.Ack:
-        kind = self.refuse.get(node)
+        kind = self.refusal(node, publish.settings)
         message: dict[str, Any] = {
             "job": "j",
             "node": node,
@@ -134,7 +148,7 @@ class Driver:
                     if node in self.nodes.silent:
                         continue
                     events.append(self.nodes.ack(self.now, effect, node))
-                    if node not in self.nodes.refuse:
+                    if self.nodes.refusal(node, effect.settings) is None:
                         events.append(self.nodes.report(self.now, effect, node))
                 return events
         return []
@@ -160,6 +174,8 @@ def begin(
     section: CoordinatorSection,
     answers: Nodes | None = None,
     journal: JournalState | None = None,
+    bounds: Mapping[str, NodeBounds] | None = None,
+    **said: Any,
 ) -> Driver:
     """A machine for ``job`` found on ``nodes``, begun (its journal resumed if any)."""
     cfg: JobTuningSection = section.tuning(job, nodes)
@@ -167,7 +183,7 @@ def begin(
     loaded = file.load() if journal is None else journal
     machine = tuning.JobTuning(job, cfg, loaded)
     driver = Driver(machine, file, answers)
-    v = view(job, nodes)
+    v = view(job, nodes, bounds=bounds, **said)
     driver.feed(tuning.Seen(0.0, v))
     start = cfg.start.model_dump()
     if start["power_cap_w"] is None and cfg.power_limits_w:

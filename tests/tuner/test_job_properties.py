@@ -151,4 +151,3 @@ JobUnderFaults.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_job_under_faults = JobUnderFaults.TestCase
-

@@ -38,8 +38,9 @@ from hyperagent.tuner.lifecycle import (
     resumed,
 )
 
-RULES = Rules(trials=10, confirm_runs=4, max_retries=2, ranks_wait_s=120.0,
-              backoff=Backoff(5.0, 300.0))
+RULES = Rules(
+    trials=10, confirm_runs=4, max_retries=2, ranks_wait_s=120.0, backoff=Backoff(5.0, 300.0)
+)
 
 
 def test_a_found_job_waits_for_its_ranks_and_names_the_missing_once() -> None:
@@ -62,9 +63,13 @@ def test_ready_resumes_where_the_journal_says() -> None:
 
 def test_a_measured_trial_leads_to_the_next_one() -> None:
     assert advance(Trial(1, "search", 3), RunEnded("ok", 10.0), RULES) == (
-        Trial(1, "search", 4), [])
+        Trial(1, "search", 4),
+        [],
+    )
     assert advance(Trial(1, "search", 4), RunEnded("aborted", 11.0), RULES) == (
-        Trial(1, "search", 5), [])
+        Trial(1, "search", 5),
+        [],
+    )
 
 
 @pytest.mark.parametrize("status", ["nonfinite_loss", "xid", "rejected"])
@@ -78,13 +83,19 @@ def test_a_trial_that_harms_the_job_or_is_refused_by_bounds_counts_and_rolls_bac
 
 def test_an_infeasible_trial_counts_without_a_rollback() -> None:
     assert advance(Trial(1, "search", 2), RunEnded("infeasible", 1.0), RULES) == (
-        Trial(1, "search", 3), [])
+        Trial(1, "search", 3),
+        [],
+    )
 
 
 @pytest.mark.parametrize(
     ("status", "reason"),
-    [("refused", "refused"), ("no_ack", "no ack"), ("lost_nodes", "no ack"),
-     ("timeout", "no measurement")],
+    [
+        ("refused", "refused"),
+        ("no_ack", "no ack"),
+        ("lost_nodes", "no ack"),
+        ("timeout", "no measurement"),
+    ],
 )
 def test_what_is_not_a_trial_pauses_the_same_trial(status: str, reason: str) -> None:
     state, actions = advance(Trial(1, "search", 4), RunEnded(status, 100.0, ("n2",)), RULES)
@@ -95,8 +106,9 @@ def test_what_is_not_a_trial_pauses_the_same_trial(status: str, reason: str) -> 
 
 
 def test_a_not_trial_never_finishes_the_search_even_on_its_last_trial() -> None:
-    state, _ = advance(Trial(1, "search", 9), RunEnded("timeout", 0.0, ("n1",),
-                                                       converged=True), RULES)
+    state, _ = advance(
+        Trial(1, "search", 9), RunEnded("timeout", 0.0, ("n1",), converged=True), RULES
+    )
     assert isinstance(state, Paused) and state.trial == 9
 
 
@@ -119,24 +131,26 @@ def test_a_due_retry_without_a_quorum_waits_for_the_nodes() -> None:
 
 def test_retries_back_off_say_a_new_reason_once_and_fail_when_spent() -> None:
     first = Paused(1, "search", 4, "no ack", ("n2",), retry_at=105.0)
-    state, actions = advance(Trial(1, "search", 4, retrying=first),
-                             RunEnded("no_ack", 200.0, ("n2",)), RULES)
+    state, actions = advance(
+        Trial(1, "search", 4, retrying=first), RunEnded("no_ack", 200.0, ("n2",)), RULES
+    )
     assert isinstance(state, Paused) and state.attempt == 1 and state.retry_at == 210.0
     assert actions == [Rollback("trial 4 no_ack")]
-    state, actions = advance(Trial(1, "search", 4, retrying=state),
-                             RunEnded("timeout", 300.0, ("n2",)), RULES)
+    state, actions = advance(
+        Trial(1, "search", 4, retrying=state), RunEnded("timeout", 300.0, ("n2",)), RULES
+    )
     assert isinstance(state, Paused) and state.retry_at == 320.0
     assert actions[-1] == Pause(state)
-    state, actions = advance(Trial(1, "search", 4, retrying=state),
-                             RunEnded("timeout", 400.0, ("n2",)), RULES)
+    state, actions = advance(
+        Trial(1, "search", 4, retrying=state), RunEnded("timeout", 400.0, ("n2",)), RULES
+    )
     assert isinstance(state, Failed) and "no measurement (n2) 3 times" in state.reason
     assert actions[-1] == Stop(state.reason) and name(state) == "failed"
 
 
 def test_a_measured_retry_says_the_job_answers_again() -> None:
     paused = Paused(1, "search", 4, "no ack", ("n2",), retry_at=105.0)
-    state, actions = advance(Trial(1, "search", 4, retrying=paused), RunEnded("ok", 106.0),
-                             RULES)
+    state, actions = advance(Trial(1, "search", 4, retrying=paused), RunEnded("ok", 106.0), RULES)
     assert state == Trial(1, "search", 5) and actions == [Resume(paused)]
 
 
@@ -146,8 +160,7 @@ def test_the_search_ends_on_its_budget_or_when_converged_and_confirms_a_candidat
     state, actions = advance(Trial(1, "search", 3), RunEnded("ok", 1.0, converged=True), RULES)
     assert state == Trial(1, "confirm", 4, confirm_from=4) and actions == [Confirm()]
     # an infeasible outcome never makes a search converge
-    state, _ = advance(Trial(1, "search", 3), RunEnded("infeasible", 1.0, converged=True),
-                       RULES)
+    state, _ = advance(Trial(1, "search", 3), RunEnded("infeasible", 1.0, converged=True), RULES)
     assert state == Trial(1, "search", 4)
     # nothing better than the start: no confirmation, the start is final
     state, actions = advance(Trial(1, "search", 9), RunEnded("ok", 1.0, candidate=False), RULES)
@@ -164,13 +177,17 @@ def test_confirmations_run_their_count_then_the_job_is_tuned() -> None:
 
 
 def test_a_confirmation_that_cannot_be_measured_pauses_as_a_confirmation() -> None:
-    state, actions = advance(Trial(1, "confirm", 12, confirm_from=10),
-                             RunEnded("timeout", 50.0, ("n3",)), RULES)
+    state, actions = advance(
+        Trial(1, "confirm", 12, confirm_from=10), RunEnded("timeout", 50.0, ("n3",)), RULES
+    )
     assert state == Paused(1, "confirm", 12, "no measurement", ("n3",), 55.0, 0, 10)
     assert actions[0] == Rollback("confirmation 12 timeout")
     state, _ = advance(state, Tick(55.0, quorum=True), RULES)
     assert isinstance(state, Trial) and (state.phase, state.trial, state.confirm_from) == (
-        "confirm", 12, 10)
+        "confirm",
+        12,
+        10,
+    )
 
 
 def test_drift_sustained_retunes_and_a_recovery_resets_the_watch() -> None:
@@ -186,8 +203,13 @@ def test_drift_sustained_retunes_and_a_recovery_resets_the_watch() -> None:
 
 @pytest.mark.parametrize(
     "state",
-    [WaitingForRanks(0.0), Trial(1, "search", 3), Paused(1, "search", 3, "no ack", (), 9.0),
-     WaitingForQuorum(Paused(1, "search", 3, "no ack", (), 9.0)), Tuned(1)],
+    [
+        WaitingForRanks(0.0),
+        Trial(1, "search", 3),
+        Paused(1, "search", 3, "no ack", (), 9.0),
+        WaitingForQuorum(Paused(1, "search", 3, "no ack", (), 9.0)),
+        Tuned(1),
+    ],
 )
 def test_every_live_state_ends_when_its_ranks_leave_or_fails_on_a_fault(state: object) -> None:
     ended, actions = advance(state, Left(5.0), RULES)  # type: ignore[arg-type]
@@ -218,21 +240,38 @@ def test_a_restart_resumes_where_the_journal_stopped_never_searching_again() -> 
     assert resumed(Journalled(searched=0), RULES) == (Trial(1, "search", 0), [])
     assert resumed(Journalled(searched=4), RULES) == (Trial(1, "search", 4), [])
     assert resumed(Journalled(searched=10), RULES) == (
-        Trial(1, "confirm", 10, confirm_from=10), [Confirm()])
+        Trial(1, "confirm", 10, confirm_from=10),
+        [Confirm()],
+    )
     assert resumed(Journalled(searched=5, converged=True), RULES) == (
-        Trial(1, "confirm", 5, confirm_from=5), [Confirm()])
+        Trial(1, "confirm", 5, confirm_from=5),
+        [Confirm()],
+    )
     # mid-confirmation: the next confirmation, even though the search budget is not spent
     assert resumed(Journalled(searched=5, confirm_from=5, confirmed=2), RULES) == (
-        Trial(1, "confirm", 7, confirm_from=5), [])
+        Trial(1, "confirm", 7, confirm_from=5),
+        [],
+    )
     assert resumed(Journalled(searched=5, confirm_from=5, confirmed=4), RULES) == (
-        Tuned(1), [Finish()])
-    assert resumed(Journalled(round=2, searched=3, final=True), RULES) == (
-        Tuned(2), [Finish()])
+        Tuned(1),
+        [Finish()],
+    )
+    assert resumed(Journalled(round=2, searched=3, final=True), RULES) == (Tuned(2), [Finish()])
 
 
 def test_every_state_name_is_listed_for_metrics() -> None:
-    named = {name(s) for s in (
-        WaitingForRanks(0.0), Trial(1), Trial(1, "confirm"), Trial(2), Tuned(1),
-        Paused(1, "search", 0, "x", (), 0.0),
-        WaitingForQuorum(Paused(1, "search", 0, "x", (), 0.0)), Ended("x"), Failed("x"))}
+    named = {
+        name(s)
+        for s in (
+            WaitingForRanks(0.0),
+            Trial(1),
+            Trial(1, "confirm"),
+            Trial(2),
+            Tuned(1),
+            Paused(1, "search", 0, "x", (), 0.0),
+            WaitingForQuorum(Paused(1, "search", 0, "x", (), 0.0)),
+            Ended("x"),
+            Failed("x"),
+        )
+    }
     assert named == set(STATES)

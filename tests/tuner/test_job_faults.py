@@ -1,0 +1,120 @@
+"""What a job's tuning does with the faults that are facts about the settings or the node,
+not about the moment: a refusal because of the settings themselves, a node's actuation
+bounds, a missing energy reading, GPUs shared with another job, a restart mid-confirmation.
+Each one, as a user would notice it: trials spent or not, what is retried, what is said."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tuner.driver import Nodes, begin, coordinator_section
+
+from hyperagent.tuner import lifecycle, tuning
+from hyperagent.tuner.discovery import NodeBounds
+from hyperagent.tuner.jobstate import Progress
+from hyperagent.tuner.journal import Journal
+
+NODES = ("n0", "n1", "n2")
+
+
+def score(settings: dict[str, Any]) -> float:
+    return 1000.0 + 50.0 * (settings.get("bucket_mb") == 64)
+
+
+def statuses(driver: Any) -> list[str]:
+    return [t.status for t in driver.machine.trials]
+
+
+def test_a_refusal_of_the_settings_themselves_is_an_infeasible_trial_not_a_pause(
+    tmp_path: Path,
+) -> None:
+    """n1 cannot apply 64 MB buckets (a fact about the setting): each such point is told to
+    the tuner as infeasible once, the tuning never pauses on it and ends on its budget."""
+    section = coordinator_section(trials=8, patience=8, confirm_best=False)
+
+    def refuses(node: str, settings: dict[str, Any]) -> str | None:
+        return "settings" if node == "n1" and settings.get("bucket_mb") == 64 else None
+
+    nodes = Nodes(NODES, score, refuses=refuses)
+    driver = begin("j", NODES, tmp_path / "j.jsonl", section, nodes)
+    driver.run_until_done()
+    trials = driver.machine.trials
+    assert len(trials) == 8 and driver.machine.done
+    rejected = [t for t in trials if t.status == "rejected"]
+    assert rejected and all(t.settings["bucket_mb"] == 64 for t in rejected)
+    assert all(t.settings["bucket_mb"] != 64 for t in trials if t.status != "rejected")
+    entries = Journal(tmp_path / "j.jsonl").load()
+    assert not [e for e in entries.trials if e["status"] == "refused"]
+    assert driver.machine.best is not None and driver.machine.best[0]["bucket_mb"] != 64
+
+
+def test_a_refusal_about_the_node_pauses_and_retries_without_spending_trials(
+    tmp_path: Path,
+) -> None:
+    section = coordinator_section(trials=4, patience=4, confirm_best=False, max_retries=3)
+    nodes = Nodes(NODES, score, refuse={"n2": "node"})
+    driver = begin("j", NODES, tmp_path / "j.jsonl", section, nodes)
+    driver.run_until_done()
+    state = driver.machine.state
+    assert isinstance(state, lifecycle.Failed) and "refused (n2)" in state.reason, state
+    assert not [t for t in driver.machine.trials if t.status in lifecycle.TRIALS]
+
+
+def test_a_nodes_actuation_bounds_narrow_the_power_caps_before_trial_0(tmp_path: Path) -> None:
+    """n2 caps at most 350 W: no trial ever asks it for more, and one line says so."""
+    section = coordinator_section(
+        trials=6,
+        patience=6,
+        confirm_best=False,
+        power_limits_w=[100, 400],
+        search_power_cap=True,
+    )
+    bounds = {"n2": NodeBounds(power_cap=True, max_w=350.0)}
+    driver = begin("j", NODES, tmp_path / "j.jsonl", section, Nodes(NODES, score), bounds=bounds)
+    driver.run_until_done()
+    caps = [p.settings["power_cap_w"] for p in driver.published if p.plan is not None]
+    assert caps and max(caps) <= 350, caps
+    assert statuses(driver) and "rejected" not in statuses(driver)
+    said = [line for line in driver.said if "n2" in line and "350" in line]
+    assert len(said) == 1, driver.said
+
+
+def test_a_job_no_node_can_run_any_point_of_fails_with_the_reason(tmp_path: Path) -> None:
+    section = coordinator_section(power_limits_w=[200, 400], search_power_cap=True)
+    bounds = {"n1": NodeBounds(power_cap=True, max_w=150.0)}
+    driver = begin("j", NODES, tmp_path / "j.jsonl", section, Nodes(NODES, score), bounds=bounds)
+    state = driver.machine.state
+    assert isinstance(state, lifecycle.Failed) and "n1" in state.reason, state
+    assert not driver.published
+
+
+def test_a_missing_energy_reading_is_not_a_trial(tmp_path: Path) -> None:
+    """An energy job on nodes whose energy counters do not answer: nothing is scored (no
+    penalty told to the tuner); the job pauses for "no energy reading" and says so."""
+    section = coordinator_section(objective="energy", trials=4, max_retries=2)
+    nodes = Nodes(NODES, score, energy=False)
+    driver = begin("j", NODES, tmp_path / "j.jsonl", section, nodes)
+    samples = 0.0
+    while not driver.machine.done and driver.now < 3600:  # the job steps on, every second
+        driver.advance(1.0)
+        samples += 100.0
+        for node in NODES:
+            driver.feed(tuning.Steps(driver.now, node, Progress(samples, 1.0, driver.now, 8)))
+    assert not [t for t in driver.machine.trials if t.status in lifecycle.TRIALS]
+    assert not [t for t in driver.machine.trials if t.status == "infeasible"]
+    state = driver.machine.state
+    assert isinstance(state, lifecycle.Failed) and "no energy reading" in state.reason, state
+
+
+def test_gpus_shared_with_another_job_leave_the_power_cap_out_and_say_why(
+    tmp_path: Path,
+) -> None:
+    section = coordinator_section(
+        objective="energy", trials=4, patience=4, confirm_best=False, power_limits_w=[100, 250]
+    )
+    driver = begin("j", NODES, tmp_path / "j.jsonl", section, Nodes(NODES, score), separable=False)
+    driver.run_until_done()
+    caps = {p.settings.get("power_cap_w") for p in driver.published}
+    assert len(caps) == 1, caps  # never searched: the cap the job started with
+    assert any("cannot tell this job's GPUs from another job's" in line for line in driver.said)
