@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import resource
 import socket
@@ -296,15 +297,20 @@ def node_names(count: int) -> list[str]:
     return [f"sim{i:05d}" for i in range(count)]
 
 
-def _coordinator_config(broker: str, state: Path, jobs: list[dict[str, Any]]) -> Any:
+def _coordinator_config(
+    broker: str, state: Path, jobs: list[dict[str, Any]], defaults: dict[str, Any] | None = None
+) -> Any:
     from hyperagent.config import build_config
 
+    section: dict[str, Any] = {"metrics_address": "", "state_dir": str(state), "jobs": jobs}
+    if defaults:
+        section["defaults"] = defaults
     return build_config(
         {
             "node": "coordinator",
             "cluster": CLUSTER,
             "mqtt": {"url": broker, "reconnect_min_s": 0.1},
-            "coordinator": {"metrics_address": "", "state_dir": str(state), "jobs": jobs},
+            "coordinator": section,
         }
     )
 
@@ -323,7 +329,10 @@ async def coordinator_worker(args: argparse.Namespace) -> None:
             self.ingested += 1
             await super()._on_telemetry(topic, payload)
 
-    config = _coordinator_config(args.broker, args.state, [])
+    if args.quiet:
+        logging.getLogger("hyperagent").setLevel(logging.ERROR)
+    defaults = orjson.loads(args.defaults) if args.defaults else None
+    config = _coordinator_config(args.broker, args.state, [], defaults)
     coordinator = CountingCoordinator(config, coordinator_link(config), SETTINGS_KEY)
     running = asyncio.create_task(coordinator.run(), name="coordinator")
     try:
@@ -339,6 +348,9 @@ async def coordinator_worker(args: argparse.Namespace) -> None:
                     "ingested": coordinator.ingested,
                     "invalid": coordinator.invalid_payloads,
                     "tracked_nodes": len(coordinator.registry.jobs.get(JOB, {})),
+                    "found": coordinator.found,
+                    "held": len(coordinator.tuned),
+                    "seen": len(coordinator.registry.jobs),
                     "cpu_s": cpu_seconds(),
                     "peak_rss_mib": peak_rss_mib(),
                 },
@@ -788,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--state", type=Path, required=True)
     p.add_argument("--every", type=float, default=0.25)
+    p.add_argument("--defaults", default="", help="[coordinator.defaults] as JSON")
+    p.add_argument("--quiet", action="store_true", help="log errors only")
     p = sub.add_parser("fanout")
     p.add_argument("--broker", required=True)
     p.add_argument("--nodes", type=int, required=True)

@@ -18,12 +18,13 @@ from prometheus_client import CollectorRegistry
 from tuner.driver import Driver, Nodes, begin, coordinator_section
 
 from hyperagent import bus
-from hyperagent.coordinator import Coordinator
+from hyperagent.config import build_config
+from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.notify import Notifier
 from hyperagent.tuner import tuning
 from hyperagent.tuner.jobstate import Progress
-from hyperagent.tuner.lifecycle import Backoff, Tuned
+from hyperagent.tuner.lifecycle import Backoff, Tuned, WaitingForRanks
 from hyperagent.tuner.trial import score
 from hyperagent.tuner.tuning import JobTuning as JobState
 
@@ -385,3 +386,75 @@ def test_a_journal_with_pauses_reads_back_and_reports(tmp_path: Path) -> None:
     assert [t["index"] for t in state.trials] == [0] and state.measured and state.version == 4
     _, trials, final, in_flight = read_journal(path)
     assert [t.status for t in trials] == ["ok"] and final is not None and in_flight is None
+
+
+# -- jobs are independent --------------------------------------------------------------------
+
+
+async def test_a_job_waiting_for_its_ranks_delays_no_other_jobs_drift_watch(
+    mosquitto: Mosquitto, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``stuck`` waits for ranks that never attach (8 of 16); ``ok``, tuned before the
+    coordinator started (its journal says so), slows to half its tuned throughput: the drift
+    watch re-tunes ``ok`` while ``stuck`` is still waiting."""
+    caplog.set_level(logging.INFO, logger="hyperagent")
+    policy = {"tune": "all", "trials": 1, "confirm_best": False, "drift_sustained_s": 1.0}
+    nodes = ("n0", "n1")
+    tuned = begin(
+        "ok",
+        nodes,
+        tmp_path / "ok.jsonl",
+        coordinator_section(**policy),
+        Nodes(nodes, lambda _: 1000.0),
+    )
+    tuned.run_until_done()
+    assert isinstance(tuned.machine.state, Tuned)
+    config = build_config(
+        {
+            "cluster": "c",
+            "mqtt": {"url": mosquitto.url},
+            "coordinator": {"state_dir": str(tmp_path), "metrics_address": "", "defaults": policy},
+        }
+    )
+    coordinator = Coordinator(config, coordinator_link(config), b"k" * 32)
+    running = asyncio.create_task(coordinator.run())
+
+    def telemetry(node: str, jobs: dict[str, Any], ts: float) -> bytes:
+        message = {"node": node, "ts": ts, "indicators": {}, "sources_up": {}, "jobs": jobs}
+        return bus.encode(message)
+
+    def ranks(first: int, world: int, samples: float, step_s: float) -> dict[str, Any]:
+        return {
+            "samples": samples,
+            "step_s": step_s,
+            "attached": 8,
+            "ranks": 8,
+            "rank_ids": list(range(first, first + 8)),
+            "world_size": world,
+            "tune": True,
+        }
+
+    try:
+        async with asyncio.timeout(10):
+            await coordinator.link.connected.wait()
+        samples = step_s = 0.0
+        async with asyncio.timeout(60):
+            while coordinator.jobs.get("ok") is None or coordinator.job("ok").rounds < 2:
+                samples += 250.0  # 500 samples/s a node when tuned: half that now
+                step_s += 8 * 1.0
+                for i, node in enumerate(nodes):
+                    payload = telemetry(node, {"ok": ranks(8 * i, 16, samples, step_s)}, step_s)
+                    await coordinator._on_telemetry(TOPICS.telemetry(node), payload)
+                stuck = telemetry("n2", {"stuck": ranks(0, 16, samples, step_s)}, step_s)
+                await coordinator._on_telemetry(TOPICS.telemetry("n2"), stuck)
+                await asyncio.sleep(1.0)
+        waiting = coordinator.job("stuck").state
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert isinstance(waiting, WaitingForRanks), waiting
+    starts = [e for e in entries(tmp_path / "ok.jsonl") if e["type"] == "start"]
+    assert len(starts) == 2, starts  # re-tuned: a second round began ...
+    said = [r.getMessage() for r in caplog.records]
+    assert "ok: throughput drifted below the tuned score; re-tuning" in said, said  # on drift
+    assert not [line for line in said if "starts over" in line], said
