@@ -153,35 +153,68 @@ def trial_span(entry: Mapping[str, Any], nodes: int | None = None) -> Span:
     return Span(seconds, throughput, sum(powers) * scale)
 
 
-def journal_cost(state: JournalState, objective: str, nodes: int | None = None) -> Cost | None:
-    """The cost of a journal's current round: its trials and confirmations so far against
-    its start (trial 0), the break-even at its final settings once it has them (their
-    confirmed score against the confirmed baseline), else at the best trial so far. None
-    before the start was measured. ``nodes``: the job's node count (the round's when None)."""
+def journal_cost(
+    state: JournalState, objective: str | None = None, nodes: int | None = None
+) -> Cost | None:
+    """The cost of a journal's current round (see :func:`round_cost`); ``nodes``: the job's
+    node count (the round's when None), ``objective`` as :func:`objective_of` says when None."""
     if nodes is None and state.start is not None:
         nodes = len(state.start.get("nodes") or []) or None
-    trials = state.trials
+    return round_cost(state.trials, state.final, objective, nodes, state.start)
+
+
+def round_cost(
+    trials: Sequence[Mapping[str, Any]],
+    final: Mapping[str, Any] | None,
+    objective: str | None = None,
+    nodes: int | None = None,
+    start_entry: Mapping[str, Any] | None = None,
+) -> Cost | None:
+    """The cost of one round's journal ``trial`` entries (and its ``final`` entry, if any):
+    its trials and confirmations so far against its start (trial 0), the break-even at its
+    final settings once it has them (their confirmed score against the confirmed baseline),
+    else at the best trial so far. None before the start was measured, or for energy without
+    the start's energy reading."""
     first = next((t for t in trials if t.get("index") == 0 and not t.get("confirmation")), None)
     if first is None or first.get("status") != "ok" or first.get("score") is None:
         return None
+    objective = objective or objective_of(trials, start_entry, nodes)
     start = trial_span(first, nodes)
     if objective == "energy" and start.power_w is None:
         return None
     start_score = float(first["score"])
-    best_score, best_settings = _best(state, trials)
-    if state.final is not None and state.final.get("baseline") is not None:
-        start_score = float(state.final["baseline"])
-    power = _power_at(trials, best_settings, nodes)
-    spans = [trial_span(t, nodes) for t in trials]
+    best_score, best_settings = _best(final, trials)
+    if final is not None and final.get("baseline") is not None:
+        start_score = float(final["baseline"])
     if not start_score > 0:
         return None
+    power = _power_at(trials, best_settings, nodes)
+    spans = [trial_span(t, nodes) for t in trials]
     return tuning_cost(spans, objective, start_score, best_score, start.power_w, power)
 
 
+def objective_of(
+    trials: Sequence[Mapping[str, Any]],
+    start_entry: Mapping[str, Any] | None = None,
+    nodes: int | None = None,
+) -> str:
+    """The round's objective: its ``start`` entry's ``objective``, else what trial 0's score
+    is (the job's throughput from its reports: throughput; else energy)."""
+    if start_entry is not None and start_entry.get("objective") in ("throughput", "energy"):
+        return str(start_entry["objective"])
+    first = next((t for t in trials if t.get("index") == 0 and not t.get("confirmation")), None)
+    if first is None or first.get("score") is None:
+        return "throughput"
+    rate = trial_span(first, nodes).throughput
+    score = float(first["score"])
+    if rate is not None and abs(rate - score) <= 1e-6 * max(abs(score), 1.0):
+        return "throughput"
+    return "energy" if trial_span(first, nodes).power_w is not None else "throughput"
+
+
 def _best(
-    state: JournalState, trials: Sequence[Mapping[str, Any]]
+    final: Mapping[str, Any] | None, trials: Sequence[Mapping[str, Any]]
 ) -> tuple[float | None, Mapping[str, Any] | None]:
-    final = state.final
     if final is not None and final.get("score") is not None:
         return float(final["score"]), final.get("settings")
     scored = [t for t in trials if t.get("status") == "ok" and t.get("score") is not None]

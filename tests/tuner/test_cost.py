@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from hyperagent.tuner.cost import Span, duration_text, journal_cost, trial_span, tuning_cost
+from hyperagent.tuner.cost import (
+    Span,
+    duration_text,
+    journal_cost,
+    objective_of,
+    trial_span,
+    tuning_cost,
+)
 from hyperagent.tuner.journal import Journal
 
 START = {"bucket_mb": 25, "chunk_kb": 1024}
@@ -192,6 +199,18 @@ def test_only_the_current_round_counts(tmp_path: Path) -> None:
     journal.append(entry(0, BEST, 1100.0))
     cost = journal_cost(journal.load(), "throughput")
     assert cost is not None and cost.seconds == 10.0 and cost.lost == 0.0
+
+
+def test_the_objective_is_the_start_entrys_or_what_trial_zero_scored(tmp_path: Path) -> None:
+    throughput = [entry(0, START, 1000.0, energy_per_s=500.0)]
+    throughput[0]["score"] = 1000.0
+    energy = [entry(0, START, 1000.0, energy_per_s=500.0)]
+    assert objective_of(throughput) == "throughput"
+    assert objective_of(energy) == "energy"
+    assert objective_of(energy, {"type": "start", "objective": "throughput"}) == "throughput"
+    journal = journal_of(tmp_path, [*energy, entry(1, BEST, 900.0, energy_per_s=300.0)])
+    cost = journal_cost(journal.load())
+    assert cost is not None and cost.objective == "energy"
 
 
 def test_trial_span_reads_a_reports_rate_and_power() -> None:
