@@ -140,6 +140,7 @@ def test_the_report_says_what_the_tuning_cost_and_when_it_pays_back(tmp_path: Pa
     assert cost.break_even_s == pytest.approx(1085.0 / 105.0)
     assert "cost: lost 1.3% of 104 s (1.08e+03 samples), break-even 10 s" in out.read_text()
 
+
 def test_a_running_tuning_renders_with_its_best_so_far(tmp_path: Path) -> None:
     path = tmp_path / "running.jsonl"
     write_journal(path, TRIALS[:4], in_flight={**START, "bucket_mb": 256})
