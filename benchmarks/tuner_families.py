@@ -507,12 +507,18 @@ def _mid(ordered: list[float | None]) -> float | None:
 
 def cost_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     judged = sum(r["worse"] + r["better"] for r in rows)
+    losing = [r for r in rows if r["lost_ratio"] > 0]
     return {
         "seconds": statistics.median(r["seconds"] for r in rows),
         "quality": statistics.median(r["quality"] for r in rows),
         "lost_ratio": statistics.median(r["lost_ratio"] for r in rows),
         "break_even_s": _median_break_even([r["break_even_s"] for r in rows]),
         "never": sum(r["break_even_s"] is None for r in rows),
+        "losing": len(losing),
+        "losing_lost_ratio": statistics.median(r["lost_ratio"] for r in losing) if losing else None,
+        "losing_break_even_s": _median_break_even([r["break_even_s"] for r in losing])
+        if losing
+        else None,
         "searched": statistics.median(r["searched"] for r in rows),
         "worse": sum(r["worse"] for r in rows),
         "better": sum(r["better"] for r in rows),
@@ -537,7 +543,12 @@ def cost_main(args: argparse.Namespace, chosen: list[str]) -> int:
         for task, row in pool.map(_cost_task, tasks, chunksize=1):
             results[task] = row
     elapsed = time.perf_counter() - started
-    report: dict[str, Any] = {"families": {}, "seconds": elapsed, "noise": args.noise}
+    report: dict[str, Any] = {
+        "families": {},
+        "seconds": elapsed,
+        "noise": args.noise,
+        "runs": [{"task": list(t), **row} for t, row in results.items()],
+    }
     for name in chosen:
         report["families"][name] = {
             arm: cost_summary(
@@ -550,13 +561,14 @@ def cost_main(args: argparse.Namespace, chosen: list[str]) -> int:
         title=(
             f"The tuning's cost, median over {args.landscapes} landscapes per family (seed"
             f" {args.seed}, noise {noise}): wall time, samples lost (share of the tuning's time"
-            f" at the start's rate), break-even at the chosen settings, final value (share of"
-            f" the optimum)"
+            f" at the start's rate), break-even at the chosen settings; of the tunings that lost"
+            f" samples, how many, their median loss and break-even; final value (share of the"
+            f" optimum)"
         ),
         title_justify="left",
     )
     table.add_column("family")
-    metrics = ("wall", "lost", "break-even", "final")
+    metrics = ("wall", "lost", "break-even", "losing", "final")
     for what in metrics:
         for arm in arms:
             table.add_column(f"{what} {arm}", justify="right")
@@ -574,6 +586,12 @@ def cost_main(args: argparse.Namespace, chosen: list[str]) -> int:
                 elif what == "break-even":
                     even = f["break_even_s"]
                     cells.append("never" if even is None else duration_text(even))
+                elif what == "losing":
+                    even = f["losing_break_even_s"]
+                    when = "never" if even is None else duration_text(even)
+                    share = f["losing_lost_ratio"]
+                    lost = "" if share is None else f" {share:.1%},"
+                    cells.append(f"{f['losing']}:{lost} {when}" if f["losing"] else "0")
                 else:
                     cells.append(f"{f['quality']:.1%}")
         if "full" in arms:
