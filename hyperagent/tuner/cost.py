@@ -175,7 +175,7 @@ def round_cost(
     final settings once it has them (their confirmed score against the confirmed baseline),
     else at the best trial so far. None before the start was measured, or for energy without
     the start's energy reading."""
-    first = next((t for t in trials if t.get("index") == 0 and not t.get("confirmation")), None)
+    first = _first(trials)
     if first is None or first.get("status") != "ok" or first.get("score") is None:
         return None
     objective = objective or objective_of(trials, start_entry, nodes)
@@ -202,7 +202,7 @@ def objective_of(
     is (the job's throughput from its reports: throughput; else energy)."""
     if start_entry is not None and start_entry.get("objective") in ("throughput", "energy"):
         return str(start_entry["objective"])
-    first = next((t for t in trials if t.get("index") == 0 and not t.get("confirmation")), None)
+    first = _first(trials)
     if first is None or first.get("score") is None:
         return "throughput"
     rate = trial_span(first, nodes).throughput
@@ -210,6 +210,11 @@ def objective_of(
     if rate is not None and abs(rate - score) <= 1e-6 * max(abs(score), 1.0):
         return "throughput"
     return "energy" if trial_span(first, nodes).power_w is not None else "throughput"
+
+
+def _first(trials: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """Trial 0: the start."""
+    return next((t for t in trials if t.get("index") == 0 and not t.get("confirmation")), None)
 
 
 def _best(
