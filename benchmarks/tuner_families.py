@@ -41,6 +41,17 @@ whose optima the seed table matches, at the same noise, ``--sim-seeds`` seeds ea
 
     python benchmarks/tuner_families.py [--landscapes 60] [--trials 40] [--jobs 2]
         [--families 4-nccl-throughput ...] [--json FILE] [--reuse FILE ...] [--seed 0]
+    python benchmarks/tuner_families.py --cost [--arms full early] [--landscapes 60] ...
+
+``--cost [--arms full early ...]`` runs whole tunings instead, as the coordinator does (its
+default budget of 30 search trials, patience 10, the abort line, the four confirmations), each
+trial measured window by window under the default plan (settling 3 s, windows of 1.25 s, at
+least 4, on until 2% standard error or 16), a window's spread being the drawn standard error
+times sqrt(8) (the demo's trials had 5-8 windows). Per family it reports the median wall time,
+samples lost against the start (:mod:`hyperagent.tuner.cost`; for energy at a constant power,
+so in joules as in seconds), the break-even at the chosen settings and their noiseless value,
+for every trial measured in full (``full``) and with :mod:`hyperagent.tuner.early`'s rule
+(``early``), and how many early stops were wrong in truth.
 
 ``--reuse FILE ...`` takes the baselines' runs (scikit-optimize and random search) from earlier
 ``--json`` files (those of the same seed, noise and budget) and measures only what they lack
@@ -74,8 +85,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 import tuner as sim_benchmark  # noqa: E402
 
+from hyperagent.tuner.cost import Span, duration_text, tuning_cost  # noqa: E402
+from hyperagent.tuner.early import EarlyStop, Verdict, told  # noqa: E402
 from hyperagent.tuner.optimizer import Tuner  # noqa: E402
 from hyperagent.tuner.space import OBJECTIVES, SearchSpace, Settings  # noqa: E402
+from hyperagent.tuner.trial import MeasurementPlan, compare  # noqa: E402
 
 NODES = (4, 16, 128)
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -320,6 +334,303 @@ def sim_landscapes() -> tuple[sim_benchmark.Landscape, ...]:
     )
 
 
+# -- the tuning's cost, with and without early-stopped trials (--cost) --------------------
+
+PLAN = MeasurementPlan()
+"""The coordinator's default measurement: at least 4 windows of 1.25 s, on until the standard
+error is 2% of the score or 16 windows are done, after 3 s of settling."""
+ACK_S = 0.5
+"""Seconds from publishing a trial's settings to every node's ack."""
+DEMO_WINDOWS = 8
+"""Windows behind each of :data:`MEASURED_REL_SE` (the demo's plan stops at 8): a window's own
+spread is that standard error times sqrt(8), a median of 11%, as the demo measured."""
+ABORT_BELOW = 0.7
+PATIENCE = 10
+CONFIRM_ORDER = ("start", "best", "best", "start")
+COST_TRIALS = 30
+"""The coordinator's default budget of search trials."""
+ARMS = {
+    "full": None,
+    "early": EarlyStop(),
+    "early-worse": EarlyStop(stop_better=False),
+    "early-2": EarlyStop(min_windows=2),
+}
+"""``full``: every trial measured to the plan's end (the guardrail's abort alone ends one
+early); ``early``: :class:`hyperagent.tuner.early.EarlyStop` stops a search trial once it is
+clearly worse or clearly better than the incumbent; ``early-worse``: only when worse;
+``early-2``: both, judged from the second window on."""
+
+
+@dataclass
+class SimulatedRun:
+    """One trial (or confirmation) of a simulated tuning."""
+
+    settings: Settings
+    windows: list[float]
+    status: str
+    """ok, aborted, worse or better (the last two: stopped early)."""
+
+    @property
+    def seconds(self) -> float:
+        return ACK_S + PLAN.settle_s + len(self.windows) * PLAN.window_s
+
+    @property
+    def score(self) -> float:
+        return statistics.median(self.windows) if self.status == "ok" else told(self.windows)[0]
+
+
+def measure_run(
+    problem: Problem,
+    settings: Settings,
+    rng: random.Random,
+    baseline: float | None = None,
+    incumbent: list[float] | None = None,
+    early: EarlyStop | None = None,
+) -> SimulatedRun:
+    """Measure ``settings`` window by window as an agent does, stopping as the coordinator
+    would: the abort line (throughput only: energy has no partial score), the early rule
+    against ``incumbent``'s windows, the plan's precision or its cap."""
+    sigma = rng.choice(MEASURED_REL_SE) if problem.noise is None else problem.noise
+    spread = sigma * math.sqrt(DEMO_WINDOWS)
+    value = problem.value(settings)
+    windows: list[float] = []
+    while True:
+        windows.append(value * rng.lognormvariate(0.0, spread))
+        mean = statistics.fmean(windows)
+        if baseline is not None and problem.objective == "throughput":
+            if mean < ABORT_BELOW * baseline:
+                return SimulatedRun(settings, windows, "aborted")
+        if early is not None and incumbent:
+            verdict = early.judge(windows, incumbent)
+            if verdict is not Verdict.MEASURE_ON:
+                return SimulatedRun(settings, windows, str(verdict))
+        n = len(windows)
+        if n >= PLAN.windows and (
+            n >= PLAN.window_cap or statistics.stdev(windows) / math.sqrt(n) <= 0.02 * mean
+        ):
+            return SimulatedRun(settings, windows, "ok")
+
+
+def simulate_tuning(
+    problem: Problem, seed: int, early: EarlyStop | None, trials: int = COST_TRIALS
+) -> dict[str, Any]:
+    """One whole tuning as the coordinator runs it: search trials up to the budget or until
+    the tuner converged, the confirmations (start, best, best, start, full length), the
+    chosen settings. A settings' n-th measurement draws the same noise whatever the arm, so
+    arms differ by their rules alone."""
+    tuner = Tuner(problem.space, seed=seed, objective=problem.objective)
+    seen: dict[tuple[Any, ...], int] = {}
+
+    def rng_for(settings: Settings) -> random.Random:
+        key = tuple(sorted(settings.items()))
+        seen[key] = seen.get(key, 0) + 1
+        return random.Random(f"{seed}/{key}/{seen[key]}")
+
+    runs: list[SimulatedRun] = []
+    best: SimulatedRun | None = None
+    cuts = {"worse": 0, "better": 0, "false_worse": 0, "false_better": 0}
+    for _ in range(trials):
+        settings = tuner.ask()
+        baseline = runs[0].score if runs else None
+        run = measure_run(
+            problem, settings, rng_for(settings), baseline, best.windows if best else None, early
+        )
+        runs.append(run)
+        if run.status in ("worse", "better") and best is not None:
+            cuts[run.status] += 1
+            truth, against = problem.value(run.settings), problem.value(best.settings)
+            if run.status == "worse" and truth >= against:
+                cuts["false_worse"] += 1
+            elif run.status == "better" and truth < against:
+                cuts["false_better"] += 1
+        noise = told(run.windows)[1] if problem.objective == "throughput" else None
+        tuner.tell(settings, run.score, noise=None if run.status == "aborted" else noise)
+        if run.status != "aborted" and (best is None or run.score > best.score):
+            best = run
+        if tuner.n_told >= PATIENCE and tuner.converged(PATIENCE):
+            break
+    assert best is not None
+    searched = len(runs)
+    start = runs[0].settings
+    chosen, start_score, best_score = best.settings, runs[0].score, best.score
+    candidate = (tuner.best or (best.settings, 0.0))[0]
+    if candidate == start:
+        others = [r for r in runs if r.status != "aborted" and r.settings != start]
+        candidate = max(others, key=lambda r: r.score).settings if others else start
+    if candidate != start:
+        samples: dict[str, list[float]] = {"start": [], "best": []}
+        for which in CONFIRM_ORDER:
+            settings = start if which == "start" else candidate
+            run = measure_run(problem, settings, rng_for(settings))
+            runs.append(run)
+            samples[which] += run.windows
+        gain = compare(samples["start"], samples["best"])
+        if gain is not None:
+            start_score = gain.baseline
+            chosen, best_score = (candidate, gain.best) if gain.better else (start, gain.baseline)
+    spans = [Span(r.seconds, statistics.fmean(r.windows), 1.0) for r in runs]
+    cost = tuning_cost(spans, problem.objective, start_score, best_score, 1.0, 1.0)
+    optimum = problem.target / TARGET
+    return {
+        "searched": searched,
+        "seconds": cost.seconds,
+        "quality": problem.value(chosen) / optimum,
+        "lost_ratio": cost.lost_ratio,
+        "break_even_s": cost.break_even_s,
+        "windows": sum(len(r.windows) for r in runs),
+        **cuts,
+    }
+
+
+CostTask = tuple[str, int, str, int, float | None]
+"""(family name, landscape index, arm, seed, noise)."""
+
+
+def _cost_task(task: CostTask) -> tuple[CostTask, dict[str, Any]]:
+    name, index, arm, seed, noise = task
+    family = next(f for f in FAMILIES if f.name == name)
+    problem = family_problem(Landscape(family, index, seed), noise)
+    with threadpool_limits(limits=1, user_api="blas"):
+        return task, simulate_tuning(problem, index, ARMS[arm])
+
+
+def _median_break_even(values: list[float | None]) -> float | None:
+    """The median, a tuning that never breaks even counting as the longest (None: never)."""
+    ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+    return ordered[(len(ordered) - 1) // 2] if len(ordered) % 2 else _mid(ordered)
+
+
+def _mid(ordered: list[float | None]) -> float | None:
+    a, b = ordered[len(ordered) // 2 - 1], ordered[len(ordered) // 2]
+    return None if a is None or b is None else (a + b) / 2
+
+
+def cost_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    judged = sum(r["worse"] + r["better"] for r in rows)
+    losing = [r for r in rows if r["lost_ratio"] > 0]
+    return {
+        "seconds": statistics.median(r["seconds"] for r in rows),
+        "quality": statistics.median(r["quality"] for r in rows),
+        "lost_ratio": statistics.median(r["lost_ratio"] for r in rows),
+        "break_even_s": _median_break_even([r["break_even_s"] for r in rows]),
+        "never": sum(r["break_even_s"] is None for r in rows),
+        "losing": len(losing),
+        "losing_lost_ratio": statistics.median(r["lost_ratio"] for r in losing) if losing else None,
+        "losing_break_even_s": _median_break_even([r["break_even_s"] for r in losing])
+        if losing
+        else None,
+        "searched": statistics.median(r["searched"] for r in rows),
+        "worse": sum(r["worse"] for r in rows),
+        "better": sum(r["better"] for r in rows),
+        "false_worse": sum(r["false_worse"] for r in rows),
+        "false_better": sum(r["false_better"] for r in rows),
+        "judged": judged,
+    }
+
+
+def cost_main(args: argparse.Namespace, chosen: list[str]) -> int:
+    """``--cost``: every family's tunings in each arm, their cost and their wall time."""
+    arms = args.arms
+    tasks: list[CostTask] = [
+        (name, index, arm, args.seed, args.noise)
+        for name in chosen
+        for index in range(args.landscapes)
+        for arm in arms
+    ]
+    started = time.perf_counter()
+    results: dict[CostTask, dict[str, Any]] = {}
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for task, row in pool.map(_cost_task, tasks, chunksize=1):
+            results[task] = row
+    elapsed = time.perf_counter() - started
+    report: dict[str, Any] = {
+        "families": {},
+        "seconds": elapsed,
+        "noise": args.noise,
+        "runs": [{"task": list(t), **row} for t, row in results.items()],
+    }
+    for name in chosen:
+        report["families"][name] = {
+            arm: cost_summary(
+                [results[(name, i, arm, args.seed, args.noise)] for i in range(args.landscapes)]
+            )
+            for arm in arms
+        }
+    noise = "measured" if args.noise is None else f"{args.noise:.0%}"
+    table = Table(
+        title=(
+            f"The tuning's cost, median over {args.landscapes} landscapes per family (seed"
+            f" {args.seed}, noise {noise}): wall time, samples lost (share of the tuning's time"
+            f" at the start's rate), break-even at the chosen settings; of the tunings that lost"
+            f" samples, how many, their median loss and break-even; final value (share of the"
+            f" optimum)"
+        ),
+        title_justify="left",
+    )
+    table.add_column("family")
+    metrics = ("wall", "lost", "break-even", "losing", "final")
+    for what in metrics:
+        for arm in arms:
+            table.add_column(f"{what} {arm}", justify="right")
+    if "full" in arms:
+        table.add_column("wall saved", justify="right")
+    for name, figures in report["families"].items():
+        cells = []
+        for what in metrics:
+            for arm in arms:
+                f = figures[arm]
+                if what == "wall":
+                    cells.append(duration_text(f["seconds"]))
+                elif what == "lost":
+                    cells.append(f"{f['lost_ratio']:.1%}")
+                elif what == "break-even":
+                    even = f["break_even_s"]
+                    cells.append("never" if even is None else duration_text(even))
+                elif what == "losing":
+                    even = f["losing_break_even_s"]
+                    when = "never" if even is None else duration_text(even)
+                    share = f["losing_lost_ratio"]
+                    lost = "" if share is None else f" {share:.1%},"
+                    cells.append(f"{f['losing']}:{lost} {when}" if f["losing"] else "0")
+                else:
+                    cells.append(f"{f['quality']:.1%}")
+        if "full" in arms:
+            full = figures["full"]["seconds"]
+            saved = [f"{1 - figures[a]['seconds'] / full:.0%}" for a in arms if a != "full"]
+            cells.append(" ".join(saved))
+        table.add_row(name, *cells)
+    Console(width=200).print(table)
+    console = Console(width=200)
+    for arm in arms:
+        if arm == "full":
+            continue
+        rows = [v for k, v in results.items() if k[2] == arm]
+        summary_ = cost_summary(rows)
+        console.print(
+            f"{arm}: {summary_['worse']} trials stopped as worse ({summary_['false_worse']} of"
+            f" them in truth at least as good as the incumbent:"
+            f" {summary_['false_worse'] / max(1, summary_['worse']):.1%}), {summary_['better']}"
+            f" as better ({summary_['false_better']} in truth worse)"
+        )
+        if "full" in arms:
+            full_rows = [v for k, v in results.items() if k[2] == "full"]
+            wall = 1 - statistics.median(r["seconds"] for r in rows) / statistics.median(
+                r["seconds"] for r in full_rows
+            )
+            quality = statistics.median(r["quality"] for r in rows) - statistics.median(
+                r["quality"] for r in full_rows
+            )
+            mark = "ok" if wall >= 0.25 and quality >= -0.01 else "MISSED"
+            console.print(
+                f"done-when {mark:6} {arm}: median wall time {wall:.0%} lower (>= 25%), median"
+                f" final value {quality:+.1%} of the optimum against full trials (>= -1%)"
+            )
+    console.print(f"total {elapsed:.0f} s with {args.jobs} worker(s), {len(tasks)} tunings")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 Task = tuple[str, str, int, str, int, int, float | None]
 """(kind "family" or "sim", family or landscape name, index, method, seed, trials, noise)."""
 
@@ -379,6 +690,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse", type=Path, nargs="+", default=[], help="the baselines' runs from these"
     )
+    parser.add_argument(
+        "--cost", action="store_true", help="whole tunings: their cost and wall time per arm"
+    )
+    parser.add_argument("--arms", nargs="+", default=["full", "early"], choices=list(ARMS))
     args = parser.parse_args(argv)
     if min(args.landscapes, args.trials, args.jobs) < 1 or args.sim_seeds < 0:
         parser.error("--landscapes, --trials and --jobs must be positive")
@@ -386,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.families or names
     if unknown := set(chosen) - set(names):
         parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(names)}")
+    if args.cost:
+        return cost_main(args, chosen)
     methods = [m for m in METHODS if m in args.methods]
     sims = [ls.name for ls in sim_landscapes()]
     noise = "measured" if args.noise is None else f"{args.noise:.0%}"

@@ -16,6 +16,7 @@ table of the trials. Matplotlib draws with its Agg canvas, without pyplot's glob
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import math
@@ -33,6 +34,7 @@ from matplotlib.lines import Line2D
 
 from hyperagent import durable
 from hyperagent.errors import HyperagentError
+from hyperagent.tuner.cost import Cost, round_cost
 from hyperagent.tuner.space import KNOBS
 from hyperagent.tuner.trial import interval_text
 
@@ -105,6 +107,9 @@ class ReportSummary:
     """The confirmed gain's interval (the best trial's, also when it was no better)."""
     candidate_gain: float | None = None
     """The best trial's confirmed gain, also when its interval reached zero or below."""
+    cost: Cost | None = None
+    """What the tuning cost the job against its start, and its break-even (None before the
+    start was measured)."""
 
     def outcome(self) -> str:
         """The gain in words: with its interval once confirmed, or that no setting was better."""
@@ -128,6 +133,9 @@ class _Round:
     trials: list[Trial] = field(default_factory=list)
     final: dict[str, Any] | None = None
     in_flight: int | None = None
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    """The round's trial entries as journaled (for its cost)."""
+    start: dict[str, Any] | None = None
 
 
 def _number(entry: Mapping[str, Any], key: str, optional: bool = False) -> float | None:
@@ -186,6 +194,7 @@ def _apply(state: _Round, entry: object) -> None:
     kind = entry.get("type")
     if kind == "start":
         state.trials, state.final, state.in_flight = [], None, None
+        state.entries, state.start = [], entry
         if isinstance(entry.get("job"), str):
             state.job = entry["job"]
     elif kind == "published":
@@ -198,6 +207,7 @@ def _apply(state: _Round, entry: object) -> None:
         if any(t.index == trial_.index for t in state.trials):
             raise ValueError(f"trial {trial_.index} recorded twice")
         state.trials.append(trial_)
+        state.entries.append(entry)
         if state.in_flight == trial_.index:
             state.in_flight = None
     elif kind in ("paused", "confirm", "ended"):
@@ -217,6 +227,11 @@ def read_journal(path: Path) -> tuple[str, list[Trial], dict[str, Any] | None, i
     """(job, trials, final entry or None, in-flight trial index or None) of the journal's last
     round, with the entries this process appended written first. Raises ReportError naming the
     file, and the line for a bad entry."""
+    state = _read_round(path)
+    return state.job, state.trials, state.final, state.in_flight
+
+
+def _read_round(path: Path) -> _Round:
     durable.wait()
     try:
         data = path.read_bytes()
@@ -240,7 +255,7 @@ def read_journal(path: Path) -> tuple[str, list[Trial], dict[str, Any] | None, i
             raise ReportError(f"{path}:{number}: not a journal entry: {e}") from None
     if not state.trials:
         raise ReportError(f"{path}: the journal has no finished trial to draw yet")
-    return state.job, state.trials, state.final, state.in_flight
+    return state
 
 
 def _summarise(
@@ -322,7 +337,10 @@ def _title(summary: ReportSummary) -> str:
         return f"{head}\nno successful trial yet"
     word = "chosen" if summary.finished else "best so far"
     best = f"{summary.best:.4g}" if summary.best is not None else "-"
-    return f"{head}\n{word}: {describe_settings(summary.chosen)}, score {best}\n{summary.outcome()}"
+    text = f"{head}\n{word}: {describe_settings(summary.chosen)}, score {best}\n{summary.outcome()}"
+    if summary.cost is not None:
+        text += f"\ncost: {summary.cost.describe()}"
+    return text
 
 
 def _draw_scores(ax: Axes, trials: Sequence[Trial], summary: ReportSummary) -> None:
@@ -485,8 +503,15 @@ def render_report(journal_path: Path, out: Path) -> ReportSummary:
         raise ReportError(
             f"{out}: the report is written as .png or .html, not {suffix or 'no suffix'!r}"
         )
-    job, trials, final, in_flight = read_journal(journal_path)
+    state = _read_round(journal_path)
+    job, trials, final, in_flight = state.job, state.trials, state.final, state.in_flight
     summary = _summarise(journal_path, out, job, trials, final, in_flight)
+    nodes = len((state.start or {}).get("nodes") or []) or None
+    try:
+        cost = round_cost(state.entries, final, nodes=nodes, start_entry=state.start)
+    except (TypeError, ValueError, AttributeError):
+        cost = None  # a hand-written or older journal without the reports' fields
+    summary = dataclasses.replace(summary, cost=cost)
     png = _png(draw(trials, summary))
     data = png if suffix == ".png" else _html(png, trials, summary).encode("utf-8")
     try:

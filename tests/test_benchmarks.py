@@ -138,6 +138,35 @@ def test_tuner_families_benchmark_reports_each_method_per_family(tmp_path: Path)
     assert "20 searches" in again.stdout, again.stdout  # the baselines' 12 runs reused
 
 
+def test_tuner_families_cost_reports_each_arm(tmp_path: Path) -> None:
+    """``--cost`` cut to seconds: whole tunings of one family with and without early-stopped
+    trials, their wall time, samples lost, break-even and final value, and the verdict."""
+    out = tmp_path / "cost.json"
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "tuner_families.py"),
+        "--cost",
+        "--families",
+        "16-nccl-throughput",
+        "--landscapes",
+        "2",
+        "--jobs",
+        "1",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    family = json.loads(out.read_text())["families"]["16-nccl-throughput"]
+    assert set(family) == {"full", "early"}
+    full, early = family["full"], family["early"]
+    assert full["judged"] == 0 and early["judged"] > 0  # the full arm never stops a trial early
+    assert early["seconds"] < full["seconds"]
+    for arm in (full, early):
+        assert 0 < arm["quality"] <= 1 and -1 < arm["lost_ratio"] < 1
+    assert "done-when" in result.stdout and "stopped as worse" in result.stdout
+
+
 TOPICS = [
     "hyperagent/v1/c/node/gpu-1/telemetry",
     "hyperagent/v1/c/node/gpu-1/status",

@@ -128,6 +128,19 @@ def test_html_embeds_the_png_and_tables_every_trial(tmp_path: Path) -> None:
     assert summary.trials == len(rows)
 
 
+def test_the_report_says_what_the_tuning_cost_and_when_it_pays_back(tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    summary = render_report(finished(tmp_path), out)
+    cost = summary.cost
+    assert cost is not None and cost.objective == "throughput"
+    # 104 s at the start's 800/s: 83,200 samples; the trials trained 82,115 (the two without a
+    # measurement counted at the start's rate)
+    assert cost.seconds == pytest.approx(104.0) and cost.unmeasured_s == pytest.approx(29.0)
+    assert cost.lost == pytest.approx(1085.0)
+    assert cost.break_even_s == pytest.approx(1085.0 / 105.0)
+    assert "cost: lost 1.3% of 104 s (1.08e+03 samples), break-even 10 s" in out.read_text()
+
+
 def test_a_running_tuning_renders_with_its_best_so_far(tmp_path: Path) -> None:
     path = tmp_path / "running.jsonl"
     write_journal(path, TRIALS[:4], in_flight={**START, "bucket_mb": 256})

@@ -196,7 +196,9 @@ class TrialMeasurement:
         return min(r.closed for r in self._ranks.values())
 
     def so_far(self) -> Measurement:
-        """The measured steps so far as one window (for partial reports)."""
+        """The measured steps so far (for partial reports): their throughput as one window's,
+        and ``windows`` the windows every rank has finished (what an early judgement of the
+        trial goes by)."""
         measured = {n: r.measured for n, r in self._ranks.items()}
         samples = sum(s.samples for steps in measured.values() for s in steps)
         seconds = max((r.measured_s for r in self._ranks.values()), default=0.0)
@@ -206,7 +208,8 @@ class TrialMeasurement:
             if (total := sum(s.step_s for s in steps)) > 0
         )
         steps = sum(len(s) for s in measured.values())
-        return Measurement(samples, seconds, throughput, [throughput], steps, self.nonfinite_loss)
+        windows = self._window_throughputs(self.completed_windows)
+        return Measurement(samples, seconds, throughput, windows, steps, self.nonfinite_loss)
 
     def result(self) -> Measurement:
         """The measurement: its finished windows (once phase is DONE: all of them)."""

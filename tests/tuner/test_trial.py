@@ -75,6 +75,19 @@ def test_steady_windows_stop_at_the_minimum_and_noisy_ones_at_the_cap() -> None:
     assert len(noisy.result().windows) == 6
 
 
+def test_a_partial_report_carries_the_finished_windows() -> None:
+    """What the coordinator judges a trial early by: every window the ranks have closed."""
+    plan = MeasurementPlan(
+        settle_steps=0, settle_s=0.0, measure_steps=8, measure_s=0.0, windows=4, target_rel_se=1
+    )
+    m = TrialMeasurement(version=1, plan=plan)
+    m.add(step(1))  # settled
+    feed_windows(m, [200.0, 400.0])
+    m.add(step(1, samples=50))  # a third window begun, not finished
+    partial = m.so_far()
+    assert partial.windows == [200.0, 400.0]
+    assert partial.steps == 5
+
 def test_gain_interval_from_the_windows_spread() -> None:
     # by hand: means 100 and 110, each window variance 8/3 over 4 windows; ratio 1.1 with
     # standard error 1.1 * sqrt(0.6667/100^2 + 0.6667/110^2) = 0.012138 on 6.0 degrees of
