@@ -130,6 +130,17 @@ _CORE: dict[str, str] = {
     "hyperagent_tuner_baseline_score": "Score of the job's starting settings (higher is better).",
     "hyperagent_tuner_best_score": "Best score measured so far for the job.",
     "hyperagent_tuner_last_score": "Score of the job's last measured trial.",
+    "hyperagent_tuner_tuning_seconds": "Wall time of the job's tuning round so far (its trials).",
+    "hyperagent_tuner_samples_lost": (
+        "Samples the tuning round lost against running its start settings for the same time "
+        "(energy: for the same energy); negative when it trained more."
+    ),
+    "hyperagent_tuner_samples_lost_ratio": (
+        "hyperagent_tuner_samples_lost over the samples the start settings would have trained."
+    ),
+    "hyperagent_tuner_break_even_seconds": (
+        "Seconds at the chosen settings that win the lost samples back (absent: never)."
+    ),
     "hyperagent_tuner_trial_started_timestamp_seconds": (
         "Unix time the running trial's settings went out."
     ),

@@ -112,6 +112,13 @@ def job_readings(state: JobTuning) -> list[Reading]:
         out.append(Reading("hyperagent_tuner_baseline_score", state.baseline, scored))
     if state.best is not None:
         out.append(Reading("hyperagent_tuner_best_score", state.best[1], scored))
+    spent = state.cost()
+    if spent is not None:
+        out.append(Reading("hyperagent_tuner_tuning_seconds", spent.seconds, scored))
+        out.append(Reading("hyperagent_tuner_samples_lost", spent.lost, scored))
+        out.append(Reading("hyperagent_tuner_samples_lost_ratio", spent.lost_ratio, scored))
+        if spent.break_even_s is not None:
+            out.append(Reading("hyperagent_tuner_break_even_seconds", spent.break_even_s, scored))
     last = next((t for t in reversed(state.trials) if t.score is not None), None)
     if last is not None and last.score is not None:
         out.append(Reading("hyperagent_tuner_last_score", last.score, scored))

@@ -28,6 +28,7 @@ from typing import Any
 from hyperagent.config import JobTuningSection
 from hyperagent.tuner import lifecycle
 from hyperagent.tuner import membership as members
+from hyperagent.tuner.cost import Cost, round_cost
 from hyperagent.tuner.discovery import JobView, SpacePlan, fingerprint
 from hyperagent.tuner.jobstate import Progress, TrialRecord
 from hyperagent.tuner.journal import JournalState
@@ -1087,6 +1088,8 @@ class JobTuning:
         self.final_version = self.version
         if not self.final_journalled:
             confirmed = self.confirmed
+            self.final_journalled = True
+            spent = self.cost()
             out.append(
                 Journal(
                     {
@@ -1105,15 +1108,26 @@ class JobTuning:
                             if confirmed is not None
                             else {}
                         ),
+                        **(
+                            {
+                                "cost": {
+                                    "seconds": spent.seconds,
+                                    "samples_lost": spent.lost,
+                                    "samples_lost_ratio": spent.lost_ratio,
+                                    "break_even_s": spent.break_even_s,
+                                }
+                            }
+                            if spent is not None
+                            else {}
+                        ),
                     }
                 )
             )
-            self.final_journalled = True
             out.append(
                 Say(
                     logging.INFO,
                     f"{self.job}: best {final} score {self.best[1] if self.best else None} "
-                    f"gain {self.gain}",
+                    f"gain {self.gain}" + (f"; {spent.describe()}" if spent else ""),
                 )
             )
         self.last_good = final
@@ -1145,6 +1159,19 @@ class JobTuning:
                     f"{gain.describe()})",
                 )
             )
+
+    def cost(self) -> Cost | None:
+        """What the round's tuning cost so far against its start (:mod:`.cost`), the
+        break-even at its final settings once it has them; None before the start was
+        measured."""
+        entries = sorted(
+            (t.to_journal() for t in (*self.trials, *self.confirmations)),
+            key=lambda e: e["index"],
+        )
+        final = None
+        if self.final_journalled and self.best is not None:
+            final = {"settings": self.best[0], "score": self.best[1], "baseline": self.baseline}
+        return round_cost(entries, final, self.config.objective, len(self.config.nodes))
 
     def confirmed_gain(self, start: Mapping[str, Any], best: Mapping[str, Any]) -> Gain | None:
         """The best settings against the baseline from the confirmations that measured them."""

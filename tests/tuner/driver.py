@@ -60,6 +60,8 @@ class Nodes:
     """node -> refusal kind ("settings" or "node") for every version it is sent."""
     silent: set[str] = field(default_factory=set)
     energy: bool = True
+    measure_s: float = 0.0
+    """How long after its ack a node's report comes (the trial's wall time)."""
     refuses: Callable[[str, Mapping[str, Any]], str | None] | None = None
     """(node, settings) -> refusal kind, or None: refusals that depend on the settings."""
 
@@ -143,13 +145,16 @@ class Driver:
         elif isinstance(effect, tuning.Publish):
             self.published.append(effect)
             if self.nodes is not None and self.answer and effect.plan is not None:
-                events: list[tuning.Event] = []
-                for node in effect.nodes:
-                    if node in self.nodes.silent:
-                        continue
-                    events.append(self.nodes.ack(self.now, effect, node))
-                    if self.nodes.refusal(node, effect.settings) is None:
-                        events.append(self.nodes.report(self.now, effect, node))
+                answering = [n for n in effect.nodes if n not in self.nodes.silent]
+                events: list[tuning.Event] = [
+                    self.nodes.ack(self.now, effect, node) for node in answering
+                ]
+                self.now += self.nodes.measure_s
+                events += [
+                    self.nodes.report(self.now, effect, node)
+                    for node in answering
+                    if self.nodes.refusal(node, effect.settings) is None
+                ]
                 return events
         return []
 

@@ -236,3 +236,41 @@ def test_durations_read_as_people_say_them() -> None:
         "3.5 h",
         "2.2 d",
     ]
+
+
+def test_a_finished_tuning_journals_its_cost_and_shows_it_on_metrics(tmp_path: Path) -> None:
+    """A closed loop (the pure machine, its nodes answering): the final entry carries the cost
+    and break-even, and the job's readings expose them, matching the journal's own figures."""
+    from tuner.driver import Nodes, begin, coordinator_section
+
+    from hyperagent.tuner.jobstate import job_readings
+
+    def score(settings: dict[str, Any]) -> float:
+        return 1000.0 + 200.0 * (settings.get("bucket_mb") == 64)
+
+    nodes = ("n0", "n1")
+    path = tmp_path / "j.jsonl"
+    driver = begin(
+        "j",
+        nodes,
+        path,
+        coordinator_section(trials=6, patience=6),
+        Nodes(nodes, score, measure_s=10.0),
+    )
+    driver.run_until_done()
+    final = Journal(path).load().final
+    assert final is not None and "cost" in final, final
+    cost = final["cost"]
+    assert cost["seconds"] > 0 and cost["samples_lost"] == pytest.approx(
+        cost["samples_lost_ratio"] * cost["seconds"] * final["baseline"], rel=1e-6
+    )
+    readings = {r.name: r.value for r in job_readings(driver.machine)}
+    assert readings["hyperagent_tuner_samples_lost"] == pytest.approx(cost["samples_lost"])
+    assert readings["hyperagent_tuner_tuning_seconds"] == pytest.approx(cost["seconds"])
+    if cost["break_even_s"] is None:
+        assert "hyperagent_tuner_break_even_seconds" not in readings
+    else:
+        assert readings["hyperagent_tuner_break_even_seconds"] == pytest.approx(
+            cost["break_even_s"]
+        )
+    assert any("lost " in line and "of " in line for line in driver.said), driver.said
