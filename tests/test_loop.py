@@ -112,3 +112,12 @@ async def test_coordinator_metrics_describe_the_tuning(mosquitto) -> None:  # ty
         )
         for node in nodes:
             assert get("hyperagent_node_online", {"node": node.name}) == 1
+        # what the tuning cost against its start, as the journal's final entry says it
+        final = coordinator.journals.read(JOB).final
+        assert final is not None and "cost" in final, final
+        scored = {**job, "objective": "throughput"}
+        cost = final["cost"]
+        assert get("hyperagent_tuner_samples_lost", scored) == cost["samples_lost"]
+        assert get("hyperagent_tuner_tuning_seconds", scored) == cost["seconds"] > 0
+        break_even = get("hyperagent_tuner_break_even_seconds", scored)
+        assert break_even == cost["break_even_s"]  # None (absent): never breaks even
