@@ -521,19 +521,19 @@ class MqttLink:
                 task.result()  # the MqttError that ended the session
 
     async def _follow_now(self, client: aiomqtt.Client) -> None:
-        """Subscribe to the followed topics not subscribed in this session, and unsubscribe
-        from those no longer followed, ``FOLLOW_BATCH`` topics per packet."""
+        """Unsubscribe from the topics no longer followed, then subscribe to the followed
+        topics not subscribed in this session, ``FOLLOW_BATCH`` topics per packet."""
         self._follow_wake.clear()
-        wanted = [(t, q) for t, (q, _) in self._followed.items() if t not in self._subscribed]
-        for i in range(0, len(wanted), FOLLOW_BATCH):
-            batch = wanted[i : i + FOLLOW_BATCH]
-            await _await_mqtt(client.subscribe(batch, timeout=10))
-            self._subscribed.update(t for t, _ in batch)
         gone = [t for t in self._subscribed if t not in self._followed]
         for i in range(0, len(gone), FOLLOW_BATCH):
             batch_gone = gone[i : i + FOLLOW_BATCH]
             await _await_mqtt(client.unsubscribe(batch_gone, timeout=10))
             self._subscribed.difference_update(batch_gone)
+        wanted = [(t, q) for t, (q, _) in self._followed.items() if t not in self._subscribed]
+        for i in range(0, len(wanted), FOLLOW_BATCH):
+            batch = wanted[i : i + FOLLOW_BATCH]
+            await _await_mqtt(client.subscribe(batch, timeout=10))
+            self._subscribed.update(t for t, _ in batch)
 
     async def _follow_loop(self, client: aiomqtt.Client) -> None:
         while True:
