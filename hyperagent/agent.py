@@ -192,6 +192,8 @@ class Agent:
         if link is not None:
             link.subscribe(self.topics.settings("+"), 1, self._on_settings)
             link.subscribe(self.topics.coordinator_status(), 1, self._on_coordinator_status)
+            for job in self.applied_messages:
+                self._follow_job(job)
 
     @classmethod
     def from_config(
@@ -803,7 +805,16 @@ class Agent:
         if self.job_source is not None and not self.job_source.attached(job):
             self._job_events.put_nowait((job, "left"))
 
+    def _follow_job(self, job: str) -> None:
+        """Subscribe to ``job``'s settings topic itself: a broker that serves a retained
+        message only to a subscriber of its exact topic (RabbitMQ) then gives this agent the
+        job's current version, which ``settings/+`` alone would not. A repeat (mosquitto
+        delivers through both subscriptions) is dropped by the version check."""
+        if self.link is not None:
+            self.link.follow(self.topics.settings(job), 1, self._on_settings)
+
     def _on_rank_attached(self, job: str, rank: int) -> None:
+        self._follow_job(job)
         if self.live_versions.get(job) is None and job in self.applied_messages:
             self._job_events.put_nowait((job, "back"))
 

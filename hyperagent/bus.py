@@ -190,6 +190,9 @@ READ_CHUNKS = 4
 INBOX_HIGH = 10_000
 """Received messages waiting for their handlers past which the socket is not read."""
 
+FOLLOW_BATCH = 100
+"""Followed topics subscribed to (or unsubscribed from) per packet."""
+
 HANDLER_ERRORS_LOGGED = 100
 """Distinct handler errors logged at most per link; past this they are only counted."""
 
@@ -281,7 +284,12 @@ Handler = Callable[[str, bytes], Awaitable[None]]
 class MqttLink:
     """One MQTT connection kept up with jittered exponential backoff.
 
-    Subscribe handlers before ``run``; they are re-subscribed on every reconnect. A handler's
+    Subscribe handlers before ``run``; they are re-subscribed on every reconnect. ``follow``
+    subscribes to one exact topic at any time (also kept across reconnects): some brokers
+    (RabbitMQ) serve a retained message only to a subscriber of its exact topic, never through
+    a wildcard. A message is handed to each matching handler once, though several of its
+    subscriptions match; a broker may still deliver it once per matching subscription
+    (mosquitto does), so handlers of followed topics must take a repeat calmly. A handler's
     exception is never fatal: it is counted per subscription filter and logged once per
     distinct error (handler, exception type and message), with its traceback the first time
     that handler fails.
@@ -325,6 +333,11 @@ class MqttLink:
             self._idle.set()
         self._handlers: list[tuple[str, int, Handler]] = []
         self._routes: dict[str, tuple[tuple[str, Handler], ...]] = {}
+        self._followed: dict[str, tuple[int, Handler]] = {}
+        """Exact topic -> (QoS, handler), as ``follow`` asked."""
+        self._subscribed: set[str] = set()
+        """The followed topics subscribed to in this session."""
+        self._follow_wake = asyncio.Event()
         self.connected = asyncio.Event()
         self.dropped = 0
         self.handler_errors_by_filter: Counter[str] = Counter()
@@ -342,6 +355,29 @@ class MqttLink:
         self._handlers.append((topic_filter, qos, handler))
         self._routes.clear()
 
+    def follow(self, topic: str, qos: int, handler: Handler) -> None:
+        """Subscribe to the exact ``topic`` (no wildcards), now when connected and in every
+        later session, so that its retained message arrives on any broker. Following a topic
+        again changes nothing (its first QoS and handler stay)."""
+        if "+" in topic or "#" in topic:
+            raise ValueError(f"follow takes an exact topic, not the filter {topic!r}")
+        if topic in self._followed:
+            return
+        self._followed[topic] = (qos, handler)
+        self._routes.pop(topic, None)
+        self._follow_wake.set()
+
+    def unfollow(self, topic: str) -> None:
+        """Stop following ``topic`` (unsubscribed when connected); not following it is fine."""
+        if self._followed.pop(topic, None) is not None:
+            self._routes.pop(topic, None)
+            self._follow_wake.set()
+
+    @property
+    def followed(self) -> frozenset[str]:
+        """The exact topics followed."""
+        return frozenset(self._followed)
+
     def handlers_for(self, topic: str) -> tuple[Handler, ...]:
         """The handlers whose filters match ``topic``, in subscription order."""
         return tuple(handler for _, handler in self._routes_for(topic))
@@ -353,7 +389,13 @@ class MqttLink:
         if found is None:
             if len(self._routes) >= ROUTES_CACHED:
                 self._routes.clear()
-            found = tuple((f, h) for f, _, h in self._handlers if topic_matches(f, topic))
+            routes = [(f, h) for f, _, h in self._handlers if topic_matches(f, topic)]
+            if topic in self._followed:
+                routes.append((topic, self._followed[topic][1]))
+            # one call per handler: a followed topic's handler often serves a wildcard too
+            found = tuple(
+                (f, h) for i, (f, h) in enumerate(routes) if all(h != g for _, g in routes[:i])
+            )
             self._routes[topic] = found
         return found
 
@@ -371,7 +413,9 @@ class MqttLink:
                 {"handler": topic_filter},
                 Kind.COUNTER,
             )
-            for topic_filter in dict.fromkeys(f for f, _, _ in self._handlers)
+            for topic_filter in dict.fromkeys(
+                [*(f for f, _, _ in self._handlers), *self.handler_errors_by_filter]
+            )
         ]
 
     def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
@@ -450,6 +494,8 @@ class MqttLink:
             log.info("mqtt connected to %s:%s as %s", self.host, self.port, self.client_id)
             for topic_filter, qos, _ in self._handlers:
                 await _await_mqtt(client.subscribe(topic_filter, qos, timeout=10))
+            self._subscribed = set()
+            await self._follow_now(client)
             # only now: an "online" status implies this client's subscriptions are in place
             for outgoing in self.on_connect() if self.on_connect else []:
                 await _await_mqtt(
@@ -463,6 +509,7 @@ class MqttLink:
             loops = {
                 asyncio.create_task(self._send_loop(client), name="mqtt-send"),
                 asyncio.create_task(self._receive_loop(client), name="mqtt-receive"),
+                asyncio.create_task(self._follow_loop(client), name="mqtt-follow"),
             }
             try:
                 done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
@@ -472,6 +519,26 @@ class MqttLink:
                 await asyncio.gather(*loops, return_exceptions=True)
             for task in done:
                 task.result()  # the MqttError that ended the session
+
+    async def _follow_now(self, client: aiomqtt.Client) -> None:
+        """Unsubscribe from the topics no longer followed, then subscribe to the followed
+        topics not subscribed in this session, ``FOLLOW_BATCH`` topics per packet."""
+        self._follow_wake.clear()
+        gone = [t for t in self._subscribed if t not in self._followed]
+        for i in range(0, len(gone), FOLLOW_BATCH):
+            batch_gone = gone[i : i + FOLLOW_BATCH]
+            await _await_mqtt(client.unsubscribe(batch_gone, timeout=10))
+            self._subscribed.difference_update(batch_gone)
+        wanted = [(t, q) for t, (q, _) in self._followed.items() if t not in self._subscribed]
+        for i in range(0, len(wanted), FOLLOW_BATCH):
+            batch = wanted[i : i + FOLLOW_BATCH]
+            await _await_mqtt(client.subscribe(batch, timeout=10))
+            self._subscribed.update(t for t, _ in batch)
+
+    async def _follow_loop(self, client: aiomqtt.Client) -> None:
+        while True:
+            await self._follow_wake.wait()
+            await self._follow_now(client)
 
     async def _send_loop(self, client: aiomqtt.Client) -> None:
         loop = asyncio.get_running_loop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,10 @@ class Coordinator:
         link.subscribe(self.topics.settings("+"), 1, self._on_settings)
         link.subscribe(self.topics.status("+"), 1, self._on_status)
         link.subscribe(self.topics.telemetry("+"), 0, self._on_telemetry)
+        self._followed_nodes: set[str] = set()
+        """Nodes whose status topic is followed: a retained status must reach this coordinator
+        on brokers that serve it only to a subscriber of the exact topic."""
+        self._follow_nodes(n for rule in self.section.jobs for n in rule.nodes)
         self.update_metrics()
 
     async def run(self, until_tuned: bool = False) -> None:
@@ -212,6 +217,8 @@ class Coordinator:
         except PayloadError:
             self.invalid_payloads += 1
             return
+        if node not in self._followed_nodes:
+            self._follow_nodes((node,))
         jobs = message.get("jobs")
         if not isinstance(jobs, dict):
             return
@@ -257,6 +264,8 @@ class Coordinator:
         machine = JobTuning(job, placeholder, state, now, self.backoff)
         machine.version = max(machine.version, self.versions.pop(job, 0))
         entry = self.tuned[job] = TunedJob(machine, self.journals.of(job), unread=unread)
+        self.link.follow(self.topics.settings(job), 1, self._on_settings)
+        self._follow_nodes(view.nodes)
         log.info(
             "%s: found on %s (%d of %s ranks, user %s)",
             job,
@@ -331,6 +340,8 @@ class Coordinator:
             log.warning("dropped an invalid status: %s", e)
             return
         online = message["state"] == "online"
+        if self.nodes.get(node) == (online, float(message["ts"])):
+            return  # the same status again (through a wildcard and its exact topic)
         self.nodes[node] = (online, float(message["ts"]))
         now = self.clock.now()
         if not online:
@@ -339,6 +350,12 @@ class Coordinator:
         for entry in self.tuned.values():
             if node in entry.machine.nodes:
                 entry.inbox.put_nowait(tuning.NodeStatus(now, node, online))
+
+    def _follow_nodes(self, nodes: Iterable[str]) -> None:
+        for node in nodes:
+            if node not in self._followed_nodes:
+                self._followed_nodes.add(node)
+                self.link.follow(self.topics.status(node), 1, self._on_status)
 
     # -- each job's task -----------------------------------------------------------------
 
@@ -478,13 +495,16 @@ class Coordinator:
         if entry.task is not None:
             entry.task.cancel()
         self.journals.release(job)
+        self.link.unfollow(self.topics.settings(job))
         self.link.publish(self.topics.settings(job), b"", 1, True)
         log.info("%s: released", job)
 
     # -- metrics -------------------------------------------------------------------------
 
     def readings(self) -> list[Reading]:
-        """What the coordinator exposes on /metrics: the nodes of its jobs and each job."""
+        """What the coordinator exposes on /metrics: the nodes of its jobs (their members, and
+        the nodes their rules name: a job waiting for its ranks has no members yet) and each
+        job."""
         out = [
             Reading(
                 "hyperagent_coordinator_invalid_payloads_total",
@@ -499,9 +519,11 @@ class Coordinator:
         ]
         counts = dict.fromkeys(lifecycle.STATES, 0)
         members: set[str] = set()
-        for entry in self.tuned.values():
+        for job, entry in self.tuned.items():
             counts[lifecycle.name(entry.machine.state)] += 1
             members.update(entry.machine.nodes)
+            rule = self.section.rule_for(job)
+            members.update(rule.nodes if rule is not None else ())  # a job waiting for them
             out += job_readings(entry.machine)
         for state, count in counts.items():
             out.append(Reading("hyperagent_coordinator_jobs", count, {"state": state}))
@@ -522,4 +544,3 @@ class Coordinator:
     def jobs(self) -> dict[str, JobTuning]:
         """job -> its machine, for every job tuned here."""
         return {job: entry.machine for job, entry in self.tuned.items()}
-

@@ -297,17 +297,20 @@ async def simulated_cluster(
     on_trial: Callable[[JobTuning, TrialRecord], None] | None = None,
     job_knobs: tuple[str, ...] | None = JOB_KNOBS,
     capture_dir: Path | None = None,
+    cluster: str = "demo",
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
     """Agents and simulated ranks running in the background, and a coordinator ready to run.
     The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say). The
     nodes' GPUs replay ``capture_dir`` (an AMD or Gaudi capture directory) where given, else
-    the packaged V100S capture."""
+    the packaged V100S capture. ``cluster`` names the topic tree (clusters sharing a broker
+    keep apart)."""
     key = key or os.urandom(32)
     low, high = demo_power_limits_w(capture_dir)
     gpus_per_node = demo_hardware(capture_dir, lambda: 0.0).gpus.count()
     with tempfile.TemporaryDirectory(prefix="hyperagent-demo-") as tmp:
         workdir = Path(tmp)
         raw = cluster_config(broker_url, nodes, trials, seed, workdir, objective, (low, high))
+        raw["cluster"] = cluster
         raw["coordinator"]["jobs"][0].update(job_overrides or {})
         if coordinator_dir is not None:
             raw["coordinator"]["state_dir"] = str(coordinator_dir)

@@ -1,9 +1,11 @@
-"""Shared fixtures: real peers on loopback (mosquitto), capture paths, free ports."""
+"""Shared fixtures: real peers on loopback (mosquitto, RabbitMQ), capture paths, free ports."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -140,6 +142,124 @@ def persistent_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
     broker = Mosquitto(tmp_path, persistent=True)
     broker.start()
     yield broker
+    broker.stop()
+
+
+RABBITMQ_SCRIPT = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+"""Debian's server script itself: /usr/sbin/rabbitmq-server switches to the rabbitmq user and
+its /var/lib/rabbitmq, which a test's broker must not touch."""
+
+
+class RabbitMq:
+    """A real RabbitMQ with its MQTT plugin, on free loopback ports (MQTT, AMQP, the Erlang
+    distribution, and an epmd of its own, so it clashes with no other broker or Erlang node on
+    the machine), anonymous MQTT clients allowed. Its config, database, logs and Erlang cookie
+    stay in ``workdir``. It serves a retained message only to a subscriber of its exact topic.
+    """
+
+    START_TIMEOUT_S = 90.0
+    """Its start takes 10-20 s on two busy cores."""
+
+    def __init__(self, workdir: Path) -> None:
+        script = RABBITMQ_SCRIPT if RABBITMQ_SCRIPT.exists() else None
+        self.binary = str(script or require_binary("rabbitmq-server", "rabbitmq-server"))
+        self.epmd = require_binary("epmd", "erlang-base")
+        self.workdir = workdir
+        self.port = free_port()
+        self.amqp_port, self.dist_port, self.epmd_port = free_port(), free_port(), free_port()
+        home = workdir / "home"
+        for folder in (home, workdir / "mnesia", workdir / "log"):
+            folder.mkdir(parents=True, exist_ok=True)
+        (workdir / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
+        (workdir / "rabbitmq-env.conf").write_text("")
+        (workdir / "rabbitmq.conf").write_text(
+            f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}\n"
+            f"mqtt.listeners.tcp.default = 127.0.0.1:{self.port}\n"
+            "mqtt.allow_anonymous = true\n"
+            "loopback_users = none\n"
+        )
+        self.env = {
+            **os.environ,
+            "HOME": str(home),
+            "RABBITMQ_NODENAME": f"hyperagent-test-{self.port}@localhost",
+            "RABBITMQ_CONFIG_FILE": str(workdir / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(workdir / "advanced.config"),
+            "RABBITMQ_CONF_ENV_FILE": str(workdir / "rabbitmq-env.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(workdir / "enabled_plugins"),
+            "RABBITMQ_MNESIA_BASE": str(workdir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(workdir / "log"),
+            "RABBITMQ_PID_FILE": str(workdir / "rabbitmq.pid"),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+        }
+        self.log = workdir / "rabbitmq.out"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.epmd_process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        # its own epmd, in the foreground, so that stop ends it (a daemon would outlive us)
+        self.epmd_process = subprocess.Popen(
+            [self.epmd, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.epmd_port)
+        self.process = subprocess.Popen(
+            [self.binary],
+            cwd=self.workdir,
+            env=self.env,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # stop ends the script, the VM and its helpers together
+        )
+        try:
+            wait_for_port(self.port, self.START_TIMEOUT_S)
+        except TimeoutError:
+            self.stop()
+            tail = self.log.read_text(errors="replace")[-2000:]
+            pytest.fail(f"RabbitMQ did not open its MQTT port; its output ends:\n{tail}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+            self.process = None
+        if self.epmd_process is not None:
+            self.epmd_process.terminate()
+            self.epmd_process.wait(timeout=10)
+            self.epmd_process = None
+
+
+@pytest.fixture(scope="session")
+def rabbitmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RabbitMq]:
+    """One RabbitMQ for the session (it takes 10-20 s to start): tests keep apart by using
+    topic trees of their own (a cluster name each)."""
+    broker = RabbitMq(tmp_path_factory.mktemp("rabbitmq"))
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(params=["mosquitto", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The URL of a real broker: a fresh mosquitto, or the session's RabbitMQ."""
+    if request.param == "rabbitmq":
+        yield request.getfixturevalue("rabbitmq").url
+        return
+    broker = Mosquitto(tmp_path)
+    broker.start()
+    yield broker.url
     broker.stop()
 
 

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import uuid
 from collections.abc import AsyncIterator
 
 import aiomqtt
@@ -362,3 +363,71 @@ async def test_a_failing_handler_is_logged_once_per_distinct_error_and_counted(
     counted = {r.labels["handler"]: r.value for r in link.handler_error_readings()}
     assert counted == {settings: 1001, "hyperagent/v1/t/node/+/status": 0}
     assert all(r.kind is Kind.COUNTER for r in link.handler_error_readings())
+
+
+async def test_follow_gets_a_retained_message_on_any_broker_and_unfollow_ends_it(
+    broker_url: str,
+) -> None:
+    """A followed topic's retained message arrives (RabbitMQ serves it to no wildcard), its
+    handler is called once per delivery though a wildcard with the same handler matches too,
+    following again changes nothing, and after ``unfollow`` nothing more comes."""
+    port = int(broker_url.rsplit(":", 1)[1])
+    root = f"hyperagent/v1/follow-{uuid.uuid4().hex[:8]}"
+    topic, other = f"{root}/node/n1/status", f"{root}/node/n2/status"
+    async with aiomqtt.Client("127.0.0.1", port) as publisher:
+        await publisher.publish(topic, b"retained", qos=1, retain=True)
+    received: list[tuple[str, bytes]] = []
+
+    async def handler(topic_: str, payload: bytes) -> None:
+        received.append((topic_, payload))
+
+    link = bus.MqttLink("127.0.0.1", port, f"follower-{uuid.uuid4().hex[:6]}")
+    link.subscribe(f"{root}/other/+", 1, handler)
+    async with running(link):
+        link.follow(topic, 1, handler)
+        link.follow(topic, 1, handler)
+        async with asyncio.timeout(10):
+            while (topic, b"retained") not in received:
+                await asyncio.sleep(0.02)
+        assert link.followed == {topic}
+        assert link.handlers_for(topic) == (handler,)
+        link.follow(other, 1, handler)
+        link.unfollow(topic)
+        link.unfollow(topic)
+        async with aiomqtt.Client("127.0.0.1", port) as publisher:
+            async with asyncio.timeout(10):
+                while (other, b"live") not in received:  # subscribed once the unfollow went
+                    await publisher.publish(other, b"live", qos=1)
+                    await asyncio.sleep(0.1)
+            await publisher.publish(topic, b"gone", qos=1)
+            await publisher.publish(topic, b"", qos=1, retain=True)
+            await publisher.publish(other, b"last", qos=1)
+        async with asyncio.timeout(10):
+            while (other, b"last") not in received:
+                await asyncio.sleep(0.02)
+    assert received.count((topic, b"retained")) == 1
+    assert (topic, b"gone") not in received and link.followed == {other}
+
+
+async def test_followed_topics_are_subscribed_again_after_a_reconnect(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    topic = "hyperagent/v1/t/job/j/settings"
+    received: list[bytes] = []
+
+    async def handler(topic_: str, payload: bytes) -> None:
+        received.append(payload)
+
+    link = bus.MqttLink("127.0.0.1", mosquitto.port, "refollower", backoff_min_s=0.1)
+    link.follow(topic, 1, handler)
+    with pytest.raises(ValueError):
+        link.follow("hyperagent/v1/t/job/+/settings", 1, handler)
+    async with running(link):
+        mosquitto.stop()
+        mosquitto.start()
+        async with asyncio.timeout(20):
+            while link.connects < 2 or not link.connected.is_set():
+                await asyncio.sleep(0.05)
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port) as publisher:
+            await publisher.publish(topic, b"after", qos=1)
+        async with asyncio.timeout(10):
+            while b"after" not in received:
+                await asyncio.sleep(0.02)
