@@ -403,7 +403,8 @@ class Coordinator:
             return tuning.Begin(seen.now, machine.config, SpacePlan(None, (), failure), {})
         plan = plan_space(cfg, view)
         start = self._start(cfg, plan)
-        return tuning.Begin(self.clock.now(), cfg, plan, start)
+        offline = frozenset(n for n in cfg.nodes if n in self.nodes and not self.nodes[n][0])
+        return tuning.Begin(self.clock.now(), cfg, plan, start, offline)
 
     def _start(self, cfg: JobTuningSection, plan: SpacePlan) -> dict[str, Any]:
         """The best settings of a finished tuning with the same fingerprint, else the

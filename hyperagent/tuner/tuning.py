@@ -87,6 +87,8 @@ class Begin:
     start: Mapping[str, Any]
     """The starting settings (the config's, or a finished tuning's of the same
     fingerprint)."""
+    offline: frozenset[str] = frozenset()
+    """Nodes whose status said offline before the tuning began."""
 
 
 @dataclass(frozen=True)
@@ -449,7 +451,7 @@ class JobTuning:
             return
         cfg = self.config = event.config
         self.rules = self._rules(cfg, self.backoff)
-        self.members = Membership.of(cfg.nodes)
+        self.members = Membership.of(cfg.nodes, {n: "offline" for n in event.offline})
         view = self._view
         if view is not None:
             self.knobs = {n: s.knobs for n, s in view.sightings.items() if s.knobs is not None}
