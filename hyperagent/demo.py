@@ -25,13 +25,16 @@ from typing import Any, Protocol
 
 from hyperagent import durable
 from hyperagent.agent import Agent
+from hyperagent.capture.directory import replayed_library
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.devices import as_library
+from hyperagent.devices.base import MW_PER_W
+from hyperagent.devices.nvml import NvmlLibrary
 from hyperagent.job import KNOBS, JobReporter
 from hyperagent.sim import JobModel
-from hyperagent.sources import Hardware, replayed_library
+from hyperagent.sources import Hardware
 from hyperagent.tuner.jobstate import TrialRecord
 from hyperagent.tuner.tuning import JobTuning
 
@@ -66,15 +69,14 @@ class NvmlGpus:
     nvml: FakeNvml
 
     def count(self) -> int:
-        self.nvml.nvmlInit()
-        return int(self.nvml.nvmlDeviceGetCount())
+        return len(NvmlLibrary(self.nvml).power_devices())
 
     def set_load(self, index: int, util_pct: float, power_w: float) -> None:
         self.nvml.set_load(index, util_gpu_pct=round(util_pct), power_draw_w=power_w)
 
     def cap_w(self) -> float:
-        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
-        return float(self.nvml.nvmlDeviceGetEnforcedPowerLimit(handle)) / 1000
+        device = NvmlLibrary(self.nvml).power_devices()[0]
+        return device.power_limit_mw() / MW_PER_W
 
 
 @dataclass

@@ -18,9 +18,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from hyperagent.readings import Kind, Reading
-from hyperagent.sources import command
-from hyperagent.sources.nvml import (
+from hyperagent.devices.metrics import (
     GPU_INFO,
     MEMORY_TOTAL,
     MEMORY_USED,
@@ -29,6 +27,8 @@ from hyperagent.sources.nvml import (
     TEMPERATURE,
     UTILIZATION,
 )
+from hyperagent.readings import Kind, Reading
+from hyperagent.sources import command
 
 MIB = 1024 * 1024
 COMMANDS = {"npu_smi": ("npu-smi", "info"), "cnmon": ("cnmon",)}
