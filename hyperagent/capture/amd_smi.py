@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hyperagent.capture.accelerators import AcceleratorRecord, number
+from hyperagent.capture.accelerators import AcceleratorRecord, number, read_capture
 
 MIB = 1024 * 1024
 METRIC_CSV = "amd-smi-metric.csv"
@@ -151,12 +151,14 @@ def load_capture(directory: Path) -> list[AcceleratorRecord]:
     """The AMD devices a capture directory holds (see the module docstring); [] when none."""
     metric = directory / METRIC_CSV
     if metric.is_file():
-        records = parse_metric_csv(metric.read_text(encoding="utf-8"))
+        records = read_capture(metric, "amd-smi metric --csv", parse_metric_csv)
         xgmi = directory / XGMI_JSON
-        buses = parse_xgmi_json(xgmi.read_text(encoding="utf-8")) if xgmi.is_file() else {}
+        buses = (
+            read_capture(xgmi, "amd-smi xgmi --json", parse_xgmi_json) if xgmi.is_file() else {}
+        )
         static_path = directory / STATIC_JSON
         static = (
-            parse_static_json(static_path.read_text(encoding="utf-8"))
+            read_capture(static_path, "amd-smi static --json", parse_static_json)
             if static_path.is_file()
             else {}
         )
@@ -179,5 +181,5 @@ def load_capture(directory: Path) -> list[AcceleratorRecord]:
         return out
     rocm = directory / ROCM_SMI_JSON
     if rocm.is_file():
-        return parse_rocm_smi_json(rocm.read_text(encoding="utf-8"))
+        return read_capture(rocm, "rocm-smi --showallinfo --json", parse_rocm_smi_json)
     return []

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperagent.capture import amd_smi, hl_smi
+from hyperagent.capture.accelerators import CaptureFormatError
 from hyperagent.capture.fake_amdsmi import FakeAmdsmi
 from hyperagent.capture.fake_hlml import FakeHlml
 from hyperagent.capture.fake_nvml import FakeNvml
@@ -96,7 +97,8 @@ def capture_sources(
 
     ``clock`` drives the fake GPUs' energy counters, the recording's player and day files;
     recorded time passes ``speed`` times as fast as it. Raises ConfigError naming ``--replay``
-    when the directory holds nothing to replay.
+    when the directory holds nothing to replay, or a file that does not parse as its name
+    says (the file, the line and the format expected).
     """
     enabled = config.sources
     named = enabled.model_fields_set
@@ -172,12 +174,15 @@ def replayed_library(directory: Path, clock: Callable[[], float]) -> tuple[Any, 
     """The fake vendor library replaying the directory's AMD (amd-smi, rocm-smi) or Gaudi
     (hl-smi) capture, its :class:`~hyperagent.devices.base.DeviceLibrary` and its source name;
     None when the directory holds neither."""
-    if any((directory / name).is_file() for name in amd_smi.CAPTURE_FILES):
-        amd = FakeAmdsmi.from_capture(directory, clock=clock)
-        return amd, AmdsmiLibrary(amd, check_s=0.0), "amdsmi"
-    if (directory / hl_smi.CAPTURE_FILE).is_file():
-        hlml = FakeHlml.from_capture(directory, clock=clock)
-        return hlml, HlmlLibrary(hlml), "hlml"
+    try:
+        if any((directory / name).is_file() for name in amd_smi.CAPTURE_FILES):
+            amd = FakeAmdsmi.from_capture(directory, clock=clock)
+            return amd, AmdsmiLibrary(amd, check_s=0.0), "amdsmi"
+        if (directory / hl_smi.CAPTURE_FILE).is_file():
+            hlml = FakeHlml.from_capture(directory, clock=clock)
+            return hlml, HlmlLibrary(hlml), "hlml"
+    except CaptureFormatError as e:
+        raise ConfigError([ConfigProblem("--replay", str(e))]) from e
     return None
 
 

@@ -1,0 +1,97 @@
+"""The output formats operators' tools print, as the agent replays them: headerless hl-smi CSV
+with units, a file that does not parse as its name says (one line, exit 2), and the other
+misreads of recordings from clusters the project's own fixtures do not cover."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from devices.test_vendors import Clock, by_gpu, replayed_readings
+
+from hyperagent.capture import hl_smi
+
+from conftest import FIXTURES
+
+GAUDI = FIXTURES / "replay" / "gaudi-hl205-8card"
+GAUDI_NOHEADER = FIXTURES / "replay" / "gaudi-hl205-noheader"
+
+
+async def test_headerless_hl_smi_csv_with_units_reads_as_the_headed_one() -> None:
+    """``hl-smi -Q ... -f csv,noheader``: every card, its model and its values with their
+    units, named by the capture's ``-Q`` field list; the first card is not taken for a
+    header."""
+    headed = await replayed_readings(GAUDI, Clock())
+    plain = await replayed_readings(GAUDI_NOHEADER, Clock())
+    for name in (
+        "hyperagent_gpu_power_watts",
+        "hyperagent_gpu_utilization_ratio",
+        "hyperagent_gpu_memory_used_bytes",
+        "hyperagent_gpu_memory_total_bytes",
+        "hyperagent_gpu_temperature_celsius",
+    ):
+        assert by_gpu(plain, name) == by_gpu(headed, name), name
+    info = {r.labels["gpu"]: r.labels for r in plain if r.name == "hyperagent_gpu_info"}
+    assert sorted(info) == [str(i) for i in range(8)]
+    assert {labels["model"] for labels in info.values()} == {"HL-205"}
+
+
+def test_a_headerless_hl_smi_csv_without_its_field_list_is_refused_naming_the_line() -> None:
+    text = (GAUDI_NOHEADER / "hl-smi.csv").read_text()
+    with pytest.raises(ValueError, match=r"line 1 holds values, not a header .*hl-smi-fields"):
+        hl_smi.parse_hl_smi_csv(text)
+
+
+def test_a_headed_hl_smi_csv_is_read_by_its_header_even_with_a_field_list() -> None:
+    text = (GAUDI / "hl-smi.csv").read_text()
+    records = hl_smi.parse_hl_smi_csv(text, ["index", "power.draw"])
+    assert len(records) == 8 and records[2].model == "HL-205" and records[2].power_w == 96
+
+
+def _replay_agent(directory: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'node = "n"\n[mqtt]\nenabled = false\n[agent]\nstate_dir = "{tmp_path / "state"}"\n'
+        'metrics_address = ""\n'
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "hyperagent.cli", "agent", "--config", str(config),
+         "--replay", str(directory), "--no-broker"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_capture_that_does_not_parse_ends_the_agent_with_one_line(tmp_path: Path) -> None:
+    """A headerless hl-smi CSV without its field list: exit 2 and one line naming the file,
+    the line and the expected format, no traceback."""
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    (capture / "hl-smi.csv").write_text((GAUDI_NOHEADER / "hl-smi.csv").read_text())
+    result = _replay_agent(capture, tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert str(capture / "hl-smi.csv") in lines[0] and "line 1" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+
+def test_a_rocm_smi_csv_saved_as_json_ends_the_agent_with_one_line(tmp_path: Path) -> None:
+    """``rocm-smi --csv`` output under ``rocm-smi.json``: exit 2 and one line naming the file,
+    the line and the format expected, not a JSONDecodeError traceback."""
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    (capture / "rocm-smi.json").write_text(
+        "device,Temperature (Sensor edge) (C),Current Socket Graphics Package Power (W)\n"
+        "card0,35.0,90.0\n"
+    )
+    result = _replay_agent(capture, tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert str(capture / "rocm-smi.json") in lines[0] and "line 1" in lines[0]
+    assert "rocm-smi --showallinfo --json" in lines[0]
