@@ -95,3 +95,30 @@ def test_a_rocm_smi_csv_saved_as_json_ends_the_agent_with_one_line(tmp_path: Pat
     assert len(lines) == 1, result.stderr
     assert str(capture / "rocm-smi.json") in lines[0] and "line 1" in lines[0]
     assert "rocm-smi --showallinfo --json" in lines[0]
+
+
+ROCM_CSV = FIXTURES / "replay" / "amd-mi100-rocm-smi-csv"
+
+
+async def test_rocm_smi_csv_replays_every_card() -> None:
+    """``rocm-smi ... --csv`` with a ``WARNING:`` line before its header: the 4 MI100s, their
+    power, temperature, utilisation and memory, as the same values in ``--json`` give them."""
+    readings = await replayed_readings(ROCM_CSV, Clock())
+    power = by_gpu(readings, "hyperagent_gpu_power_watts")
+    assert power == {"0": 36.0, "1": 44.0, "2": 43.0, "3": 39.0}
+    assert by_gpu(readings, "hyperagent_gpu_memory_total_bytes")["3"] == 34342961152
+    assert by_gpu(readings, "hyperagent_gpu_memory_used_bytes")["3"] == 6750208
+    assert by_gpu(readings, "hyperagent_gpu_temperature_celsius")["1"] == 58.0
+    assert by_gpu(readings, "hyperagent_gpu_utilization_ratio") == dict.fromkeys("0123", 0.0)
+
+
+def test_rocm_smi_csv_headers_of_1x_and_2x_read_alike() -> None:
+    from hyperagent.capture import amd_smi
+
+    old = amd_smi.parse_rocm_smi_csv((ROCM_CSV / "rocm-smi.csv").read_text())
+    new = amd_smi.parse_rocm_smi_csv(
+        (FIXTURES / "rocm-smi" / "mi100_rocm_smi_2x_header.csv").read_text()
+    )
+    assert [r.power_w for r in new] == [r.power_w for r in old] == [36.0, 44.0, 43.0, 39.0]
+    assert [r.mem_util_pct for r in new] == [0.0] * 4
+    assert {r.model for r in new} == {"AMD Instinct MI100"} and {r.model for r in old} == {""}
