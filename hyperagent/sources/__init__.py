@@ -153,7 +153,7 @@ def accelerator_sources(name: str) -> SourceFactory:
 
 
 def smi_text_sources(name: str) -> SourceFactory:
-    """The source reading the tool of ``name`` (npu_smi, cnmon) as text."""
+    """The source reading the tool of ``name`` (npu_smi, cnmon, xpu_smi) as text."""
 
     def build(config: Config, hardware: Hardware) -> list[Source]:
         from hyperagent.sources import smi_text
@@ -181,9 +181,10 @@ SOURCES: dict[str, SourceFactory] = {
     "hlml": accelerator_sources("hlml"),
     "npu_smi": smi_text_sources("npu_smi"),
     "cnmon": smi_text_sources("cnmon"),
+    "xpu_smi": smi_text_sources("xpu_smi"),
 }
 """Config name -> factory. Each is enabled by ``[sources.<name>] enabled`` (default on, except
-the other accelerator vendors': amdsmi, hlml, npu_smi and cnmon are off unless enabled)."""
+the other accelerator vendors': amdsmi, hlml, npu_smi, cnmon and xpu_smi are off unless enabled)."""
 
 
 def build_sources(config: Config, hardware: Hardware) -> list[Source]:

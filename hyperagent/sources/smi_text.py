@@ -1,5 +1,5 @@
-"""Huawei Ascend (``npu-smi info``) and Cambricon (``cnmon``) read from their tools' tables:
-telemetry only.
+"""Huawei Ascend (``npu-smi info``), Cambricon (``cnmon``) and Intel Data Center GPU Max
+(``xpu-smi``) read from their tools' output: telemetry only.
 
 Neither vendor ships a Python binding the agent could call without its SDK, and their tools
 print no energy counter and set no power cap here: these sources give instant power,
@@ -9,21 +9,34 @@ or ``"cambricon"``), and the power-cap actuator leaves such nodes alone.
 ``parse_npu_smi_info`` reads the two-line-per-chip table of ``npu-smi info`` (NPU id and name,
 health, power W, temperature C, then chip, bus id, AICore %, memory and HBM usage in MB);
 ``parse_cnmon`` the two-line-per-card table of ``cnmon`` (card, name, firmware, bus id,
-utilisation, then fan, temperature, power usage/cap in W, memory usage in MiB).
+utilisation, then fan, temperature, power usage/cap in W, memory usage in MiB);
+``parse_xpu_smi_dump`` the CSV of ``xpu-smi dump`` (a ``DeviceId`` column and one per metric,
+named as xpu-smi names them: ``GPU Utilization (%)``, ``GPU Power (W)``, ``GPU Frequency
+(MHz)``, ``GPU Core Temperature (Celsius Degree)``, ``GPU Memory Temperature (Celsius
+Degree)``, ``GPU Energy Consumed (J)``, ``GPU Memory Bandwidth Utilization (%)``, ``GPU Memory
+Used (MiB)``; an empty cell is a metric the device does not give), with each device's
+identity (name, UUID, PCI address, memory size) from ``xpu-smi discovery -j``, run once.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hyperagent.devices.metrics import (
+    ENERGY,
     GPU_INFO,
+    MEMORY_TEMPERATURE,
     MEMORY_TOTAL,
     MEMORY_USED,
+    MEMORY_UTILIZATION,
     POWER,
     POWER_LIMIT,
+    SM_CLOCK,
     TEMPERATURE,
     UTILIZATION,
 )
@@ -31,10 +44,18 @@ from hyperagent.readings import Kind, Reading
 from hyperagent.sources import command
 
 MIB = 1024 * 1024
-COMMANDS = {"npu_smi": ("npu-smi", "info"), "cnmon": ("cnmon",)}
+COMMANDS = {
+    "npu_smi": ("npu-smi", "info"),
+    "cnmon": ("cnmon",),
+    "xpu_smi": ("xpu-smi", "dump", "-d", "-1", "-m", "0,1,2,3,4,8,17,18", "-n", "1"),
+}
 """Each text source's default command line."""
-CAPTURE_FILES = {"npu_smi": "npu-smi-info.txt", "cnmon": "cnmon.txt"}
+CAPTURE_FILES = {"npu_smi": "npu-smi-info.txt", "cnmon": "cnmon.txt", "xpu_smi": "xpu-smi-dump.csv"}
 """A capture directory's file of each tool's output."""
+IDENTITY_COMMANDS = {"xpu_smi": ("xpu-smi", "discovery", "-j")}
+"""The command naming a tool's devices, run once, where its readings do not name them."""
+IDENTITY_FILES = {"xpu_smi": "xpu-smi-discovery.json"}
+"""A capture directory's file of that command's output."""
 _ROW = re.compile(r"^\|(.*)\|$")
 
 
@@ -159,13 +180,101 @@ def _float(text: str) -> float | None:
         return None
 
 
-PARSERS = {"npu_smi": parse_npu_smi_info, "cnmon": parse_cnmon}
+_XPU_COLUMNS = {
+    "gpu utilization (%)": (UTILIZATION, 0.01),
+    "gpu power (w)": (POWER, 1.0),
+    "gpu frequency (mhz)": (SM_CLOCK, 1e6),
+    "gpu core temperature (celsius degree)": (TEMPERATURE, 1.0),
+    "gpu core temperature (celsius)": (TEMPERATURE, 1.0),
+    "gpu memory temperature (celsius degree)": (MEMORY_TEMPERATURE, 1.0),
+    "gpu memory temperature (celsius)": (MEMORY_TEMPERATURE, 1.0),
+    "gpu memory bandwidth utilization (%)": (MEMORY_UTILIZATION, 0.01),
+    "gpu memory bandwidth utilization. (%)": (MEMORY_UTILIZATION, 0.01),
+    "gpu memory used (mib)": (MEMORY_USED, float(MIB)),
+}
+_XPU_ENERGY = "gpu energy consumed (j)"
+
+
+def parse_xpu_smi_discovery(text: str) -> dict[int, dict[str, str]]:
+    """Device id -> identity labels (``model``, ``uuid``, ``bus_id``, ``driver``, and
+    ``memory_total`` in bytes where given) of ``xpu-smi discovery -j``'s ``device_list``; its
+    virtual functions and devices other than GPUs are left out."""
+    data = json.loads(text)
+    devices = data.get("device_list", []) if isinstance(data, dict) else data
+    out: dict[int, dict[str, str]] = {}
+    for device in devices:
+        if str(device.get("device_type", "GPU")) != "GPU":
+            continue
+        if str(device.get("device_function_type", "physical")) != "physical":
+            continue
+        out[int(device["device_id"])] = {
+            "model": str(device.get("device_name", "")),
+            "uuid": str(device.get("uuid", "")),
+            "bus_id": str(device.get("pci_bdf_address", "")).lower(),
+            "driver": str(device.get("driver_version", "")),
+            "memory_total": str(device.get("memory_physical_size_byte", "")),
+        }
+    return out
+
+
+def parse_xpu_smi_dump(text: str, discovery: str | None = None) -> list[Reading]:
+    """Readings of every device of an ``xpu-smi dump`` CSV (its last row per device, the
+    device-level rows where it has tile rows too), named by ``discovery`` (``xpu-smi discovery
+    -j``'s output) where given. Raises ValueError naming the line of a row of another width."""
+    rows = [r for r in csv.reader(io.StringIO(text), skipinitialspace=True) if any(r)]
+    if not rows:
+        return []
+    header = [cell.strip().lower() for cell in rows[0]]
+    if "deviceid" not in header:
+        raise ValueError(f"line 1 has no DeviceId column: {', '.join(rows[0][:4])}")
+    latest: dict[int, dict[str, str]] = {}
+    for number, row in enumerate(rows[1:], 2):
+        if len(row) != len(header):
+            raise ValueError(f"line {number} has {len(row)} values for {len(header)} columns")
+        cells = dict(zip(header, (cell.strip() for cell in row), strict=True))
+        if cells.get("tileid"):
+            continue
+        latest[int(cells["deviceid"])] = cells
+    names = parse_xpu_smi_discovery(discovery) if discovery else {}
+    out: list[Reading] = []
+    for device, cells in sorted(latest.items()):
+        found = names.get(device, {})
+        uuid = found.get("uuid") or f"xpu-{device}"
+        labels = {"gpu": str(device), "uuid": uuid}
+        info = {
+            **labels,
+            "model": found.get("model", ""),
+            "driver": found.get("driver", ""),
+            "vendor": "intel",
+        }
+        if found.get("bus_id"):
+            info["bus_id"] = found["bus_id"]
+        out.append(Reading(GPU_INFO, 1.0, info, Kind.INFO))
+        for column, (name, scale) in _XPU_COLUMNS.items():
+            value = _float(cells.get(column, ""))
+            if value is not None:
+                out.append(Reading(name, value * scale, labels))
+        total = _float(found.get("memory_total", ""))
+        if total is not None:
+            out.append(Reading(MEMORY_TOTAL, total, labels))
+        energy = _float(cells.get(_XPU_ENERGY, ""))
+        if energy is not None:
+            out.append(Reading(ENERGY, energy, labels, Kind.COUNTER))
+    return out
+
+
+PARSERS: dict[str, Callable[[str, str | None], list[Reading]]] = {
+    "npu_smi": lambda text, _: parse_npu_smi_info(text),
+    "cnmon": lambda text, _: parse_cnmon(text),
+    "xpu_smi": parse_xpu_smi_dump,
+}
 
 
 class SmiTextSource:
-    """Runs the tool (``command``, default `COMMANDS[name]`) each read and parses its table;
-    with ``capture``, reads that file instead (replay). A tool that is not installed means no
-    such devices (up 0)."""
+    """Runs the tool (``command``, default `COMMANDS[name]`) each read and parses its output,
+    after its identity command (`IDENTITY_COMMANDS`) once where it has one; with ``capture``,
+    reads that file (and the identity file beside it) instead (replay). A tool that is not
+    installed means no such devices (up 0)."""
 
     target = "local"
 
@@ -182,18 +291,30 @@ class SmiTextSource:
         self.timeout_s = timeout_s
         self.capture = capture
         self.parse = PARSERS[name]
+        self.identity_argv = IDENTITY_COMMANDS.get(name)
+        """The command naming the devices, run before the first read (None: the readings name
+        them)."""
+        self._identity: str | None = None
+        """The output of the tool's identity command (``IDENTITY_COMMANDS``), run once."""
 
     async def start(self) -> None:
         return None
 
-    async def read(self) -> list[Reading]:
+    async def _run(self, argv: Sequence[str], capture: str) -> str:
         if self.capture is not None:
-            name = self.capture.name
-            runner = command.capture_runner(self.capture.parent, lambda argv: name)
-            text = await runner(self.argv)
-        else:
-            text = await command.run_command(self.argv, self.timeout_s)
-        return self.parse(text)
+            runner = command.capture_runner(self.capture.parent, lambda argv: capture)
+            return await runner(argv)
+        return await command.run_command(argv, self.timeout_s)
+
+    async def read(self) -> list[Reading]:
+        identity = self.identity_argv
+        if identity is not None and self._identity is None:
+            try:
+                self._identity = await self._run(identity, IDENTITY_FILES[self.name])
+            except command.CaptureMissing:
+                self._identity = ""  # a capture of the readings alone: devices unnamed
+        capture = "" if self.capture is None else self.capture.name
+        return self.parse(await self._run(self.argv, capture), self._identity)
 
     async def close(self) -> None:
         return None

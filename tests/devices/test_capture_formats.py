@@ -122,3 +122,44 @@ def test_rocm_smi_csv_headers_of_1x_and_2x_read_alike() -> None:
     assert [r.power_w for r in new] == [r.power_w for r in old] == [36.0, 44.0, 43.0, 39.0]
     assert [r.mem_util_pct for r in new] == [0.0] * 4
     assert {r.model for r in new} == {"AMD Instinct MI100"} and {r.model for r in old} == {""}
+
+
+INTEL_MAX = FIXTURES / "replay" / "intel-max1550-documented"
+
+
+async def test_intel_gpu_max_telemetry_from_xpu_smi() -> None:
+    """``xpu-smi dump`` with ``xpu-smi discovery -j``: each Max 1550's utilisation, power,
+    clock, temperatures, energy counter, memory bandwidth use and memory, named as every
+    vendor's GPU readings are, with its model, UUID and PCI address."""
+    readings = await replayed_readings(INTEL_MAX, Clock())
+    assert by_gpu(readings, "hyperagent_gpu_power_watts") == {"0": 512.4, "1": 498.1}
+    assert by_gpu(readings, "hyperagent_gpu_utilization_ratio") == {"0": 0.875, "1": 0.8625}
+    assert by_gpu(readings, "hyperagent_gpu_energy_joules_total")["1"] == 1801877.3
+    assert by_gpu(readings, "hyperagent_gpu_memory_total_bytes")["0"] == 128 * 2**30
+    assert by_gpu(readings, "hyperagent_gpu_memory_used_bytes")["0"] == 96 * 2**30
+    assert by_gpu(readings, "hyperagent_gpu_sm_clock_hertz")["0"] == 1.6e9
+    assert by_gpu(readings, "hyperagent_gpu_memory_temperature_celsius")["1"] == 50.0
+    info = {r.labels["gpu"]: r.labels for r in readings if r.name == "hyperagent_gpu_info"}
+    assert info["0"]["vendor"] == "intel"
+    assert info["0"]["model"] == "Intel(R) Data Center GPU Max 1550"
+    assert info["1"]["bus_id"] == "0000:3a:00.0"
+
+
+async def test_the_xpu_smi_source_runs_discovery_once_and_dump_each_read(tmp_path: Path) -> None:
+    from hyperagent.sources import smi_text
+
+    log = tmp_path / "calls"
+    tool = tmp_path / "xpu-smi"
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'echo "$1" >> {log}\n'
+        f'if [ "$1" = discovery ]; then cat {INTEL_MAX / "xpu-smi-discovery.json"};'
+        f' else cat {INTEL_MAX / "xpu-smi-dump.csv"}; fi\n'
+    )
+    tool.chmod(0o755)
+    source = smi_text.SmiTextSource("xpu_smi", (str(tool), "dump"), timeout_s=5.0)
+    source.identity_argv = (str(tool), "discovery", "-j")
+    for _ in range(3):
+        readings = await source.read()
+    assert by_gpu(readings, "hyperagent_gpu_power_watts") == {"0": 512.4, "1": 498.1}
+    assert log.read_text().split() == ["discovery", "dump", "dump", "dump"]
