@@ -64,6 +64,9 @@ class AcceleratorRecord:
     ecc_uncorrected: int | None = None
     compute_partition: str = ""
     memory_partition: str = ""
+    vendor_id: str = ""
+    device_id: str = ""
+    """The PCI vendor and device ids, where the tool gives them (``0x1002``, ``0x74a1``)."""
 
 
 def number(text: str | None) -> float | None:

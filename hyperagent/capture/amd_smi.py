@@ -87,6 +87,8 @@ def parse_static_json(text: str) -> dict[int, dict[str, Any]]:
         limit = gpu.get("limit", {})
         out[int(gpu["gpu"])] = {
             "model": gpu.get("asic", {}).get("market_name", ""),
+            "vendor_id": str(gpu.get("asic", {}).get("vendor_id", "")),
+            "device_id": str(gpu.get("asic", {}).get("device_id", "")),
             "min_power_cap_w": _value(limit.get("min_power")),
             "max_power_cap_w": _value(limit.get("max_power")),
             "power_cap_w": _value(limit.get("socket_power")),
@@ -170,6 +172,8 @@ def _rocm_smi_cards(data: dict[str, Any], driver: str) -> list[AcceleratorRecord
                 vendor="amd",
                 model=_model(str(get("Card series") or "")),
                 uuid=str(get("Unique ID") or ""),
+                vendor_id=str(get("Vendor ID") or ("0x1002" if get("Device ID") else "")),
+                device_id=str(get("Device ID") or ""),
                 bus_id=str(get("PCI Bus") or "").lower(),
                 driver=driver,
                 util_pct=number(get("GPU use (%)")),
@@ -214,6 +218,8 @@ def load_capture(directory: Path) -> list[AcceleratorRecord]:
                 replace(
                     record,
                     model=found.get("model", "") or record.model,
+                    vendor_id=found.get("vendor_id", ""),
+                    device_id=found.get("device_id", ""),
                     bus_id=bus,
                     driver=found.get("driver", ""),
                     power_cap_w=found.get("power_cap_w"),

@@ -163,3 +163,62 @@ async def test_the_xpu_smi_source_runs_discovery_once_and_dump_each_read(tmp_pat
         readings = await source.read()
     assert by_gpu(readings, "hyperagent_gpu_power_watts") == {"0": 512.4, "1": 498.1}
     assert log.read_text().split() == ["discovery", "dump", "dump", "dump"]
+
+
+def _copy_with(source: Path, target: Path, name: str, old: str, new: str) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    path = target / name
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    return target
+
+
+async def test_a_card_named_generically_is_identified_by_its_pci_id(tmp_path: Path) -> None:
+    """An MI300X whose amd-smi names it by a generic name, and an MI100 whose rocm-smi card
+    series is its chip's code name alone: their PCI device ids (0x74a1, 0x738c) give them their
+    parts' quantum coefficients."""
+    from hyperagent.config import DEFAULT_QUANTUM_COEFFICIENTS
+    from hyperagent.indicators import derive
+    from hyperagent.readings import Snapshot
+
+    mi300x = _copy_with(
+        FIXTURES / "replay" / "amd-mi300x-8gpu", tmp_path / "mi300x", "amd-smi-static.json",
+        '"AMD Instinct MI300X"', '"AMD Radeon Graphics"',
+    )
+    mi100 = _copy_with(
+        FIXTURES / "replay" / "amd-mi100-rocm602", tmp_path / "mi100", "rocm-smi.json",
+        "Arcturus GL-XL [Instinct MI100]", "Arcturus GL-XL",
+    )
+    for directory, q in ((mi300x, 4.19), (mi100, 0.59)):
+        readings = await replayed_readings(directory, Clock())
+        snapshot = Snapshot(0.0, "n", tuple(readings))
+        coefficients = [
+            r for r in derive(snapshot, None, DEFAULT_QUANTUM_COEFFICIENTS)
+            if r.name == "hyperagent_gpu_quantum_coefficient"
+        ]
+        assert coefficients and {r.value for r in coefficients} == {q}, directory.name
+        assert {r.labels["known"] for r in coefficients} == {"true"}
+
+
+def test_a_part_unknown_by_name_and_id_is_warned_about_once_with_its_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from hyperagent.devices import parts
+
+    with caplog.at_level(logging.WARNING, logger="hyperagent.devices.parts"):
+        for _ in range(3):
+            assert parts.identified("AMD Radeon Graphics", "0x1002:0x7fff") == (
+                "AMD Radeon Graphics"
+            )
+        assert parts.identified("AMD Radeon Graphics", "0x1002:0x74a1") == (
+            "AMD Radeon Graphics (MI300X)"
+        )
+        assert parts.identified("AMD Instinct MI300X", "0x1002:0x74a1") == "AMD Instinct MI300X"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "0x1002:0x7fff" in said[0], said
+    assert parts.pci_id("0x1002", "74A1") == parts.pci_id(0x1002, 0x74A1) == "0x1002:0x74a1"
