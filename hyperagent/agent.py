@@ -34,6 +34,7 @@ from hyperagent.sources.base import Source
 from hyperagent.sources.job import JobSource
 from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import DUE_FRACTION, SourceRunner
+from hyperagent.sources.smi_text import SmiTextSource
 from hyperagent.tuner.trial import Measurement, MeasurementPlan, Phase, TrialMeasurement
 
 log = logging.getLogger(__name__)
@@ -845,13 +846,19 @@ class Agent:
     async def _energy_j(self, gpus: frozenset[int] | None = None) -> float | None:
         """The energy counter of ``gpus`` (None: every GPU) now (None when NVML did not answer
         within ``sources.timeout_s``); without an NVML source (GPU readings replayed as
-        recorded), as of the latest collection."""
+        recorded), as of the latest collection; a text tool with an energy counter (xpu-smi) is
+        run for it."""
         if gpus is not None:
             return self._gpus_energy_j(gpus)
         source = self.nvml_source or self.accelerator_source
-        if source is None or source.device_module is None:
-            return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
-        return await self._device_call(source.device_module, source.total_energy_j, "total energy")
+        if source is not None and source.device_module is not None:
+            return await self._device_call(
+                source.device_module, source.total_energy_j, "total energy"
+            )
+        tool = next((s for s in self.runner.sources if isinstance(s, SmiTextSource)), None)
+        if tool is not None and tool.counts_energy:
+            return await tool.total_energy_j()
+        return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
 
     def _gpus_energy_j(self, gpus: frozenset[int]) -> float | None:
         """The energy counters of ``gpus`` summed, as of the latest collection."""

@@ -114,16 +114,25 @@ def demo_hardware(capture_dir: Path | None, clock: Callable[[], float]) -> DemoH
         return DemoHardware(NvmlGpus(nvml), Hardware(nvml=nvml), {}, nvml)
     replayed = replayed_library(capture_dir, clock)
     if replayed is None:
-        raise ValueError(f"{capture_dir}: no AMD (amd-smi, rocm-smi) or Gaudi (hl-smi) capture")
+        raise ValueError(
+            f"{capture_dir}: no AMD (amd-smi, rocm-smi), Gaudi (hl-smi) or Intel (xpu-smi) capture"
+        )
     fake, library, name = replayed
-    sources = {"nvml": {"enabled": False}, name: {"enabled": True}}
-    return DemoHardware(VendorGpus(fake), Hardware(nvml=None, accelerators=library), sources)
+    sources: dict[str, Any] = {"nvml": {"enabled": False}, name: {"enabled": True}}
+    tools = {name: fake.run} if library is None else {}
+    if tools:  # a text tool, read every collection as the vendor libraries are
+        sources[name]["interval_s"] = 1.0
+    hardware = Hardware(nvml=None, accelerators=library, tools=tools)
+    return DemoHardware(VendorGpus(fake), hardware, sources)
 
 
 def demo_power_limits_w(capture_dir: Path | None) -> tuple[float, float]:
     """The power-cap range the demo's coordinator searches: the devices' own, where a device
     accepts down to 0 W (AMD Instinct) from half its maximum, as an operator would set it."""
     probe = demo_hardware(capture_dir, lambda: 0.0)
+    if probe.hardware.power_library is None:  # a telemetry-only tool: its recorded range
+        record = probe.gpus.fake.devices[0].record  # type: ignore[attr-defined]
+        return float(record.min_power_cap_w), float(record.max_power_cap_w)
     device = as_library(probe.hardware.power_library).power_devices()[0]
     low_mw, high_mw = device.power_limit_constraints_mw()
     low, high = low_mw / 1000, high_mw / 1000

@@ -12,11 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hyperagent.capture import amd_smi, hl_smi
+from hyperagent.capture import amd_smi, hl_smi, xpu_smi
 from hyperagent.capture.accelerators import CaptureFormatError
 from hyperagent.capture.fake_amdsmi import FakeAmdsmi
 from hyperagent.capture.fake_hlml import FakeHlml
 from hyperagent.capture.fake_nvml import FakeNvml
+from hyperagent.capture.xpu_smi import FakeXpuSmi
 from hyperagent.config import Config
 from hyperagent.devices.amd import AmdsmiLibrary
 from hyperagent.devices.gaudi import HlmlLibrary
@@ -171,9 +172,10 @@ def capture_sources(
 
 
 def replayed_library(directory: Path, clock: Callable[[], float]) -> tuple[Any, Any, str] | None:
-    """The fake vendor library replaying the directory's AMD (amd-smi, rocm-smi) or Gaudi
-    (hl-smi) capture, its :class:`~hyperagent.devices.base.DeviceLibrary` and its source name;
-    None when the directory holds neither."""
+    """The fake vendor library replaying the directory's AMD (amd-smi, rocm-smi), Gaudi (hl-smi)
+    or Intel GPU Max (xpu-smi) capture, its :class:`~hyperagent.devices.base.DeviceLibrary`
+    (None for xpu-smi, a text tool the fake answers for) and its source name; None when the
+    directory holds none of them."""
     try:
         if any((directory / name).is_file() for name in amd_smi.CAPTURE_FILES):
             amd = FakeAmdsmi.from_capture(directory, clock=clock)
@@ -181,6 +183,8 @@ def replayed_library(directory: Path, clock: Callable[[], float]) -> tuple[Any, 
         if (directory / hl_smi.CAPTURE_FILE).is_file():
             hlml = FakeHlml.from_capture(directory, clock=clock)
             return hlml, HlmlLibrary(hlml), "hlml"
+        if (directory / xpu_smi.DUMP_FILE).is_file():
+            return FakeXpuSmi.from_capture(directory, clock=clock), None, "xpu_smi"
     except CaptureFormatError as e:
         raise ConfigError([ConfigProblem("--replay", str(e))]) from e
     return None
@@ -190,12 +194,14 @@ def _replayed_accelerators(
     directory: Path, config: Config, clock: Callable[[], float]
 ) -> Source | None:
     """The source over a fake vendor library replaying the directory's AMD or Gaudi capture
-    (:func:`replayed_library`), when it holds one; text tools' captures (npu-smi, cnmon) as
-    their text source."""
+    (:func:`replayed_library`), when it holds one, the text source over FakeXpuSmi for an
+    xpu-smi capture; the other text tools' captures (npu-smi, cnmon) as their text source."""
     timeout_s = config.sources.timeout_s
     replayed = replayed_library(directory, clock)
     if replayed is not None:
-        _, library, name = replayed
+        fake, library, name = replayed
+        if library is None:
+            return smi_text.SmiTextSource(name, (), timeout_s=timeout_s, runner=fake.run)
         return AcceleratorSource(library, name=name, timeout_s=timeout_s)
     for name, capture in smi_text.CAPTURE_FILES.items():
         if (directory / capture).is_file():

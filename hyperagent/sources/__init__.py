@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,7 @@ from typing import Any
 from hyperagent.config import Config
 from hyperagent.sources import ipmi, pdu, rdma
 from hyperagent.sources.base import Source
+from hyperagent.sources.command import RunCommand
 from hyperagent.sources.host import HostSource
 from hyperagent.sources.job import JobSource, PeerPolicy
 from hyperagent.sources.nvml import NvmlSource
@@ -30,6 +31,9 @@ class Hardware:
     capture_dir: Path | None = None
     """The capture directory replayed, whose recordings the factories read instead of the
     network (a PDU target reads ``pdu/NAME.snmprec``)."""
+    tools: Mapping[str, RunCommand] = field(default_factory=dict)
+    """Text tools answered by fakes instead of the installed ones, by source name
+    (``xpu_smi``: a FakeXpuSmi's ``run``)."""
 
     @classmethod
     def installed(cls) -> Hardware:
@@ -159,7 +163,12 @@ def smi_text_sources(name: str) -> SourceFactory:
         from hyperagent.sources import smi_text
 
         section = getattr(config.sources, name)
-        return [smi_text.SmiTextSource(name, section.command, timeout_s=section.timeout_s)]
+        runner = hardware.tools.get(name)
+        return [
+            smi_text.SmiTextSource(
+                name, section.command, timeout_s=section.timeout_s, runner=runner
+            )
+        ]
 
     return build
 

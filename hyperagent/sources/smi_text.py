@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,8 +41,11 @@ from hyperagent.devices.metrics import (
     TEMPERATURE,
     UTILIZATION,
 )
+from hyperagent.errors import SourceError
 from hyperagent.readings import Kind, Reading
 from hyperagent.sources import command
+
+log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 COMMANDS = {
@@ -52,6 +56,8 @@ COMMANDS = {
 """Each text source's default command line."""
 CAPTURE_FILES = {"npu_smi": "npu-smi-info.txt", "cnmon": "cnmon.txt", "xpu_smi": "xpu-smi-dump.csv"}
 """A capture directory's file of each tool's output."""
+ENERGY_TOOLS = frozenset({"xpu_smi"})
+"""The tools whose output holds each device's energy counter."""
 IDENTITY_COMMANDS = {"xpu_smi": ("xpu-smi", "discovery", "-j")}
 """The command naming a tool's devices, run once, where its readings do not name them."""
 IDENTITY_FILES = {"xpu_smi": "xpu-smi-discovery.json"}
@@ -273,8 +279,9 @@ PARSERS: dict[str, Callable[[str, str | None], list[Reading]]] = {
 class SmiTextSource:
     """Runs the tool (``command``, default `COMMANDS[name]`) each read and parses its output,
     after its identity command (`IDENTITY_COMMANDS`) once where it has one; with ``capture``,
-    reads that file (and the identity file beside it) instead (replay). A tool that is not
-    installed means no such devices (up 0)."""
+    reads that file (and the identity file beside it) instead (replay), with ``runner`` asks
+    it (a fake of the tool: hyperagent.capture.xpu_smi). A tool that is not installed means
+    no such devices (up 0)."""
 
     target = "local"
 
@@ -285,11 +292,13 @@ class SmiTextSource:
         *,
         timeout_s: float = 1.5,
         capture: Path | None = None,
+        runner: command.RunCommand | None = None,
     ) -> None:
         self.name = name
         self.argv = tuple(argv) or COMMANDS[name]
         self.timeout_s = timeout_s
         self.capture = capture
+        self.runner = runner
         self.parse = PARSERS[name]
         self.identity_argv = IDENTITY_COMMANDS.get(name)
         """The command naming the devices, run before the first read (None: the readings name
@@ -301,6 +310,8 @@ class SmiTextSource:
         return None
 
     async def _run(self, argv: Sequence[str], capture: str) -> str:
+        if self.runner is not None:
+            return await self.runner(argv)
         if self.capture is not None:
             runner = command.capture_runner(self.capture.parent, lambda argv: capture)
             return await runner(argv)
@@ -315,6 +326,25 @@ class SmiTextSource:
                 self._identity = ""  # a capture of the readings alone: devices unnamed
         capture = "" if self.capture is None else self.capture.name
         return self.parse(await self._run(self.argv, capture), self._identity)
+
+    @property
+    def counts_energy(self) -> bool:
+        """Whether the tool reports an energy counter (xpu-smi does)."""
+        return self.name in ENERGY_TOOLS
+
+    async def total_energy_j(self) -> float | None:
+        """Sum of every device's energy counter, the tool run now; None where a device has
+        none or the tool fails."""
+        try:
+            readings = await self.read()
+        except (SourceError, ValueError) as e:
+            log.debug("%s: no energy reading: %s", self.name, e)
+            return None
+        devices = {r.labels["gpu"] for r in readings if r.name == GPU_INFO}
+        energy = {r.labels["gpu"]: r.value for r in readings if r.name == ENERGY}
+        if not devices or set(energy) != devices:
+            return None
+        return sum(energy.values())
 
     async def close(self) -> None:
         return None

@@ -128,13 +128,16 @@ INTEL_MAX = FIXTURES / "replay" / "intel-max1550-documented"
 
 
 async def test_intel_gpu_max_telemetry_from_xpu_smi() -> None:
-    """``xpu-smi dump`` with ``xpu-smi discovery -j``: each Max 1550's utilisation, power,
-    clock, temperatures, energy counter, memory bandwidth use and memory, named as every
-    vendor's GPU readings are, with its model, UUID and PCI address."""
+    """``xpu-smi dump`` with ``xpu-smi discovery -j``, replayed through the fake xpu-smi and
+    the source's own parser: each Max 1550's utilisation, power, clock, temperatures, energy
+    counter, memory bandwidth use and memory, named as every vendor's GPU readings are, with
+    its model, UUID and PCI address."""
     readings = await replayed_readings(INTEL_MAX, Clock())
     assert by_gpu(readings, "hyperagent_gpu_power_watts") == {"0": 512.4, "1": 498.1}
     assert by_gpu(readings, "hyperagent_gpu_utilization_ratio") == {"0": 0.875, "1": 0.8625}
-    assert by_gpu(readings, "hyperagent_gpu_energy_joules_total")["1"] == 1801877.3
+    # the recorded counter, then 10 s of the replay's clock at the recorded draw
+    energy = by_gpu(readings, "hyperagent_gpu_energy_joules_total")["1"]
+    assert energy == pytest.approx(1801877.3 + 10 * 498.1)
     assert by_gpu(readings, "hyperagent_gpu_memory_total_bytes")["0"] == 128 * 2**30
     assert by_gpu(readings, "hyperagent_gpu_memory_used_bytes")["0"] == 96 * 2**30
     assert by_gpu(readings, "hyperagent_gpu_sm_clock_hertz")["0"] == 1.6e9
