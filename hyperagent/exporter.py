@@ -77,41 +77,47 @@ def _escaped(text: str) -> str:
 
 class OpenMetricsText:
     """prometheus_client's OpenMetrics 1.0.0 text (underscore escaping) of a collector's
-    families, byte for byte, without its per-character name checks; the label part of each
-    sample is kept between renders while its label dict lives on (the sources build a device's
-    labels once). A family it cannot render the same way (a name or label name outside the
-    legacy character set, an exemplar, a timestamp) renders the whole body through
+    readings, byte for byte, straight from the readings (no Metric objects) and without its
+    per-character name checks; the label part of each sample is kept between renders while
+    its label dict lives on (the sources build a device's labels once). Readings whose name or
+    label names fall outside the legacy character set render the whole body through
     prometheus_client."""
 
     def __init__(self) -> None:
         self._labels: dict[int, tuple[Mapping[str, str], str]] = {}
 
     def __call__(self, collector: SnapshotCollector) -> bytes:
+        body = self.render(collector.readings())
+        return openmetrics_latest(collector) if body is None else body
+
+    def render(self, readings: Sequence[Reading]) -> bytes | None:
+        """The body of ``readings`` as :func:`families` makes them; None where a family holds
+        what only prometheus_client renders the same (see the class)."""
         out: list[str] = []
         cache = self._labels
         kept: dict[int, tuple[Mapping[str, str], str]] = {}
-        for metric in collector.collect():
-            name = metric.name
-            if not _LEGACY_NAME.match(name) or metric.unit:
-                return openmetrics_latest(collector)
-            out.append(f"# HELP {name} {_escaped(metric.documentation)}\n")
-            out.append(f"# TYPE {name} {metric.type}\n")
-            for s in metric.samples:
-                if s.timestamp is not None or s.exemplar or s.native_histogram:
-                    return openmetrics_latest(collector)
-                labels = s.labels
+        for name, group in by_name(readings).items():
+            kind = group[0].kind
+            suffix = _SUFFIX[kind]
+            family = name.removesuffix(suffix) if suffix else name
+            if not _LEGACY_NAME.match(family):
+                return None
+            sample = family + suffix
+            out.append(f"# HELP {family} {_escaped(help_text(name))}\n")
+            out.append(f"# TYPE {family} {_TYPE[kind]}\n")
+            info = kind is Kind.INFO
+            sets = [_as_dict(r.labels) for r in group] if info else _label_sets(group)
+            for r, labels in zip(group, sets, strict=True):
                 found = cache.get(id(labels))
                 if found is not None and found[0] is labels:
                     text = found[1]
                 else:
                     if not all(_LEGACY_NAME.match(k) for k in labels):
-                        return openmetrics_latest(collector)
+                        return None
                     pairs = ",".join(f'{k}="{_escaped(v)}"' for k, v in sorted(labels.items()))
                     text = "{" + pairs + "}" if pairs else ""
                 kept[id(labels)] = (labels, text)
-                if not _LEGACY_NAME.match(s.name):
-                    return openmetrics_latest(collector)
-                out.append(f"{s.name}{text} {floatToGoString(s.value)}\n")
+                out.append(f"{sample}{text} {floatToGoString(1.0 if info else r.value)}\n")
         out.append("# EOF\n")
         self._labels = kept
         return "".join(out).encode("utf-8")
@@ -150,6 +156,11 @@ class SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         return iter(self._built()[1])
+
+    def readings(self) -> tuple[Reading, ...]:
+        """The readings of the last update."""
+        with self._lock:
+            return self._readings
 
     def _built(self) -> tuple[tuple[Reading, ...], list[Metric]]:
         with self._lock:
