@@ -69,14 +69,13 @@ class NvmlGpus:
     nvml: FakeNvml
 
     def count(self) -> int:
-        return len(NvmlLibrary(self.nvml).power_devices())
+        return NvmlLibrary(self.nvml).count()
 
     def set_load(self, index: int, util_pct: float, power_w: float) -> None:
         self.nvml.set_load(index, util_gpu_pct=round(util_pct), power_draw_w=power_w)
 
     def cap_w(self) -> float:
-        device = NvmlLibrary(self.nvml).power_devices()[0]
-        return device.power_limit_mw() / MW_PER_W
+        return NvmlLibrary(self.nvml).by_index(0).enforced_power_limit_mw() / MW_PER_W
 
 
 @dataclass

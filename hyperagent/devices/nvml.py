@@ -86,6 +86,11 @@ class NvmlDevice:
     def set_power_limit_mw(self, milliwatts: int) -> None:
         self.nv.nvmlDeviceSetPowerManagementLimit(self.handle, milliwatts)
 
+    @vendor_call("nvmlDeviceGetEnforcedPowerLimit")
+    def enforced_power_limit_mw(self) -> int:
+        """The limit the GPU enforces (the lowest of every limit set on it)."""
+        return int(self.nv.nvmlDeviceGetEnforcedPowerLimit(self.handle))
+
 
 class NvmlLibrary:
     """``pynvml`` (or a fake with its API) as a :class:`~hyperagent.devices.base.DeviceLibrary`."""
@@ -119,6 +124,16 @@ class NvmlLibrary:
             uuid = _text(nv.nvmlDeviceGetUUID(handle))
             out.append(NvmlDevice(nv, DeviceIdentity(index, uuid, self.vendor, ""), handle))
         return out
+
+    def count(self) -> int:
+        """How many GPUs NVML enumerates (nvmlInit, nvmlDeviceGetCount: no handle)."""
+        self.module.nvmlInit()
+        return int(self.module.nvmlDeviceGetCount())
+
+    def by_index(self, index: int) -> NvmlDevice:
+        """GPU ``index`` by its handle alone (named by index, no UUID asked)."""
+        handle = self.module.nvmlDeviceGetHandleByIndex(index)
+        return NvmlDevice(self.module, DeviceIdentity(index, "", self.vendor, ""), handle)
 
     def _identity(self, index: int, uuid: str, handle: Any, driver: str) -> DeviceIdentity:
         model = _text(self.module.nvmlDeviceGetName(handle))

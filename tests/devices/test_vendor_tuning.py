@@ -66,8 +66,9 @@ async def test_the_coordinator_minimises_energy_on_intel_gpu_max_telemetry(
 ) -> None:
     """Intel Data Center GPU Max through xpu-smi (telemetry only, no cap set): the energy
     objective reads the devices' energy counters from the fake xpu-smi's dumps, every trial
-    is scored in samples per joule within 2% of what the job model draws, and the best is the
-    tried settings the model rates best."""
+    is scored in samples per joule within 2% of what the job model draws, and the best is
+    within 3% of the tried settings the model rates best (trials closer than that trade
+    places under load)."""
     assert demo_power_limits_w(INTEL_MAX) == (300.0, 600.0)
     async with simulated_cluster(
         mosquitto.url,
@@ -90,8 +91,8 @@ async def test_the_coordinator_minimises_energy_on_intel_gpu_max_telemetry(
         assert trial.score == pytest.approx(model.score(trial.settings, "energy"), rel=0.02)
     best = state.best
     assert best is not None and state.gain is not None and state.gain >= 0, state.gain
-    modelled = max(scored, key=lambda t: model.score(t.settings, "energy"))
-    assert best[0] == modelled.settings  # the tried settings the job model rates best
+    modelled = max(model.score(t.settings, "energy") for t in scored)
+    assert model.score(best[0], "energy") >= 0.97 * modelled  # the model's best, within noise
     print(
         f"{INTEL_MAX.name}: {len(state.trials)} trials, best {best[0]} at {best[1]:.4g}"
         f" samples/J, measured gain {state.gain:+.1%}"
