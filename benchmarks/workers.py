@@ -100,7 +100,7 @@ def _agent_config(args: argparse.Namespace) -> Any:
 
 def _node_sources(args: argparse.Namespace, config: Any) -> tuple[list[Any], Any]:
     """Every source of a node: the capture directory's (GPUs, RDMA, PDU, BMC), host, job."""
-    from hyperagent.sources import capture_sources
+    from hyperagent.capture.directory import capture_sources
     from hyperagent.sources.host import HostSource
     from hyperagent.sources.job import JobSource
 
@@ -484,9 +484,9 @@ async def record(capture: Path, frames: int, out: Path) -> int:
     """A 1 Hz recording of the capture directory's sources, the host and a job reporting 40
     steps a second, ``frames`` seconds long, written with the package's Recorder."""
     from hyperagent import job as protocol
+    from hyperagent.capture.directory import capture_sources
     from hyperagent.config import build_config
     from hyperagent.replay import Recorder
-    from hyperagent.sources import capture_sources
     from hyperagent.sources.host import HostSource
     from hyperagent.sources.job import JobSource, Peer
     from hyperagent.sources.runner import SourceRunner
@@ -524,8 +524,8 @@ async def _replay(directory: Path, frames: int, power_cap: bool) -> dict[str, An
     readings go through NvmlSource over a fake NVML rebuilt from each frame (so that power caps
     apply); without, they are served as recorded."""
     from hyperagent.agent import Agent
+    from hyperagent.capture.directory import capture_sources
     from hyperagent.config import build_config
-    from hyperagent.sources import capture_sources
 
     config = build_config(
         {
@@ -649,10 +649,10 @@ def telemetry_template(capture: Path) -> dict[str, Any]:
     """A real agent's telemetry payload for the capture directory (second cycle, so windowed
     indicators are present), decoded: simulated agents send it with their own name and time."""
     from hyperagent.agent import telemetry_payload
+    from hyperagent.capture.directory import capture_sources
     from hyperagent.config import build_config
     from hyperagent.indicators import derive
     from hyperagent.readings import Snapshot
-    from hyperagent.sources import capture_sources
     from hyperagent.sources.host import HostSource
     from hyperagent.sources.runner import SourceRunner
 

@@ -18,6 +18,8 @@ import orjson
 from hyperagent import bus, durable
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.config import Config
+from hyperagent.devices.metrics import ENERGY as GPU_ENERGY
+from hyperagent.devices.nvml_telemetry import running_pids
 from hyperagent.devices.source import AcceleratorSource
 from hyperagent.errors import ActuationError, DeviceCallError, PayloadError
 from hyperagent.exporter import MetricsServer, SnapshotCollector
@@ -30,9 +32,9 @@ from hyperagent.replay import Recorder
 from hyperagent.sources import Hardware, build_sources
 from hyperagent.sources.base import Source
 from hyperagent.sources.job import JobSource
-from hyperagent.sources.nvml import ENERGY as GPU_ENERGY
 from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import DUE_FRACTION, SourceRunner
+from hyperagent.sources.smi_text import SmiTextSource
 from hyperagent.tuner.trial import Measurement, MeasurementPlan, Phase, TrialMeasurement
 
 log = logging.getLogger(__name__)
@@ -218,9 +220,13 @@ class Agent:
         metrics = (
             MetricsServer(config.agent.metrics_address) if config.agent.metrics_address else None
         )
+        if hardware is None:
+            from hyperagent.capture.directory import configured_hardware
+
+            hardware = configured_hardware(config)
         return cls(
             config,
-            hardware or Hardware.from_config(config),
+            hardware,
             link=link,
             settings_key=settings_key,
             metrics=metrics,
@@ -529,24 +535,15 @@ class Agent:
         call per GPU through the handles the NVML source enumerated. Blocking: run it through
         the NVML gate."""
         nvml = self.hardware.nvml
-        if nvml is None or not hasattr(nvml, "nvmlDeviceGetComputeRunningProcesses"):
+        if nvml is None:
             return {}
-        out: dict[str, list[int]] = {}
         source = self.nvml_source
+        gpus = source.gpus if source is not None and source.nvml is nvml else []
         try:
-            if source is not None and source.nvml is nvml and source.gpus:
-                handles = [(gpu.index, gpu.handle) for gpu in source.gpus]
-            else:
-                handles = [
-                    (index, nvml.nvmlDeviceGetHandleByIndex(index))
-                    for index in range(nvml.nvmlDeviceGetCount())
-                ]
-            for index, handle in handles:
-                processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                out[str(index)] = [p.pid for p in processes]
+            return running_pids(nvml, gpus)
         except Exception as e:  # NVMLError and friends: attribution falls back to hellos
             log.debug("NVML running processes: %s", e)
-        return out
+            return {}
 
     def _self_readings(self) -> list[Reading]:
         out = [
@@ -860,17 +857,19 @@ class Agent:
     async def _energy_j(self, gpus: frozenset[int] | None = None) -> float | None:
         """The energy counter of ``gpus`` (None: every GPU) now (None when NVML did not answer
         within ``sources.timeout_s``); without an NVML source (GPU readings replayed as
-        recorded), as of the latest collection."""
+        recorded), as of the latest collection; a text tool with an energy counter (xpu-smi) is
+        run for it."""
         if gpus is not None:
             return self._gpus_energy_j(gpus)
-        source = self.nvml_source
-        if source is None:
-            accel = self.accelerator_source
-            if accel is not None and accel.library is not None:
-                library = accel.library.module
-                return await self._device_call(library, accel.total_energy_j, "total energy")
-            return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
-        return await self._device_call(source.nvml, source.total_energy_j, "total energy")
+        source = self.nvml_source or self.accelerator_source
+        if source is not None and source.device_module is not None:
+            return await self._device_call(
+                source.device_module, source.total_energy_j, "total energy"
+            )
+        tool = next((s for s in self.runner.sources if isinstance(s, SmiTextSource)), None)
+        if tool is not None and tool.counts_energy:
+            return await tool.total_energy_j()
+        return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
 
     def _gpus_energy_j(self, gpus: frozenset[int]) -> float | None:
         """The energy counters of ``gpus`` summed, as of the latest collection."""

@@ -6,10 +6,11 @@ merges them with the agent's and coordinator's own.
 
 from __future__ import annotations
 
-from hyperagent.sources import ipmi, nvml, pdu, rdma
+from hyperagent.devices import metrics as gpu
+from hyperagent.sources import ipmi, pdu, rdma
 
 _CORE: dict[str, str] = {
-    # GPUs: the NVML source's own metrics are in hyperagent.sources.nvml.HELP
+    # GPUs: every vendor's readings are named in hyperagent.devices.metrics.HELP
     "hyperagent_gpu_quantum_coefficient": (
         'Compute quanta one fully busy GPU of this model is worth (A100 = 1); known="false"'
         " marks a model indicators.quantum_coefficients does not name, counted as 1."
@@ -157,7 +158,7 @@ _CORE: dict[str, str] = {
 }
 
 
-HELP: dict[str, str] = {**_CORE, **nvml.HELP, **ipmi.HELP, **rdma.HELP, **pdu.HELP}
+HELP: dict[str, str] = {**_CORE, **gpu.HELP, **ipmi.HELP, **rdma.HELP, **pdu.HELP}
 
 
 def help_text(name: str) -> str:

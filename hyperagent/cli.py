@@ -171,7 +171,7 @@ def _run(main: Coroutine[Any, Any, Any]) -> int:
 
 def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None = None) -> Agent:
     from hyperagent.agent import Agent
-    from hyperagent.sources import capture_sources
+    from hyperagent.capture.directory import capture_sources
 
     key = read_settings_key(config)
     if args.replay is None:

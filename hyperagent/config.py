@@ -131,11 +131,13 @@ class AcceleratorSection(_Model):
 
 
 class SmiTextSection(_Model):
-    """A vendor tool read as text (``[sources.npu_smi]``, ``[sources.cnmon]``): telemetry only."""
+    """A vendor tool read as text (``[sources.npu_smi]``, ``[sources.cnmon]``,
+    ``[sources.xpu_smi]``): telemetry only."""
 
     enabled: bool = False
     command: tuple[str, ...] = ()
-    """The command line (default: the tool's own, ``npu-smi info`` or ``cnmon``)."""
+    """The command line (default: the tool's own, ``npu-smi info``, ``cnmon`` or ``xpu-smi dump
+    -d -1 -m 0,1,2,3,4,8,17,18 -n 1``)."""
     timeout_s: PositiveSeconds = 1.5
     """Bound of one run of the tool (below ``sources.timeout_s``)."""
     interval_s: PositiveSeconds = 5.0
@@ -271,6 +273,7 @@ class SourcesSection(_Model):
     hlml: AcceleratorSection = AcceleratorSection()
     npu_smi: SmiTextSection = SmiTextSection()
     cnmon: SmiTextSection = SmiTextSection()
+    xpu_smi: SmiTextSection = SmiTextSection()
 
     @property
     def intervals(self) -> dict[str, float]:
@@ -281,6 +284,7 @@ class SourcesSection(_Model):
             "pdu": self.pdu.interval_s,
             "npu_smi": self.npu_smi.interval_s if self.npu_smi.enabled else None,
             "cnmon": self.cnmon.interval_s if self.cnmon.enabled else None,
+            "xpu_smi": self.xpu_smi.interval_s if self.xpu_smi.enabled else None,
         }
         return {name: interval for name, interval in slowed.items() if interval is not None}
 
@@ -291,6 +295,7 @@ class SourcesSection(_Model):
             "rdma.command_timeout_s": self.rdma.command_timeout_s if self.rdma.enabled else 0.0,
             "npu_smi.timeout_s": self.npu_smi.timeout_s if self.npu_smi.enabled else 0.0,
             "cnmon.timeout_s": self.cnmon.timeout_s if self.cnmon.enabled else 0.0,
+            "xpu_smi.timeout_s": self.xpu_smi.timeout_s if self.xpu_smi.enabled else 0.0,
         }
         for name, bound in bounds.items():
             if bound >= self.timeout_s:

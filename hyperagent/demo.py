@@ -25,13 +25,16 @@ from typing import Any, Protocol
 
 from hyperagent import durable
 from hyperagent.agent import Agent
+from hyperagent.capture.directory import replayed_library
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.devices import as_library
+from hyperagent.devices.base import MW_PER_W
+from hyperagent.devices.nvml import NvmlLibrary
 from hyperagent.job import KNOBS, JobReporter
 from hyperagent.sim import JobModel
-from hyperagent.sources import Hardware, replayed_library
+from hyperagent.sources import Hardware
 from hyperagent.tuner.jobstate import TrialRecord
 from hyperagent.tuner.tuning import JobTuning
 
@@ -66,15 +69,13 @@ class NvmlGpus:
     nvml: FakeNvml
 
     def count(self) -> int:
-        self.nvml.nvmlInit()
-        return int(self.nvml.nvmlDeviceGetCount())
+        return NvmlLibrary(self.nvml).count()
 
     def set_load(self, index: int, util_pct: float, power_w: float) -> None:
         self.nvml.set_load(index, util_gpu_pct=round(util_pct), power_draw_w=power_w)
 
     def cap_w(self) -> float:
-        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
-        return float(self.nvml.nvmlDeviceGetEnforcedPowerLimit(handle)) / 1000
+        return NvmlLibrary(self.nvml).by_index(0).enforced_power_limit_mw() / MW_PER_W
 
 
 @dataclass
@@ -112,16 +113,25 @@ def demo_hardware(capture_dir: Path | None, clock: Callable[[], float]) -> DemoH
         return DemoHardware(NvmlGpus(nvml), Hardware(nvml=nvml), {}, nvml)
     replayed = replayed_library(capture_dir, clock)
     if replayed is None:
-        raise ValueError(f"{capture_dir}: no AMD (amd-smi, rocm-smi) or Gaudi (hl-smi) capture")
+        raise ValueError(
+            f"{capture_dir}: no AMD (amd-smi, rocm-smi), Gaudi (hl-smi) or Intel (xpu-smi) capture"
+        )
     fake, library, name = replayed
-    sources = {"nvml": {"enabled": False}, name: {"enabled": True}}
-    return DemoHardware(VendorGpus(fake), Hardware(nvml=None, accelerators=library), sources)
+    sources: dict[str, Any] = {"nvml": {"enabled": False}, name: {"enabled": True}}
+    tools = {name: fake.run} if library is None else {}
+    if tools:  # a text tool, read every collection as the vendor libraries are
+        sources[name]["interval_s"] = 1.0
+    hardware = Hardware(nvml=None, accelerators=library, tools=tools)
+    return DemoHardware(VendorGpus(fake), hardware, sources)
 
 
 def demo_power_limits_w(capture_dir: Path | None) -> tuple[float, float]:
     """The power-cap range the demo's coordinator searches: the devices' own, where a device
     accepts down to 0 W (AMD Instinct) from half its maximum, as an operator would set it."""
     probe = demo_hardware(capture_dir, lambda: 0.0)
+    if probe.hardware.power_library is None:  # a telemetry-only tool: its recorded range
+        record = probe.gpus.fake.devices[0].record  # type: ignore[attr-defined]
+        return float(record.min_power_cap_w), float(record.max_power_cap_w)
     device = as_library(probe.hardware.power_library).power_devices()[0]
     low_mw, high_mw = device.power_limit_constraints_mw()
     low, high = low_mw / 1000, high_mw / 1000

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -19,8 +20,11 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.openmetrics.exposition import UNDERSCORES
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from hyperagent.catalog import help_text
 from hyperagent.errors import ConfigError, ConfigProblem
@@ -64,6 +68,72 @@ def families(readings: Sequence[Reading]) -> list[Metric]:
     return out
 
 
+_LEGACY_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def _escaped(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+class OpenMetricsText:
+    """prometheus_client's OpenMetrics 1.0.0 text (underscore escaping) of a collector's
+    readings, byte for byte, straight from the readings (no Metric objects) and without its
+    per-character name checks; the label part of each sample is kept between renders while
+    its label dict lives on (the sources build a device's labels once). Readings whose name or
+    label names fall outside the legacy character set render the whole body through
+    prometheus_client."""
+
+    def __init__(self) -> None:
+        self._labels: dict[int, tuple[Mapping[str, str], str]] = {}
+
+    def __call__(self, collector: SnapshotCollector) -> bytes:
+        body = self.render(collector.readings())
+        return openmetrics_latest(collector) if body is None else body
+
+    def render(self, readings: Sequence[Reading]) -> bytes | None:
+        """The body of ``readings`` as :func:`families` makes them; None where a family holds
+        what only prometheus_client renders the same (see the class)."""
+        out: list[str] = []
+        cache = self._labels
+        kept: dict[int, tuple[Mapping[str, str], str]] = {}
+        for name, group in by_name(readings).items():
+            kind = group[0].kind
+            suffix = _SUFFIX[kind]
+            family = name.removesuffix(suffix) if suffix else name
+            if not _LEGACY_NAME.match(family):
+                return None
+            sample = family + suffix
+            out.append(f"# HELP {family} {_escaped(help_text(name))}\n")
+            out.append(f"# TYPE {family} {_TYPE[kind]}\n")
+            info = kind is Kind.INFO
+            sets = [_as_dict(r.labels) for r in group] if info else _label_sets(group)
+            for r, labels in zip(group, sets, strict=True):
+                found = cache.get(id(labels))
+                if found is not None and found[0] is labels:
+                    text = found[1]
+                else:
+                    if not all(_LEGACY_NAME.match(k) for k in labels):
+                        return None
+                    pairs = ",".join(f'{k}="{_escaped(v)}"' for k, v in sorted(labels.items()))
+                    text = "{" + pairs + "}" if pairs else ""
+                kept[id(labels)] = (labels, text)
+                out.append(f"{sample}{text} {floatToGoString(1.0 if info else r.value)}\n")
+        out.append("# EOF\n")
+        self._labels = kept
+        return "".join(out).encode("utf-8")
+
+
+def _is_openmetrics_underscores(encoder: Callable[..., bytes]) -> bool:
+    """Whether ``encoder`` (from choose_encoder) is prometheus_client's OpenMetrics text with
+    underscore escaping, which :class:`OpenMetricsText` renders the same."""
+    keywords = getattr(encoder, "keywords", {})
+    return (
+        getattr(encoder, "func", None) is openmetrics_latest
+        and keywords.get("escaping") == UNDERSCORES
+        and str(keywords.get("version", "1.0.0")).startswith("1.")
+    )
+
+
 class SnapshotCollector:
     """Exposes whatever readings were last handed to ``update``; thread-safe swap.
 
@@ -86,6 +156,11 @@ class SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         return iter(self._built()[1])
+
+    def readings(self) -> tuple[Reading, ...]:
+        """The readings of the last update."""
+        with self._lock:
+            return self._readings
 
     def _built(self) -> tuple[tuple[Reading, ...], list[Metric]]:
         with self._lock:
@@ -139,6 +214,7 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self._fallback = make_wsgi_app(self.registry)
+        self._openmetrics = OpenMetricsText()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -149,7 +225,10 @@ class MetricsServer:
             and environ.get("PATH_INFO") != "/favicon.ico"
             and "name[]" not in environ.get("QUERY_STRING", "")
         ):
-            encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+            chosen, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+            encoder: Callable[[SnapshotCollector], bytes] = chosen
+            if _is_openmetrics_underscores(chosen):
+                encoder = self._openmetrics
             body = self.collector.exposition(content_type, encoder)
             headers = [("Content-Type", content_type)]
             if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):

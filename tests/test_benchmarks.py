@@ -20,11 +20,11 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.registry import CollectorRegistry
 
 from hyperagent import bus
+from hyperagent.capture.directory import capture_sources
 from hyperagent.catalog import help_text
 from hyperagent.config import build_config
 from hyperagent.exporter import MetricsServer, SnapshotCollector
 from hyperagent.readings import Kind, Reading, Snapshot, by_name
-from hyperagent.sources import capture_sources
 from hyperagent.sources.runner import SourceRunner
 
 from conftest import BUSY, REPO
@@ -421,7 +421,7 @@ async def test_the_real_gpu_call_counter_counts_what_nvml_source_calls() -> None
     counting = CountingNvml(fake)
     source = NvmlSource(counting, event_wait_ms=20)
     await source.start()
-    watcher = source._events_thread
+    watcher = source.telemetry.events_thread
     try:
         readings = await source.read()
     finally:

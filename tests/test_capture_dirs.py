@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from hyperagent.capture.directory import capture_sources
 from hyperagent.config import build_config
 from hyperagent.exporter import MetricsServer
-from hyperagent.sources import capture_sources
 from hyperagent.sources.runner import SourceRunner
 
 from conftest import FIXTURES, ManualClock

@@ -18,7 +18,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from hyperagent.catalog import HELP
-from hyperagent.sources import nvml
+from hyperagent.devices import metrics as nvml
 
 from conftest import REPO
 

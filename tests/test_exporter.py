@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -155,3 +156,49 @@ def test_http_exposition_is_byte_for_byte_what_prometheus_client_encodes(accept:
     assert server.collector.exposition(expected_type) == body  # hyperagent rendered it
     assert body == encoder(server.registry)
     assert b'name="Tesla \\"V100\\"\\\\x\\n"' in body
+
+
+REPLAYS = sorted(p for p in (Path(__file__).parent.parent / "fixtures" / "replay").iterdir()
+                 if p.is_dir())
+
+
+@pytest.mark.parametrize("directory", REPLAYS, ids=lambda p: p.name)
+async def test_the_openmetrics_body_is_prometheus_clients_byte_for_byte(directory: Path) -> None:
+    """What a Prometheus scrape gets (OpenMetrics 1.0.0, underscore escaping) from every
+    replayed capture, twice (the second render reuses the label parts), over HTTP too."""
+    import urllib.request
+
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+
+    from hyperagent.capture.directory import capture_sources
+    from hyperagent.config import build_config
+    from hyperagent.exporter import OpenMetricsText
+    from hyperagent.sources.runner import SourceRunner
+
+    clock = ManualClock()
+    sources, _ = capture_sources(directory, build_config({}), clock)
+    runner = SourceRunner(sources, timeout_s=10)
+    await runner.start()
+    server = MetricsServer("127.0.0.1:0")
+    render = OpenMetricsText()
+    try:
+        for _ in range(2):
+            clock.now += 10.0
+            readings = await runner.read_all()
+            snapshot = Snapshot(clock.now, "n", tuple(readings))
+            server.collector.update([*readings, *derive(snapshot, None, {})])
+            assert render(server.collector) == openmetrics_latest(server.registry)
+        server.start()
+        accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": accept}
+        )
+
+        def scrape() -> bytes:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return bytes(response.read())
+
+        assert await asyncio.to_thread(scrape) == openmetrics_latest(server.registry)
+    finally:
+        server.stop()
+        await runner.close()

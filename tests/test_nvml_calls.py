@@ -10,8 +10,9 @@ from pathlib import Path
 from hyperagent.agent import Agent
 from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import build_config
+from hyperagent.devices.nvml_telemetry import UNSUPPORTED_RETRY_READS
 from hyperagent.sources import Hardware
-from hyperagent.sources.nvml import UNSUPPORTED_RETRY_READS, NvmlSource
+from hyperagent.sources.nvml import NvmlSource
 
 from conftest import ManualClock
 

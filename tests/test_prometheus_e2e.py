@@ -24,10 +24,11 @@ import pytest
 import yaml
 
 from hyperagent.agent import Agent
+from hyperagent.capture.directory import capture_sources
 from hyperagent.config import build_config
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.exporter import MetricsServer, SnapshotCollector
-from hyperagent.sources import capture_sources, pdu
+from hyperagent.sources import pdu
 from hyperagent.sources.host import HostSource
 
 from conftest import FIXTURES, REPO, free_port, require_binary, wait_for_port

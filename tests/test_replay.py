@@ -241,8 +241,8 @@ def test_record_then_replay_serves_the_same_metrics(tmp_path: Path) -> None:
 async def test_a_real_h200_under_bf16_load_replays_with_its_indicators(tmp_path: Path) -> None:
     """The recording made with `hyperagent record` on a real H200 (fixtures SOURCES.md)."""
     from hyperagent.agent import Agent
+    from hyperagent.capture.directory import capture_sources
     from hyperagent.config import build_config
-    from hyperagent.sources import capture_sources
 
     clock = ManualClock()
     config = build_config(
@@ -272,8 +272,8 @@ async def test_recorded_gpus_replay_as_recorded_unless_power_caps_apply(
     """Without power capping a recording's GPU readings are served as recorded; with it they go
     through NvmlSource over a fake NVML, which takes a cap and draws less under it."""
     from hyperagent.agent import Agent
+    from hyperagent.capture.directory import capture_sources
     from hyperagent.config import build_config
-    from hyperagent.sources import capture_sources
 
     clock = ManualClock()
     config = build_config(
@@ -317,8 +317,8 @@ async def test_a_recording_past_its_end_loops_with_energy_keeping_pace_with_powe
     """The H200 recording lasts 39 s at about 690 W: long after its end, the energy counter
     still grows by the power shown times the time passed, across the loops' seams."""
     from hyperagent.agent import Agent
+    from hyperagent.capture.directory import capture_sources
     from hyperagent.config import build_config
-    from hyperagent.sources import capture_sources
 
     clock = ManualClock()
     config = build_config(

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from hyperagent.capture.directory import capture_sources
 from hyperagent.config import build_config
 from hyperagent.errors import ConfigError, SourceError
 from hyperagent.readings import Reading
-from hyperagent.sources import capture_sources
 from hyperagent.sources.base import Source
 from hyperagent.sources.ipmi import NODE_POWER
 from hyperagent.sources.ipmi_capture import parse_timestamp, split_day_file

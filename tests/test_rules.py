@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from hyperagent.catalog import HELP
-from hyperagent.sources import nvml
+from hyperagent.devices import metrics as nvml
 
 from conftest import REPO
 

@@ -14,6 +14,25 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+
+class CaptureFormatError(ValueError):
+    """A capture file that does not parse as its name says: the message names the file, the
+    line where known and the format expected."""
+
+
+def read_capture(path: Path, expected: str, parse: Callable[[str], _T]) -> _T:
+    """``parse`` of the text of ``path``; a file that does not parse (or is not text) raises
+    CaptureFormatError naming ``path`` and the ``expected`` format."""
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        detail = str(e) if not isinstance(e, KeyError) else f"no {e} field"
+        raise CaptureFormatError(f"{path}: {detail} (expected {expected})") from e
 
 
 @dataclass(frozen=True)
@@ -45,6 +64,9 @@ class AcceleratorRecord:
     ecc_uncorrected: int | None = None
     compute_partition: str = ""
     memory_partition: str = ""
+    vendor_id: str = ""
+    device_id: str = ""
+    """The PCI vendor and device ids, where the tool gives them (``0x1002``, ``0x74a1``)."""
 
 
 def number(text: str | None) -> float | None:

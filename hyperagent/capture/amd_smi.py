@@ -6,10 +6,13 @@
   ``limit.socket_power`` in W, the power cap; ``driver.version``);
 - ``amd-smi xgmi --json`` (each device's PCI address, ``bdf``);
 - ``rocm-smi --showallinfo --json`` (``cardN`` objects; ``Max Graphics Package Power (W)`` is
-  the power cap, ``Average``/``Current Socket Graphics Package Power (W)`` the draw).
+  the power cap, ``Average``/``Current Socket Graphics Package Power (W)`` the draw);
+- ``rocm-smi ... --csv``, what monitoring scripts run: the same keys as columns, one row per
+  card (:func:`parse_rocm_smi_csv`).
 
 A capture directory holds ``amd-smi-metric.csv`` (with ``amd-smi-static.json`` and
-``amd-smi-xgmi.json`` beside it where recorded) or ``rocm-smi.json``: see `load_capture`.
+``amd-smi-xgmi.json`` beside it where recorded), ``rocm-smi.json`` or ``rocm-smi.csv``: see
+`load_capture`.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hyperagent.capture.accelerators import AcceleratorRecord, number
+from hyperagent.capture.accelerators import AcceleratorRecord, number, read_capture
 
 MIB = 1024 * 1024
 METRIC_CSV = "amd-smi-metric.csv"
 STATIC_JSON = "amd-smi-static.json"
 XGMI_JSON = "amd-smi-xgmi.json"
 ROCM_SMI_JSON = "rocm-smi.json"
-CAPTURE_FILES = (METRIC_CSV, ROCM_SMI_JSON)
+ROCM_SMI_CSV = "rocm-smi.csv"
+CAPTURE_FILES = (METRIC_CSV, ROCM_SMI_JSON, ROCM_SMI_CSV)
 """Either one makes a directory an AMD capture."""
 
 
@@ -83,6 +87,8 @@ def parse_static_json(text: str) -> dict[int, dict[str, Any]]:
         limit = gpu.get("limit", {})
         out[int(gpu["gpu"])] = {
             "model": gpu.get("asic", {}).get("market_name", ""),
+            "vendor_id": str(gpu.get("asic", {}).get("vendor_id", "")),
+            "device_id": str(gpu.get("asic", {}).get("device_id", "")),
             "min_power_cap_w": _value(limit.get("min_power")),
             "max_power_cap_w": _value(limit.get("max_power")),
             "power_cap_w": _value(limit.get("socket_power")),
@@ -110,28 +116,70 @@ def _model(series: str) -> str:
 def parse_rocm_smi_json(text: str) -> list[AcceleratorRecord]:
     """Records from ``rocm-smi --showallinfo --json`` (or any subset of its keys)."""
     data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object of cardN objects")
     driver = str(data.get("system", {}).get("Driver version", ""))
+    return _rocm_smi_cards(data, driver)
+
+
+def parse_rocm_smi_csv(text: str) -> list[AcceleratorRecord]:
+    """Records from ``rocm-smi [--showuse --showmemuse --showpower --showtemp --showmeminfo
+    vram ...] --csv``: a ``device`` column (``card0``...) and one column per key of the
+    ``--json`` form, whose names moved across rocm-smi 1.x-2.x (``Average`` or ``Current
+    Socket Graphics Package Power (W)``, ``GPU memory use (%)`` or ``GPU Memory Allocated
+    (VRAM%)``, ``Card series`` or ``Card Series``); ``WARNING:`` and other lines before the
+    header are skipped. Raises ValueError naming the line of a row of another width."""
+    lines = text.lstrip("\ufeff").splitlines()
+    start = next(
+        (i for i, line in enumerate(lines) if line.strip().lower().startswith("device,")), None
+    )
+    if start is None:
+        raise ValueError("no header line starting with 'device,'")
+    rows = list(csv.reader(lines[start:]))
+    header = [name.strip() for name in rows[0]]
+    cards: dict[str, dict[str, str]] = {}
+    for offset, row in enumerate(rows[1:], start + 2):
+        if not row or not "".join(row).strip():
+            continue
+        if len(row) != len(header):
+            raise ValueError(f"line {offset} has {len(row)} values for {len(header)} columns")
+        values = dict(zip(header, (cell.strip() for cell in row), strict=True))
+        cards[values.pop(header[0])] = values
+    return _rocm_smi_cards(cards, "")
+
+
+def _rocm_smi_cards(data: dict[str, Any], driver: str) -> list[AcceleratorRecord]:
+    """Records of the ``cardN`` entries of rocm-smi's output, keys matched case-insensitively."""
     out = []
-    cards = sorted((k for k in data if k.startswith("card")), key=lambda k: int(k[4:]))
+    cards = sorted(
+        (k for k in data if k.startswith("card") and k[4:].isdigit()), key=lambda k: int(k[4:])
+    )
     for position, key in enumerate(cards):
-        card = data[key]
-        get = card.get
-        power = get("Average Graphics Package Power (W)") or get(
-            "Current Socket Graphics Package Power (W)"
+        card = {str(k).lower(): v for k, v in data[key].items()}
+
+        def get(name: str, card: dict[str, Any] = card) -> Any:
+            return card.get(name.lower())
+
+        power = (
+            get("Average Graphics Package Power (W)")
+            or get("Current Socket Graphics Package Power (W)")
+            or get("Average Socket Graphics Package Power (W)")
         )
         cap = number(get("Max Graphics Package Power (W)"))
         out.append(
             AcceleratorRecord(
                 index=position,
                 vendor="amd",
-                model=_model(str(get("Card series") or get("Card Series") or "")),
-                uuid=str(get("Unique ID", "")),
-                bus_id=str(get("PCI Bus", "")).lower(),
+                model=_model(str(get("Card series") or "")),
+                uuid=str(get("Unique ID") or ""),
+                vendor_id=str(get("Vendor ID") or ("0x1002" if get("Device ID") else "")),
+                device_id=str(get("Device ID") or ""),
+                bus_id=str(get("PCI Bus") or "").lower(),
                 driver=driver,
                 util_pct=number(get("GPU use (%)")),
                 mem_util_pct=number(get("GPU Memory Read/Write Activity (%)"))
                 if get("GPU Memory Read/Write Activity (%)") is not None
-                else number(get("GPU memory use (%)")),
+                else number(get("GPU memory use (%)") or get("GPU Memory Allocated (VRAM%)")),
                 power_w=number(power),
                 mem_used_bytes=number(get("VRAM Total Used Memory (B)")),
                 mem_total_bytes=number(get("VRAM Total Memory (B)")),
@@ -151,12 +199,14 @@ def load_capture(directory: Path) -> list[AcceleratorRecord]:
     """The AMD devices a capture directory holds (see the module docstring); [] when none."""
     metric = directory / METRIC_CSV
     if metric.is_file():
-        records = parse_metric_csv(metric.read_text(encoding="utf-8"))
+        records = read_capture(metric, "amd-smi metric --csv", parse_metric_csv)
         xgmi = directory / XGMI_JSON
-        buses = parse_xgmi_json(xgmi.read_text(encoding="utf-8")) if xgmi.is_file() else {}
+        buses = (
+            read_capture(xgmi, "amd-smi xgmi --json", parse_xgmi_json) if xgmi.is_file() else {}
+        )
         static_path = directory / STATIC_JSON
         static = (
-            parse_static_json(static_path.read_text(encoding="utf-8"))
+            read_capture(static_path, "amd-smi static --json", parse_static_json)
             if static_path.is_file()
             else {}
         )
@@ -168,6 +218,8 @@ def load_capture(directory: Path) -> list[AcceleratorRecord]:
                 replace(
                     record,
                     model=found.get("model", "") or record.model,
+                    vendor_id=found.get("vendor_id", ""),
+                    device_id=found.get("device_id", ""),
                     bus_id=bus,
                     driver=found.get("driver", ""),
                     power_cap_w=found.get("power_cap_w"),
@@ -179,5 +231,8 @@ def load_capture(directory: Path) -> list[AcceleratorRecord]:
         return out
     rocm = directory / ROCM_SMI_JSON
     if rocm.is_file():
-        return parse_rocm_smi_json(rocm.read_text(encoding="utf-8"))
+        return read_capture(rocm, "rocm-smi --showallinfo --json", parse_rocm_smi_json)
+    rocm_csv = directory / ROCM_SMI_CSV
+    if rocm_csv.is_file():
+        return read_capture(rocm_csv, "rocm-smi ... --csv", parse_rocm_smi_csv)
     return []

@@ -164,6 +164,8 @@ class FakeAmdsmi(SimulatedLibrary):
             return {
                 "market_name": record.model or "N/A",
                 "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]",
+                "vendor_id": record.vendor_id or "N/A",
+                "device_id": record.device_id or "N/A",
             }
 
     def amdsmi_get_gpu_device_uuid(self, handle: object) -> str:

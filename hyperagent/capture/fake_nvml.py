@@ -30,8 +30,9 @@ from hyperagent.capture.nvidia_smi import (
     RemappedRows,
     parse_capture,
 )
+from hyperagent.devices import metrics
+from hyperagent.devices import nvml_telemetry as telemetry
 from hyperagent.readings import Reading
-from hyperagent.sources import nvml as source
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +182,10 @@ _PROXIED = (
     "nvmlEventType",
     "c_nvml",
 )
-_VIOLATIONS = {policy: reason for reason, policy in source.violation_policies(pynvml)}
+_VIOLATIONS = {policy: reason for reason, policy in telemetry.violation_policies(pynvml)}
 _VIOLATION_REASONS = frozenset(_VIOLATIONS.values())
-_REASON_BITS = source.clock_event_reason_bits(pynvml)
-_NVLINK_ERRORS = {which: name for name, which in source.nvlink_error_counters(pynvml)}
+_REASON_BITS = telemetry.clock_event_reason_bits(pynvml)
+_NVLINK_ERRORS = {which: name for name, which in telemetry.nvlink_error_counters(pynvml)}
 _GPM_FIELDS = {
     pynvml.NVML_GPM_METRIC_SM_UTIL: "sm_active_pct",
     pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: "sm_occupancy_pct",
@@ -1307,7 +1308,7 @@ def _served_fields() -> dict[int, _Served]:
     put("NVML_FI_DEV_ENERGY", lambda s, scope: (_whole(s.energy_mj), _ULL))
     put("NVML_FI_DEV_MEMORY_TEMP", plain(lambda r: _whole(r.memory_temperature_c)))
     put("NVML_FI_DEV_PCIE_REPLAY_COUNTER", plain(lambda r: r.pcie_replay_count, _ULL))
-    for reason, policy_field in source._VIOLATION_FIELDS.items():
+    for reason, policy_field in telemetry._VIOLATION_FIELDS.items():
         put(policy_field, plain(functools.partial(_counter_ns, reason=reason), _ULL))
     for error_type, scope, name in (
         ("corrected", "volatile", "NVML_FI_DEV_ECC_SBE_VOL_TOTAL"),
@@ -1389,36 +1390,36 @@ class _GpuReadings:
 
 _PLAIN = frozenset(
     {
-        source.UTILIZATION,
-        source.MEMORY_UTILIZATION,
-        source.MEMORY_USED,
-        source.MEMORY_TOTAL,
-        source.POWER,
-        source.POWER_INSTANT,
-        source.POWER_LIMIT,
-        source.POWER_LIMIT_MIN,
-        source.POWER_LIMIT_MAX,
-        source.ENERGY,
-        source.TEMPERATURE,
-        source.MEMORY_TEMPERATURE,
-        source.SM_CLOCK,
-        source.MEMORY_CLOCK,
-        source.RETIRED_PAGES_PENDING,
-        source.REMAPPED_ROWS_PENDING,
-        source.REMAPPED_ROWS_FAILED,
-        source.PCIE_REPLAYS,
-        source.SM_ACTIVE,
-        source.SM_OCCUPANCY,
-        source.TENSOR_ACTIVE,
-        source.DRAM_ACTIVE,
+        metrics.UTILIZATION,
+        metrics.MEMORY_UTILIZATION,
+        metrics.MEMORY_USED,
+        metrics.MEMORY_TOTAL,
+        metrics.POWER,
+        metrics.POWER_INSTANT,
+        metrics.POWER_LIMIT,
+        metrics.POWER_LIMIT_MIN,
+        metrics.POWER_LIMIT_MAX,
+        metrics.ENERGY,
+        metrics.TEMPERATURE,
+        metrics.MEMORY_TEMPERATURE,
+        metrics.SM_CLOCK,
+        metrics.MEMORY_CLOCK,
+        metrics.RETIRED_PAGES_PENDING,
+        metrics.REMAPPED_ROWS_PENDING,
+        metrics.REMAPPED_ROWS_FAILED,
+        metrics.PCIE_REPLAYS,
+        metrics.SM_ACTIVE,
+        metrics.SM_OCCUPANCY,
+        metrics.TENSOR_ACTIVE,
+        metrics.DRAM_ACTIVE,
     }
 )
 _BY_LABEL = {
-    source.ECC_ERRORS: "type",
-    source.ECC_LIFETIME_ERRORS: "type",
-    source.RETIRED_PAGES: "cause",
-    source.REMAPPED_ROWS: "cause",
-    source.PCIE_THROUGHPUT: "direction",
+    metrics.ECC_ERRORS: "type",
+    metrics.ECC_LIFETIME_ERRORS: "type",
+    metrics.RETIRED_PAGES: "cause",
+    metrics.REMAPPED_ROWS: "cause",
+    metrics.PCIE_THROUGHPUT: "direction",
 }
 
 
@@ -1443,7 +1444,7 @@ def _decode(readings: Iterable[Reading]) -> _Frame:
     for reading in readings:
         if not reading.name.startswith("hyperagent_gpu_") or "gpu" not in reading.labels:
             continue
-        if reading.name not in source.HELP:
+        if reading.name not in metrics.HELP:
             continue
         index = _int_label(reading, "gpu")
         uuid = _label(reading, "uuid")
@@ -1454,10 +1455,10 @@ def _decode(readings: Iterable[Reading]) -> _Frame:
     frame = _Frame({}, {}, {}, {})
     for index, gpu in gpus.items():
         frame.records[index] = _record(index, gpu)
-        if source.ENERGY in gpu.values:
-            frame.energy_j[index] = gpu.values[source.ENERGY]
-        if source.POWER_INSTANT in gpu.values:
-            frame.instant_w[index] = gpu.values[source.POWER_INSTANT]
+        if metrics.ENERGY in gpu.values:
+            frame.energy_j[index] = gpu.values[metrics.ENERGY]
+        if metrics.POWER_INSTANT in gpu.values:
+            frame.instant_w[index] = gpu.values[metrics.POWER_INSTANT]
         frame.integrated_s[index] = gpu.integrated_s
         frame.xids[index] = gpu.xids
     return frame
@@ -1465,40 +1466,40 @@ def _decode(readings: Iterable[Reading]) -> _Frame:
 
 def _gather(gpu: _GpuReadings, reading: Reading) -> None:
     name, value = reading.name, reading.value
-    if name == source.GPU_INFO:
+    if name == metrics.GPU_INFO:
         gpu.info = dict(reading.labels)
     elif name in _PLAIN:
         gpu.values[name] = value
     elif name in _BY_LABEL:
         gpu.by_label[(name, _label(reading, _BY_LABEL[name]))] = value
-    elif name == source.THROTTLE:
+    elif name == metrics.THROTTLE:
         reason = _label(reading, "reason")
         if reason in _VIOLATION_REASONS:
             gpu.violation_ns[reason] = round(value * 1e9)
         else:
             gpu.integrated_s[reason] = value
-    elif name == source.XID_ERRORS:
+    elif name == metrics.XID_ERRORS:
         gpu.xids[_int_label(reading, "xid")] = round(value)
-    elif name in (source.NVLINK_UP, source.NVLINK_DATA, source.NVLINK_ERRORS):
+    elif name in (metrics.NVLINK_UP, metrics.NVLINK_DATA, metrics.NVLINK_ERRORS):
         link = gpu.links.setdefault(_int_label(reading, "link"), {"errors": {}})
-        if name == source.NVLINK_UP:
+        if name == metrics.NVLINK_UP:
             link["active"] = value >= 0.5
-        elif name == source.NVLINK_DATA:
+        elif name == metrics.NVLINK_DATA:
             link[f"{_label(reading, 'direction')}_bytes"] = round(value)
         else:
             link["errors"][_label(reading, "type")] = round(value)
-    elif name in (source.MIG_INFO, source.MIG_MEMORY_USED, source.MIG_MEMORY_TOTAL):
+    elif name in (metrics.MIG_INFO, metrics.MIG_MEMORY_USED, metrics.MIG_MEMORY_TOTAL):
         mig = gpu.migs.setdefault((_int_label(reading, "gi"), _int_label(reading, "ci")), {})
-        if name == source.MIG_INFO:
+        if name == metrics.MIG_INFO:
             mig["uuid"] = reading.labels.get("mig_uuid") or None
             mig["profile"] = reading.labels.get("profile") or None
         else:
-            mig["used" if name == source.MIG_MEMORY_USED else "total"] = round(value)
+            mig["used" if name == metrics.MIG_MEMORY_USED else "total"] = round(value)
 
 
 def _record(index: int, gpu: _GpuReadings) -> GpuRecord:
     if gpu.info is None:
-        raise ValueError(f"GPU {index} ({gpu.uuid}) has readings but no {source.GPU_INFO}")
+        raise ValueError(f"GPU {index} ({gpu.uuid}) has readings but no {metrics.GPU_INFO}")
     values, by_label = gpu.values, gpu.by_label
 
     def get(name: str, scale: float = 1.0) -> float | None:
@@ -1517,16 +1518,16 @@ def _record(index: int, gpu: _GpuReadings) -> GpuRecord:
     ecc = {
         (error_type, scope): found
         for name, scope in (
-            (source.ECC_ERRORS, "volatile"),
-            (source.ECC_LIFETIME_ERRORS, "aggregate"),
+            (metrics.ECC_ERRORS, "volatile"),
+            (metrics.ECC_LIFETIME_ERRORS, "aggregate"),
         )
         for error_type in ("corrected", "uncorrected")
         if (found := count(name, error_type)) is not None
     }
-    correctable = count(source.REMAPPED_ROWS, "correctable")
-    uncorrectable = count(source.REMAPPED_ROWS, "uncorrectable")
-    rows_pending = flag(source.REMAPPED_ROWS_PENDING)
-    rows_failed = flag(source.REMAPPED_ROWS_FAILED)
+    correctable = count(metrics.REMAPPED_ROWS, "correctable")
+    uncorrectable = count(metrics.REMAPPED_ROWS, "uncorrectable")
+    rows_pending = flag(metrics.REMAPPED_ROWS_PENDING)
+    rows_failed = flag(metrics.REMAPPED_ROWS_FAILED)
     remapped = (
         RemappedRows(correctable, uncorrectable, rows_pending, rows_failed)
         if correctable is not None
@@ -1557,9 +1558,9 @@ def _record(index: int, gpu: _GpuReadings) -> GpuRecord:
         )
         for link, found in sorted(gpu.links.items())
     )
-    pcie = {d: count(source.PCIE_THROUGHPUT, d) for d in ("tx", "rx")}
-    util = get(source.UTILIZATION, 100)
-    util_mem = get(source.MEMORY_UTILIZATION, 100)
+    pcie = {d: count(metrics.PCIE_THROUGHPUT, d) for d in ("tx", "rx")}
+    util = get(metrics.UTILIZATION, 100)
+    util_mem = get(metrics.MEMORY_UTILIZATION, 100)
     mhz = 1e-6
     return GpuRecord(
         index=index,
@@ -1569,31 +1570,31 @@ def _record(index: int, gpu: _GpuReadings) -> GpuRecord:
         driver=gpu.info.get("driver", ""),
         util_gpu_pct=None if util is None else round(util),
         util_mem_pct=None if util_mem is None else round(util_mem),
-        mem_total_bytes=count(source.MEMORY_TOTAL),
-        mem_used_bytes=count(source.MEMORY_USED),
-        power_draw_w=get(source.POWER),
-        power_limit_w=get(source.POWER_LIMIT),
-        min_power_limit_w=get(source.POWER_LIMIT_MIN),
-        max_power_limit_w=get(source.POWER_LIMIT_MAX),
-        temperature_c=get(source.TEMPERATURE),
-        sm_clock_mhz=get(source.SM_CLOCK, mhz),
-        mem_clock_mhz=get(source.MEMORY_CLOCK, mhz),
-        pcie_replay_count=count(source.PCIE_REPLAYS),
-        memory_temperature_c=get(source.MEMORY_TEMPERATURE),
+        mem_total_bytes=count(metrics.MEMORY_TOTAL),
+        mem_used_bytes=count(metrics.MEMORY_USED),
+        power_draw_w=get(metrics.POWER),
+        power_limit_w=get(metrics.POWER_LIMIT),
+        min_power_limit_w=get(metrics.POWER_LIMIT_MIN),
+        max_power_limit_w=get(metrics.POWER_LIMIT_MAX),
+        temperature_c=get(metrics.TEMPERATURE),
+        sm_clock_mhz=get(metrics.SM_CLOCK, mhz),
+        mem_clock_mhz=get(metrics.MEMORY_CLOCK, mhz),
+        pcie_replay_count=count(metrics.PCIE_REPLAYS),
+        memory_temperature_c=get(metrics.MEMORY_TEMPERATURE),
         pcie_tx_bytes_per_s=pcie["tx"],
         pcie_rx_bytes_per_s=pcie["rx"],
         clock_event_reasons=frozenset() if gpu.integrated_s else None,
         clock_event_counters_ns=gpu.violation_ns,
         ecc_errors=ecc,
-        retired_pages_single_bit=count(source.RETIRED_PAGES, "single_bit_ecc"),
-        retired_pages_double_bit=count(source.RETIRED_PAGES, "double_bit_ecc"),
-        retired_pages_pending=flag(source.RETIRED_PAGES_PENDING),
+        retired_pages_single_bit=count(metrics.RETIRED_PAGES, "single_bit_ecc"),
+        retired_pages_double_bit=count(metrics.RETIRED_PAGES, "double_bit_ecc"),
+        retired_pages_pending=flag(metrics.RETIRED_PAGES_PENDING),
         remapped_rows=remapped,
         mig_enabled=True if migs else None,
         mig_devices=migs,
         nvlinks=links,
-        sm_active_pct=percent(source.SM_ACTIVE),
-        sm_occupancy_pct=percent(source.SM_OCCUPANCY),
-        tensor_active_pct=percent(source.TENSOR_ACTIVE),
-        dram_active_pct=percent(source.DRAM_ACTIVE),
+        sm_active_pct=percent(metrics.SM_ACTIVE),
+        sm_occupancy_pct=percent(metrics.SM_OCCUPANCY),
+        tensor_active_pct=percent(metrics.TENSOR_ACTIVE),
+        dram_active_pct=percent(metrics.DRAM_ACTIVE),
     )

@@ -1,14 +1,20 @@
-"""The device layer: one interface over every accelerator vendor's library.
+"""The device layer: one interface over every accelerator vendor's library, and the bottom of
+the package (it imports nothing from ``sources/``, ``capture/`` or replay).
 
 - :mod:`~hyperagent.devices.base`: the interface (:class:`DeviceLibrary`, :class:`Accelerator`,
   :class:`DeviceIdentity`) and its units;
-- :mod:`~hyperagent.devices.nvml`: NVIDIA through ``pynvml``;
+- :mod:`~hyperagent.devices.metrics`: the ``hyperagent_gpu_*`` names every vendor's readings
+  take, and their help;
+- :mod:`~hyperagent.devices.nvml`: NVIDIA through ``pynvml``, the common interface;
+- :mod:`~hyperagent.devices.nvml_telemetry`: NVIDIA's full telemetry (field-value batches, GPM,
+  NVLink, MIG, XID events, processes), every NVML call the agent makes to read GPUs;
 - :mod:`~hyperagent.devices.amd`: AMD Instinct through ``amdsmi``;
 - :mod:`~hyperagent.devices.gaudi`: Intel Gaudi through ``pyhlml`` (habana-pyhlml);
 - :mod:`~hyperagent.devices.source`: the telemetry source over any library
-  (``hyperagent_gpu_*`` readings);
-- :mod:`~hyperagent.devices.smi_text`: Ascend (``npu-smi``) and Cambricon (``cnmon``), read from
-  their tools' text, telemetry only.
+  (``hyperagent_gpu_*`` readings).
+
+Tools that only print text (Ascend's ``npu-smi``, Cambricon's ``cnmon``) are read by
+:mod:`hyperagent.sources.smi_text`.
 """
 
 from __future__ import annotations

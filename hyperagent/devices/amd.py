@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hyperagent.devices.base import Activity, DeviceIdentity, Memory, vendor_call
+from hyperagent.devices.parts import identified, pci_id
 from hyperagent.errors import ActuationError, NoPermission, NotSupported
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,10 @@ class AmdsmiLibrary:
     def _identity(self, index: int, handle: Any) -> DeviceIdentity:
         amd = self.module
         asic = amd.amdsmi_get_gpu_asic_info(handle)
-        model = str(asic.get("market_name", "")).strip()
+        name = str(asic.get("market_name", "")).strip()
+        model = identified(
+            "" if name == "N/A" else name, pci_id(asic.get("vendor_id"), asic.get("device_id"))
+        )
         driver = ""
         try:
             driver = str(amd.amdsmi_get_gpu_driver_info(handle).get("driver_version", ""))
@@ -250,7 +254,7 @@ class AmdsmiLibrary:
             index,
             str(amd.amdsmi_get_gpu_device_uuid(handle)),
             self.vendor,
-            "" if model == "N/A" else model,
+            model,
             bus_id=str(amd.amdsmi_get_gpu_device_bdf(handle)),
             driver="" if driver == "N/A" else driver,
             extra=extra,

@@ -25,6 +25,13 @@ from hyperagent.errors import ActuationError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+MW_PER_W = 1000.0
+"""Milliwatts per watt: NVML's, amdsmi's and HLML's power unit to the metrics'."""
+MJ_PER_J = 1000.0
+"""Millijoules per joule: NVML's energy counter unit to the metrics'."""
+NS_PER_S = 1e9
+"""Nanoseconds per second: NVML's violation (throttle) time to the metrics'."""
+
 
 def vendor_call(name: str) -> Callable[[_F], _F]:
     """Name the vendor function a method calls, for the gate's timeout and busy messages

@@ -10,7 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hyperagent.devices.base import Activity, DeviceIdentity, Memory, vendor_call
+from hyperagent.devices.base import (
+    MJ_PER_J,
+    MW_PER_W,
+    Activity,
+    DeviceIdentity,
+    Memory,
+    vendor_call,
+)
 from hyperagent.errors import ActuationError, NotSupported
 
 log = logging.getLogger(__name__)
@@ -65,7 +72,7 @@ class GaudiDevice:
 
     def power_w(self) -> float | None:
         mw = self._optional(self.hl.hlmlDeviceGetPowerUsage)
-        return None if mw is None else float(mw) / 1000
+        return None if mw is None else float(mw) / MW_PER_W
 
     @vendor_call("hlmlDeviceGetPowerUsage")
     def instant_power_w(self) -> float | None:
@@ -73,7 +80,7 @@ class GaudiDevice:
 
     def energy_j(self) -> float | None:
         mj = self._optional(self.hl.hlmlDeviceGetTotalEnergyConsumption)
-        return None if mj is None else float(mj) / 1000
+        return None if mj is None else float(mj) / MJ_PER_J
 
     def memory(self) -> Memory | None:
         info = self._optional(self.hl.hlmlDeviceGetMemoryInfo)

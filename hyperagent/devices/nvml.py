@@ -1,6 +1,6 @@
 """NVIDIA GPUs behind the device interface, through ``pynvml`` (or FakeNvml).
 
-The telemetry source for NVIDIA stays :class:`hyperagent.sources.nvml.NvmlSource` (field-value
+NVIDIA's telemetry is :class:`hyperagent.devices.nvml_telemetry.NvmlTelemetry` (field-value
 batches, GPM, NVLink, MIG, XID events: more than the common interface holds); this adapter is
 what the power-cap actuator and vendor-neutral code use, with the same NVML calls the actuator
 always made (nvmlDeviceGetPowerManagementLimitConstraints, ...GetPowerManagementLimit,
@@ -11,9 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperagent.devices.base import Activity, DeviceIdentity, Memory, vendor_call
+from hyperagent.devices.base import (
+    MJ_PER_J,
+    MW_PER_W,
+    Activity,
+    DeviceIdentity,
+    Memory,
+    vendor_call,
+)
+from hyperagent.devices.nvml_telemetry import instant_power_w, nvml_error_code
 from hyperagent.errors import ActuationError, NoPermission, NotSupported
-from hyperagent.sources.nvml import instant_power_w, nvml_error_code
 
 
 def _text(value: str | bytes) -> str:
@@ -33,13 +40,13 @@ class NvmlDevice:
         return Activity(rates.gpu / 100, rates.memory / 100)
 
     def power_w(self) -> float | None:
-        return float(self.nv.nvmlDeviceGetPowerUsage(self.handle)) / 1000
+        return float(self.nv.nvmlDeviceGetPowerUsage(self.handle)) / MW_PER_W
 
     def instant_power_w(self) -> float | None:
         return instant_power_w(self.nv, self.handle)
 
     def energy_j(self) -> float | None:
-        return float(self.nv.nvmlDeviceGetTotalEnergyConsumption(self.handle)) / 1000
+        return float(self.nv.nvmlDeviceGetTotalEnergyConsumption(self.handle)) / MJ_PER_J
 
     def memory(self) -> Memory | None:
         info = self.nv.nvmlDeviceGetMemoryInfo(self.handle)
@@ -79,6 +86,11 @@ class NvmlDevice:
     def set_power_limit_mw(self, milliwatts: int) -> None:
         self.nv.nvmlDeviceSetPowerManagementLimit(self.handle, milliwatts)
 
+    @vendor_call("nvmlDeviceGetEnforcedPowerLimit")
+    def enforced_power_limit_mw(self) -> int:
+        """The limit the GPU enforces (the lowest of every limit set on it)."""
+        return int(self.nv.nvmlDeviceGetEnforcedPowerLimit(self.handle))
+
 
 class NvmlLibrary:
     """``pynvml`` (or a fake with its API) as a :class:`~hyperagent.devices.base.DeviceLibrary`."""
@@ -112,6 +124,16 @@ class NvmlLibrary:
             uuid = _text(nv.nvmlDeviceGetUUID(handle))
             out.append(NvmlDevice(nv, DeviceIdentity(index, uuid, self.vendor, ""), handle))
         return out
+
+    def count(self) -> int:
+        """How many GPUs NVML enumerates (nvmlInit, nvmlDeviceGetCount: no handle)."""
+        self.module.nvmlInit()
+        return int(self.module.nvmlDeviceGetCount())
+
+    def by_index(self, index: int) -> NvmlDevice:
+        """GPU ``index`` by its handle alone (named by index, no UUID asked)."""
+        handle = self.module.nvmlDeviceGetHandleByIndex(index)
+        return NvmlDevice(self.module, DeviceIdentity(index, "", self.vendor, ""), handle)
 
     def _identity(self, index: int, uuid: str, handle: Any, driver: str) -> DeviceIdentity:
         model = _text(self.module.nvmlDeviceGetName(handle))

@@ -13,11 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hyperagent.devices.base import Accelerator, DeviceLibrary
-from hyperagent.errors import DeviceCallError, SourceError, SourceTimeout, SourceUnavailable
-from hyperagent.gate import DeviceGate
-from hyperagent.readings import Kind, Reading
-from hyperagent.sources.nvml import (
+from hyperagent.devices.base import MW_PER_W, Accelerator, DeviceLibrary
+from hyperagent.devices.metrics import (
     ECC_ERRORS,
     ENERGY,
     GPU_INFO,
@@ -34,6 +31,9 @@ from hyperagent.sources.nvml import (
     TEMPERATURE,
     UTILIZATION,
 )
+from hyperagent.errors import DeviceCallError, SourceError, SourceTimeout, SourceUnavailable
+from hyperagent.gate import DeviceGate
+from hyperagent.readings import Kind, Reading
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,11 @@ class AcceleratorSource:
         self.devices: list[Accelerator] = []
         self._limits: dict[int, tuple[int, int] | None] = {}
         self._no_limit: set[int] = set()
+
+    @property
+    def device_module(self) -> Any:
+        """The vendor module the source reads (the key of its device gate), None without one."""
+        return None if self.library is None else self.library.module
 
     def _gate(self) -> DeviceGate:
         assert self.library is not None
@@ -144,9 +149,9 @@ class AcceleratorSource:
             out.append(Reading(ECC_ERRORS, count, {**labels, "type": kind}, Kind.COUNTER))
         limits = self._limits.get(identity.index)
         if limits is not None:
-            gauge(POWER_LIMIT_MIN, limits[0] / 1000)
-            gauge(POWER_LIMIT_MAX, limits[1] / 1000)
-            gauge(POWER_LIMIT, device.power_limit_mw() / 1000)
+            gauge(POWER_LIMIT_MIN, limits[0] / MW_PER_W)
+            gauge(POWER_LIMIT_MAX, limits[1] / MW_PER_W)
+            gauge(POWER_LIMIT, device.power_limit_mw() / MW_PER_W)
 
     def total_energy_j(self) -> float | None:
         """Sum of every device's energy counter, None when one has none (blocking: run it

@@ -37,6 +37,9 @@ class _Health:
     duration_s: float = 0.0
     last_success: float = 0.0
     last_problem: str = field(default="")
+    hung_since: float | None = None
+    """Monotonic time the source's reads began to time out (a hang), None while they do not:
+    a hang is logged once, when it begins, and its duration when it ends."""
     cached: dict[str, Reading] = field(default_factory=dict)
     """The last up and errors readings, reused while their values stay the same."""
     read_at: float = -math.inf
@@ -176,10 +179,18 @@ class SourceRunner:
         health.last_success = time.time()
         health.succeeded_at = time.monotonic()
         if not health.up:
-            if health.last_problem:
+            if health.hung_since is not None:
+                log.warning(
+                    "source %s (%s) recovered after hanging for %.1f s",
+                    source.name,
+                    source.target,
+                    health.succeeded_at - health.hung_since,
+                )
+            elif health.last_problem:
                 log.info("source %s (%s) recovered", source.name, source.target)
             health.up = True
             health.last_problem = ""
+        health.hung_since = None
         if interval is not None:
             health.readings = readings
         return readings
@@ -194,6 +205,13 @@ class SourceRunner:
         unavailable = isinstance(error, SourceUnavailable)
         if not unavailable:
             health.errors += 1
+        timed_out = isinstance(error, (SourceTimeout, TimeoutError))
+        if not timed_out:
+            health.hung_since = None
+        elif health.hung_since is None:
+            health.hung_since = time.monotonic()
+        elif health.last_problem:
+            return  # the same hang: its calls time out, then the library is busy, for N s
         if problem != health.last_problem:
             level = logging.DEBUG if unavailable else logging.WARNING
             if not isinstance(error, (SourceError, TimeoutError)):

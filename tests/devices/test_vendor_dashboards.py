@@ -1,10 +1,11 @@
 """The node dashboard over a real Prometheus (shipped config and rules) scraping agents on AMD
-MI300X or Intel Gaudi HL-205 replays, tuned by the demo's coordinator: every GPU and indicator
-panel NVIDIA's replays fill is filled, with the same queries, and the recording rules over GPU
-power, energy and quantum coefficients evaluate; what stays empty is what the vendor does not
-give (clock-event reasons, XID events, retired pages, remapped rows, PCIe throughput; on the
-Gaudi capture, which holds none, ECC counts, clocks and HBM temperature) and the sources these
-simulated nodes do not have (RDMA, BMC, PDU)."""
+MI300X, Intel Gaudi HL-205 or Intel Data Center GPU Max 1550 (xpu-smi, telemetry only)
+replays, tuned by the demo's coordinator: every GPU and indicator panel NVIDIA's replays fill
+is filled, with the same queries, and the recording rules over GPU power, energy and quantum
+coefficients evaluate; what stays empty is what the vendor does not give (clock-event
+reasons, XID events, retired pages, remapped rows, PCIe throughput; on the Gaudi capture,
+which holds none, ECC counts, clocks and HBM temperature; xpu-smi's dump: ECC counts and the
+power limit) and the sources these simulated nodes do not have (RDMA, BMC, PDU)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from conftest import FIXTURES, REPO, Mosquitto
 
 MI300X = FIXTURES / "replay" / "amd-mi300x-8gpu"
 GAUDI = FIXTURES / "replay" / "gaudi-hl205-8card"
+INTEL_MAX = FIXTURES / "replay" / "intel-max1550-documented"
 NODE_DASHBOARD = json.loads((REPO / "grafana" / "dashboards" / "hyperagent-node.json").read_text())
 FILLED = (
     "Quantum utilisation and compute entropy",
@@ -51,14 +53,29 @@ RECORDED = (
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("capture", "filled"),
-    [(MI300X, FILLED), (GAUDI, tuple(t for t in FILLED if t not in ("ECC errors", "SM clock")))],
-    ids=["amd-mi300x", "gaudi-hl205"],
+    ("capture", "filled", "absent"),
+    [
+        (MI300X, FILLED, ()),
+        (
+            GAUDI,
+            tuple(t for t in FILLED if t not in ("ECC errors", "SM clock")),
+            ("hyperagent_gpu_memory_temperature_celsius",),
+        ),
+        (
+            INTEL_MAX,
+            tuple(t for t in FILLED if t != "ECC errors"),
+            ("hyperagent_gpu_power_limit_watts",),
+        ),
+    ],
+    ids=["amd-mi300x", "gaudi-hl205", "intel-max1550"],
 )
 async def test_the_node_dashboard_fills_on_vendor_replays(
-    mosquitto: Mosquitto, tmp_path: Path, capture: Path, filled: tuple[str, ...]
+    mosquitto: Mosquitto,
+    tmp_path: Path,
+    capture: Path,
+    filled: tuple[str, ...],
+    absent: tuple[str, ...],
 ) -> None:
-    absent = () if capture == MI300X else ("hyperagent_gpu_memory_temperature_celsius",)
     deadline = time.monotonic() + 90
     async with simulated_cluster(
         mosquitto.url,
@@ -68,7 +85,7 @@ async def test_the_node_dashboard_fills_on_vendor_replays(
         speedup=100,
         objective="energy",
         capture_dir=capture,
-        job_overrides={"search_power_cap": True},
+        job_overrides={"search_power_cap": capture != INTEL_MAX},  # xpu-smi sets no cap
     ) as (coordinator, sim_nodes, _):
         tuning = asyncio.create_task(coordinator.run(), name="coordinator")
         with (

@@ -55,3 +55,45 @@ async def test_the_coordinator_caps_power_and_minimises_energy(
         f"best {best[0]} at {best[1]:.4g} samples/J, measured gain {state.gain:+.1%}, "
         f"model gain {model_gain - 1:+.1%}"
     )
+
+
+INTEL_MAX = FIXTURES / "replay" / "intel-max1550-documented"
+
+
+@pytest.mark.timeout(240)
+async def test_the_coordinator_minimises_energy_on_intel_gpu_max_telemetry(
+    mosquitto: Mosquitto,
+) -> None:
+    """Intel Data Center GPU Max through xpu-smi (telemetry only, no cap set): the energy
+    objective reads the devices' energy counters from the fake xpu-smi's dumps, every trial
+    is scored in samples per joule within 2% of what the job model draws, and the best is
+    within 3% of the tried settings the model rates best (trials closer than that trade
+    places under load)."""
+    assert demo_power_limits_w(INTEL_MAX) == (300.0, 600.0)
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=8,
+        seed=3,
+        objective="energy",
+        speedup=100,
+        capture_dir=INTEL_MAX,
+        job_overrides={"search_power_cap": False},
+    ) as (coordinator, nodes, model):
+        await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+        caps = [node.power_cap_w() for node in nodes]
+    scored = [t for t in state.trials if t.score is not None]
+    assert len(scored) >= 4, [t.status for t in state.trials]
+    assert all("power_cap_w" not in t.settings for t in state.trials)
+    assert caps == [600.0, 600.0]  # nothing capped the devices
+    for trial in scored:  # samples per joule of the devices' own counters, as the job does
+        assert trial.score == pytest.approx(model.score(trial.settings, "energy"), rel=0.02)
+    best = state.best
+    assert best is not None and state.gain is not None and state.gain >= 0, state.gain
+    modelled = max(model.score(t.settings, "energy") for t in scored)
+    assert model.score(best[0], "energy") >= 0.97 * modelled  # the model's best, within noise
+    print(
+        f"{INTEL_MAX.name}: {len(state.trials)} trials, best {best[0]} at {best[1]:.4g}"
+        f" samples/J, measured gain {state.gain:+.1%}"
+    )

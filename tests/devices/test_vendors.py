@@ -16,10 +16,11 @@ from prometheus_client import generate_latest
 
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.capture import amd_smi
+from hyperagent.capture.directory import capture_sources
 from hyperagent.capture.fake_amdsmi import FakeAmdsmi
 from hyperagent.capture.fake_hlml import FakeHlml
 from hyperagent.config import DEFAULT_QUANTUM_COEFFICIENTS, build_config
-from hyperagent.devices import amd, smi_text
+from hyperagent.devices import amd
 from hyperagent.devices.amd import AmdsmiLibrary
 from hyperagent.devices.gaudi import HlmlLibrary
 from hyperagent.devices.source import AcceleratorSource
@@ -27,7 +28,7 @@ from hyperagent.errors import NoPermission
 from hyperagent.exporter import MetricsServer
 from hyperagent.indicators import derive
 from hyperagent.readings import Reading, Snapshot
-from hyperagent.sources import capture_sources
+from hyperagent.sources import smi_text
 
 from conftest import FIXTURES
 

@@ -27,10 +27,12 @@ from hyperagent.capture.nvidia_smi import (
     RemappedRows,
     parse_capture,
 )
+from hyperagent.devices.metrics import HELP
+from hyperagent.devices.nvml_telemetry import NvmlSourceError, mig_profile
 from hyperagent.errors import SourceError, SourceUnavailable
 from hyperagent.exporter import MetricsServer
 from hyperagent.readings import Kind, Reading
-from hyperagent.sources.nvml import HELP, NvmlSource, NvmlSourceError, mig_profile
+from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import SourceRunner
 
 from conftest import FIXTURES, ManualClock
@@ -422,7 +424,7 @@ async def test_close_leaves_the_event_thread_to_end_its_wait_and_release_nvml() 
     nvml = capture("tesla-t4.xml", clock)
     source = NvmlSource(nvml, clock=clock, event_wait_ms=2000)
     await source.start()
-    watcher = source._events_thread
+    watcher = source.telemetry.events_thread
     assert watcher is not None and watcher.name == "nvml-xid-events"
     await source.close()
     assert watcher.is_alive()
@@ -630,7 +632,7 @@ async def test_start_failure_releases_nvml_and_a_later_start_succeeds() -> None:
         nvml.nvmlDeviceGetCount()
     nvml.recover(6)
     await source.start()
-    watcher = source._events_thread
+    watcher = source.telemetry.events_thread
     try:
         assert len(source.gpus) == 8
     finally:
@@ -762,7 +764,7 @@ async def test_promtool_accepts_every_metric() -> None:
 async def test_violation_policies_a_gpu_does_not_support_are_asked_again_only_now_and_then(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hyperagent.sources import nvml as nvml_module
+    from hyperagent.devices import nvml_telemetry as nvml_module
 
     clock = ManualClock()
     nvml = capture("tesla-t4.xml", clock)
@@ -932,7 +934,7 @@ class OlderPowerFields(AskedFields):
 async def test_fields_the_driver_does_not_know_come_from_the_older_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hyperagent.sources import nvml as nvml_module
+    from hyperagent.devices import nvml_telemetry as nvml_module
 
     monkeypatch.setattr(nvml_module, "UNSUPPORTED_RETRY_READS", 5)
     clock = ManualClock()

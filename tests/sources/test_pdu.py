@@ -604,3 +604,12 @@ async def test_vertiv_delta_unit_reads_its_line_currents(snmpsim: Snmpsim) -> No
         ("1", "Line B"): 12.55,
         ("1", "Line C"): 12.64,
     }
+
+
+async def test_a_wye_units_unnamed_line_rows_are_not_phases() -> None:
+    """A Vertiv wye unit's pduLineTable beside its named phases L1..L3: three rows with no
+    name reading 0 A. Only the three phases are published, with their 6 A each."""
+    capture = "vertiv-geist-wye-lines.snmprec"
+    readings = await read(whole_pdu(capture), capture)
+    currents = values(readings, "hyperagent_pdu_phase_current_amperes")
+    assert currents == {("1", "L1"): 6.12, ("1", "L2"): 6.05, ("1", "L3"): 6.11}

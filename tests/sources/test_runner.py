@@ -193,3 +193,34 @@ async def test_every_runner_line_names_the_source_and_target(
         'msg="source deaf (bmc-1) down: read: still in flight past its 0.1s timeout"'
         in (deaf_lines[0])
     )
+
+
+async def test_a_hang_is_logged_once_and_its_duration_when_it_ends(
+    nvidia_smi_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While NVML hangs, every cycle's read times out or finds the library busy "for N s" (a
+    new N each time): one warning when the hang begins, one with its length when it ends."""
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    runner = SourceRunner([NvmlSource(nvml, timeout_s=0.1)], timeout_s=0.1)
+    await runner.start()
+    try:
+        await runner.read_all()
+        with caplog.at_level(logging.DEBUG, logger="hyperagent.sources.runner"):
+            nvml.set_faults({"nvmlDeviceGetUtilizationRates": {"block_s": 0.8}})
+            for _ in range(6):
+                assert health(await runner.read_all())[("hyperagent_source_up", "nvml")] == 0
+                await asyncio.sleep(0.1)
+            nvml.set_faults(None)
+            async with asyncio.timeout(10):
+                while health(await runner.read_all())[("hyperagent_source_up", "nvml")] == 0:
+                    await asyncio.sleep(0.1)
+    finally:
+        nvml.set_faults(None)
+        await runner.close()
+    said = [r for r in caplog.records if r.name == "hyperagent.sources.runner"]
+    warnings = [r.getMessage() for r in said if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("source nvml (local) down: read")
+    ended = warnings[1]
+    assert ended.startswith("source nvml (local) recovered after hanging for ")
+    assert 0.5 <= float(ended.split()[-2]) < 10

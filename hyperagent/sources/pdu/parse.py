@@ -267,6 +267,10 @@ def parse(
                     inlet = text(row.cells.get(table.inlet_column)) or "1"
                 else:
                     inlet = _inlet_of(row.index[:-1], inlet_ids, table.first_unit)
+                if table.named_only and (
+                    table.id_column is None or not text(row.labels.get(table.id_column))
+                ):
+                    continue
                 phase = _phase_of(table, row, inlet)
                 if phase is None:
                     continue

@@ -95,6 +95,9 @@ class Table:
     """Sensor-typed tables: the table whose column 7 holds the decimal digits of each sensor,
     indexed by the first ``digits_width`` index integers and the sensor type."""
     digits_width: int = 0
+    named_only: bool = False
+    """Phase tables: a row whose ``id_column`` is empty is not a phase of its own (a wye unit's
+    line table beside its named phases, its rows unnamed and reading 0 A)."""
 
     @property
     def sensor_typed(self) -> bool:
@@ -521,8 +524,9 @@ EATON_REVELATION = Profile(
 # Vertiv (Geist) VERTIV-V5-MIB, the rPDUs' imd branch: total and phase power in W, energy in
 # Wh, voltage in tenths of V, current in hundredths of A. pduPhaseTable holds the phases (on
 # delta units the phase-to-phase pairs, L1-L2...), pduLineTable the current of each line
-# conductor (pduLineName: the line, Line A...). Vertiv/Geist products answer with sysObjectIDs
-# anywhere under enterprises.21239.
+# conductor (pduLineName: the line, Line A...; a wye unit leaves the names empty and its lines
+# read 0 A beside its phases' currents: rows without a name are left out). Vertiv/Geist
+# products answer with sysObjectIDs anywhere under enterprises.21239.
 _VERTIV = "1.3.6.1.4.1.21239.5.2"
 VERTIV = Profile(
     "vertiv",
@@ -541,7 +545,13 @@ VERTIV = Profile(
             (_m(PHASE_VOLTAGE, 4, 1, 10), _m(PHASE_CURRENT, 8, 1, 100), _m(PHASE_POWER, 12)),
             id_column=2,
         ),
-        Table(Part.PHASE, f"{_VERTIV}.3.4.1", (_m(PHASE_CURRENT, 4, 1, 100),), id_column=2),
+        Table(
+            Part.PHASE,
+            f"{_VERTIV}.3.4.1",
+            (_m(PHASE_CURRENT, 4, 1, 100),),
+            id_column=2,
+            named_only=True,
+        ),
         Table(
             Part.OUTLET,
             f"{_VERTIV}.3.6.1",
