@@ -451,7 +451,7 @@ class Cluster:
                 f"--regid={uid_gid[1]}",
                 f"--groups={groups}" if groups else "--clear-groups",
             ]
-        script = [f"umask {umask}"]
+        script = ["umask 0022"]  # the mount points below: reachable by the unit's user
         if private_tmp:
             # a checkout under /tmp stays visible, as installed code is: set aside, then back
             kept = [
@@ -465,7 +465,7 @@ class Cluster:
             ]
             for i, path in enumerate(kept):
                 script += [f"mkdir -p '{path}'", f"mount --move '{self._keep(i)}' '{path}'"]
-        script.append('exec "$@"')
+        script += [f"umask {umask}", 'exec "$@"']
         command = [
             *host.enter(),
             "unshare",
