@@ -149,6 +149,8 @@ class Cluster:
     _mount_points: list[Path] = field(default_factory=list)
     _users: list[str] = field(default_factory=list)
     _log_files: list[Any] = field(default_factory=list)
+    _opened: dict[Path, int] = field(default_factory=dict)
+    """Directories given o+x for the cluster's users, and their modes before."""
 
     def __post_init__(self) -> None:
         subnet = 16 + int(self.tag, 16) % 200
@@ -167,6 +169,7 @@ class Cluster:
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
         self.logs.mkdir(exist_ok=True)
+        self._opened = open_the_way(REPO, BIN, Path(sys.executable).resolve())
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -221,6 +224,9 @@ class Cluster:
                 path.rmdir()
         for user in self._users:
             subprocess.run(["userdel", user], capture_output=True)
+        for directory, mode in self._opened.items():
+            with contextlib.suppress(OSError):
+                os.chmod(directory, mode)
         for handle in self._log_files:
             handle.close()
 
@@ -708,6 +714,20 @@ def metric_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
             labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(1) or ""))
             out.append((labels, float(match.group(2))))
     return out
+
+
+def open_the_way(*paths: Path) -> dict[Path, int]:
+    """Let every user traverse the directories above ``paths`` (a checkout under /root, a
+    Python under /root/.pyenv, as installed code would be reachable): each ancestor without
+    o+x gets it, traverse only (no listing). Returns the modes to put back."""
+    changed: dict[Path, int] = {}
+    for path in paths:
+        for directory in path.parents:
+            mode = directory.stat().st_mode & 0o7777
+            if directory not in changed and not mode & 0o001:
+                os.chmod(directory, mode | 0o001)
+                changed[directory] = mode
+    return changed
 
 
 def new_root() -> Path:
