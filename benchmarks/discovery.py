@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,9 +31,9 @@ import orjson
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from mqttsim import Mosquitto, connect_packet, publish_packet, raise_fd_limit  # noqa: E402
+from mqttsim import Mosquitto, publish_packet, raise_fd_limit  # noqa: E402
 from run import Worker  # noqa: E402
-from workers import CLUSTER, telemetry_template  # noqa: E402
+from workers import CLUSTER, load_connections, telemetry_template  # noqa: E402
 
 from hyperagent import bus  # noqa: E402
 
@@ -118,15 +117,7 @@ class ClusterLoad:
         self.events.sort(key=lambda e: e[0])
         self.jobs_on: list[dict[str, bytes]] = [{} for _ in range(agents)]
         self.jobs_bytes: list[bytes] = [b"{}"] * agents
-        self.sockets = []
-        for i in range(connections):
-            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(connect_packet(f"load-{i}"))
-            answer = sock.recv(4)
-            if answer[:1] != b"\x20" or answer[3:4] != b"\x00":
-                raise RuntimeError(f"broker refused load connection {i}: {answer!r}")
-            self.sockets.append(sock)
+        self.sockets = load_connections(port, connections)
         self.sent = 0
         self.began = 0.0
 

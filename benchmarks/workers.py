@@ -679,6 +679,20 @@ def telemetry_template(capture: Path) -> dict[str, Any]:
     return message
 
 
+def load_connections(port: int, count: int) -> list[socket.socket]:
+    """``count`` MQTT connections to the broker on ``port``, connected (blocking sockets)."""
+    sockets = []
+    for i in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(connect_packet(f"load-{os.getpid()}-{i}"))
+        answer = sock.recv(4)
+        if answer[:1] != b"\x20" or answer[3:4] != b"\x00":
+            raise RuntimeError(f"broker refused load connection {i}: {answer!r}")
+        sockets.append(sock)
+    return sockets
+
+
 class LoadGenerator:
     """Simulated agents publishing telemetry at 1 Hz each (QoS 0), over blocking sockets.
 
@@ -700,15 +714,7 @@ class LoadGenerator:
         self.topics = [topics.telemetry(name).encode() for name in node_names(nodes)]
         self.samples = [0] * nodes
         self.nodes = nodes
-        self.sockets: list[socket.socket] = []
-        for i in range(connections):
-            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(connect_packet(f"load-{os.getpid()}-{i}"))
-            answer = sock.recv(4)
-            if answer[:1] != b"\x20" or answer[3:4] != b"\x00":
-                raise RuntimeError(f"broker refused load connection {i}: {answer!r}")
-            self.sockets.append(sock)
+        self.sockets = load_connections(port, connections)
         self.sent = 0
         self._next = 0
 

@@ -63,6 +63,16 @@ async def wait_until(predicate, timeout_s: float) -> None:  # type: ignore[no-un
             await asyncio.sleep(0.01)
 
 
+async def final_applied(journal: Path, nodes: list[Any]) -> dict[str, Any]:
+    """The journal's final entry, once every node's agent applies its version."""
+    await wait_until(lambda: any(e["type"] == "final" for e in entries(journal)), 180)
+    final = next(e for e in entries(journal) if e["type"] == "final")
+    await wait_until(
+        lambda: all(n.agent.applied_versions.get(JOB) == final["version"] for n in nodes), 30
+    )
+    return final
+
+
 async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_path: Path) -> None:
     key = os.urandom(32).hex().encode()
     config = coordinator_config(tmp_path, mosquitto, key)
@@ -87,12 +97,7 @@ async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_pa
         killed_at = entries(journal)[-1]
         second = start(config)
         try:
-            await wait_until(lambda: any(e["type"] == "final" for e in entries(journal)), 180)
-            final = next(e for e in entries(journal) if e["type"] == "final")
-            await wait_until(
-                lambda: all(n.agent.applied_versions.get(JOB) == final["version"] for n in nodes),
-                30,
-            )
+            final = await final_applied(journal, nodes)
         finally:
             second.send_signal(signal.SIGTERM)
             second.wait(30)
@@ -181,12 +186,7 @@ async def test_killed_at_ten_points_of_a_tuning_that_converges_early_it_finishes
                     process.wait(10)
         last_start = start(config)
         try:
-            await wait_until(lambda: any(e["type"] == "final" for e in entries(journal)), 180)
-            final = next(e for e in entries(journal) if e["type"] == "final")
-            await wait_until(
-                lambda: all(n.agent.applied_versions.get(JOB) == final["version"] for n in nodes),
-                30,
-            )
+            await final_applied(journal, nodes)
         finally:
             last_start.send_signal(signal.SIGTERM)
             last_start.wait(30)
