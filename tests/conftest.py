@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,26 @@ BUSY = pytest.mark.xdist_group("busy")
 harness): under ``-n 2`` these run one at a time on one worker, so that none starves another's
 processes (an agent takes a job that does not step for 2 s as stalled). The namespace cluster
 also needs it as it adds users and mount points on the host."""
+
+
+OPENED = pytest.StashKey[dict[Path, int]]()
+"""Directories given o+x for the session, and their modes before."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """As root, in the main process (not an xdist worker): let the users the tests run
+    processes as reach this checkout and its Python wherever they are (tests/access.py)."""
+    if os.geteuid() == 0 and not hasattr(config, "workerinput"):
+        from access import open_the_way
+
+        config.stash[OPENED] = open_the_way(REPO, Path(sys.executable).resolve())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if OPENED in config.stash:
+        from access import put_back
+
+        put_back(config.stash[OPENED])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

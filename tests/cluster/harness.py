@@ -47,6 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # run as a script too
 
+from access import open_the_way, put_back  # noqa: E402
 from pki import make_certificates  # noqa: E402
 
 SYSTEMD = REPO / "systemd"
@@ -224,9 +225,7 @@ class Cluster:
                 path.rmdir()
         for user in self._users:
             subprocess.run(["userdel", user], capture_output=True)
-        for directory, mode in self._opened.items():
-            with contextlib.suppress(OSError):
-                os.chmod(directory, mode)
+        put_back(self._opened)
         for handle in self._log_files:
             handle.close()
 
@@ -714,20 +713,6 @@ def metric_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
             labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(1) or ""))
             out.append((labels, float(match.group(2))))
     return out
-
-
-def open_the_way(*paths: Path) -> dict[Path, int]:
-    """Let every user traverse the directories above ``paths`` (a checkout under /root, a
-    Python under /root/.pyenv, as installed code would be reachable): each ancestor without
-    o+x gets it, traverse only (no listing). Returns the modes to put back."""
-    changed: dict[Path, int] = {}
-    for path in paths:
-        for directory in path.parents:
-            mode = directory.stat().st_mode & 0o7777
-            if directory not in changed and not mode & 0o001:
-                os.chmod(directory, mode | 0o001)
-                changed[directory] = mode
-    return changed
 
 
 def new_root() -> Path:
