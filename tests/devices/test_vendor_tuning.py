@@ -6,6 +6,7 @@ devices' energy counters."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,29 @@ from conftest import FIXTURES, Mosquitto
 
 MI300X = FIXTURES / "replay" / "amd-mi300x-8gpu"
 GAUDI = FIXTURES / "replay" / "gaudi-hl205-8card"
+
+
+async def tuned_for_energy(
+    mosquitto: Mosquitto, capture: Path, search_power_cap: bool
+) -> tuple[Any, list[float | None], Any]:
+    """An energy tuning of 8 trials on two nodes replaying ``capture``: the job's machine, each
+    node's power cap after it, the job model; at least 4 trials were scored."""
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=8,
+        seed=3,
+        objective="energy",
+        speedup=100,
+        capture_dir=capture,
+        job_overrides={"search_power_cap": search_power_cap},
+    ) as (coordinator, nodes, model):
+        await coordinator.run(until_tuned=True)
+        state = coordinator.jobs[JOB]
+        caps = [node.power_cap_w() for node in nodes]
+    scored = [t for t in state.trials if t.score is not None]
+    assert len(scored) >= 4, [t.status for t in state.trials]
+    return state, caps, model
 
 
 @pytest.mark.timeout(240)
@@ -27,21 +51,7 @@ async def test_the_coordinator_caps_power_and_minimises_energy(
     mosquitto: Mosquitto, capture: Path, limits: tuple[float, float]
 ) -> None:
     assert demo_power_limits_w(capture) == limits
-    async with simulated_cluster(
-        mosquitto.url,
-        nodes=2,
-        trials=8,
-        seed=3,
-        objective="energy",
-        speedup=100,
-        capture_dir=capture,
-        job_overrides={"search_power_cap": True},
-    ) as (coordinator, nodes, model):
-        await coordinator.run(until_tuned=True)
-        state = coordinator.jobs[JOB]
-        caps = [node.power_cap_w() for node in nodes]
-    scored = [t for t in state.trials if t.score is not None]
-    assert len(scored) >= 4, [t.status for t in state.trials]
+    state, caps, model = await tuned_for_energy(mosquitto, capture, search_power_cap=True)
     tried = {t.settings["power_cap_w"] for t in state.trials if "power_cap_w" in t.settings}
     assert len(tried) >= 3 and all(limits[0] <= w <= limits[1] for w in tried), tried
     best = state.best
@@ -70,21 +80,8 @@ async def test_the_coordinator_minimises_energy_on_intel_gpu_max_telemetry(
     within 3% of the tried settings the model rates best (trials closer than that trade
     places under load)."""
     assert demo_power_limits_w(INTEL_MAX) == (300.0, 600.0)
-    async with simulated_cluster(
-        mosquitto.url,
-        nodes=2,
-        trials=8,
-        seed=3,
-        objective="energy",
-        speedup=100,
-        capture_dir=INTEL_MAX,
-        job_overrides={"search_power_cap": False},
-    ) as (coordinator, nodes, model):
-        await coordinator.run(until_tuned=True)
-        state = coordinator.jobs[JOB]
-        caps = [node.power_cap_w() for node in nodes]
+    state, caps, model = await tuned_for_energy(mosquitto, INTEL_MAX, search_power_cap=False)
     scored = [t for t in state.trials if t.score is not None]
-    assert len(scored) >= 4, [t.status for t in state.trials]
     assert all("power_cap_w" not in t.settings for t in state.trials)
     assert caps == [600.0, 600.0]  # nothing capped the devices
     for trial in scored:  # samples per joule of the devices' own counters, as the job does
