@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hyperagent.config import CoordinatorSection, JobTuningSection
@@ -34,7 +34,8 @@ class Sighting:
     """One node's latest word on one job."""
 
     node: str
-    seen: float
+    seen: float = field(compare=False)
+    """When the node said it (not part of what it said: equal sightings say the same)."""
     attached: int = 0
     rank_ids: tuple[int, ...] = ()
     world_size: int | None = None
@@ -214,7 +215,7 @@ class Registry:
             old = seen.get(node)
             seen[node] = new
             carried.add(job)
-            if old is None or dataclasses.replace(old, seen=new.seen) != new:
+            if old != new:
                 changed.append(job)
         for job in carried - set(entries):
             carried.discard(job)

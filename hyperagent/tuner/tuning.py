@@ -277,6 +277,7 @@ class JobTuning:
         self.recommendation: dict[str, Any] | None = None
         self.why = ""
         self.notes: tuple[str, ...] = ()
+        self._cost: tuple[tuple[int, int, int, bool], Cost | None] | None = None
         """What narrowed the space (a node's bounds, a knob not announced), one line each."""
         self.knobs: dict[str, tuple[str, ...]] = {}
         """node -> the knobs its ranks said they apply, when the tuning began."""
@@ -1166,6 +1167,9 @@ class JobTuning:
         """What the round's tuning cost so far against its start (:mod:`.cost`), the
         break-even at its final settings once it has them; None before the start was
         measured."""
+        key = (self.rounds, len(self.trials), len(self.confirmations), self.final_journalled)
+        if self._cost is not None and self._cost[0] == key:
+            return self._cost[1]  # /metrics asks on every journal write, of every job
         entries = sorted(
             (t.to_journal() for t in (*self.trials, *self.confirmations)),
             key=lambda e: e["index"],
@@ -1173,7 +1177,9 @@ class JobTuning:
         final = None
         if self.final_journalled and self.best is not None:
             final = {"settings": self.best[0], "score": self.best[1], "baseline": self.baseline}
-        return round_cost(entries, final, self.config.objective, len(self.config.nodes))
+        cost = round_cost(entries, final, self.config.objective, len(self.config.nodes))
+        self._cost = (key, cost)
+        return cost
 
     def confirmed_gain(self, start: Mapping[str, Any], best: Mapping[str, Any]) -> Gain | None:
         """The best settings against the baseline from the confirmations that measured them."""
