@@ -1,0 +1,123 @@
+"""The faults of tests/tuner/test_job_faults.py on a running loop: real mosquitto, agents over
+fake GPUs with simulated ranks, the coordinator's journal. What a user of the product sees:
+trials spent or not, what the journal says, whether the tuning ends."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from hyperagent.demo import JOB, SimulatedNode, simulated_cluster
+
+from conftest import Mosquitto
+
+
+def journal(state_dir: Path) -> list[dict[str, Any]]:
+    path = state_dir / f"{JOB}.jsonl"
+    lines = path.read_bytes().splitlines() if path.exists() else []
+    return [orjson.loads(line) for line in lines if line.endswith(b"}")]
+
+
+def trials(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in entries if e["type"] == "trial"]
+
+
+def cap_at_most(node: SimulatedNode, watts: float) -> None:
+    """The node's ``[actuation] max_power_w`` (an operator's bound below the GPUs' own)."""
+    config = node.agent.config
+    actuation = config.actuation.model_copy(update={"max_power_w": watts})
+    node.agent.config = config.model_copy(update={"actuation": actuation})
+
+
+async def test_a_node_bound_below_the_jobs_cap_is_held_to_not_retried_forever(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    """A throughput job holds its cap at the top of ``power_limits_w`` (250 W); one node's
+    operator allows at most 200 W. The job runs at 200 W and is tuned, instead of its first
+    trial being refused and the same settings retried for ever with no trial done."""
+    state = tmp_path / "state"
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=4,
+        seed=2,
+        speedup=100,
+        job_overrides={"power_limits_w": [100.0, 250.0], "patience": 4},
+        coordinator_dir=state,
+    ) as (coordinator, nodes, _):
+        cap_at_most(nodes[1], 200.0)
+        async with asyncio.timeout(90):
+            await coordinator.run(until_tuned=True)
+    entries = journal(state)
+    done = trials(entries)
+    assert len(done) >= 4 and all(t["status"] != "refused" for t in done), done
+    caps = {e["settings"]["power_cap_w"] for e in entries if e["type"] == "published"}
+    assert caps == {200}, caps
+    assert entries[-1]["type"] == "final"
+
+
+async def test_a_job_no_node_can_cap_for_fails_with_the_reason_and_the_loop_ends(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    """An energy job searching caps of 300-400 W on 250 W GPUs: it fails at once, saying which
+    node cannot, and a coordinator run until every job is tuned returns."""
+    state = tmp_path / "state"
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=4,
+        seed=2,
+        speedup=100,
+        objective="energy",
+        job_overrides={"power_limits_w": [300.0, 400.0], "patience": 4},
+        coordinator_dir=state,
+    ) as (coordinator, _, _):
+        async with asyncio.timeout(60):
+            await coordinator.run(until_tuned=True)
+        machine = coordinator.job(JOB)
+    assert machine.terminal and "node-0" in str(machine.state), machine.state
+    assert not trials(journal(state))
+
+
+async def test_a_missing_energy_reading_spends_no_trial_and_the_tuning_goes_on_when_it_returns(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    """Every GPU's energy counter unsupported (as on a driver that lost it): an energy job
+    scores nothing as infeasible and ends nothing on penalties; it waits, saying why. When the
+    counters are back the same tuning goes on and ends with measured energies."""
+    state = tmp_path / "state"
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=4,
+        seed=2,
+        speedup=100,
+        objective="energy",
+        job_overrides={"patience": 4},
+        coordinator_dir=state,
+    ) as (coordinator, nodes, _):
+        for node in nodes:
+            assert node.nvml is not None
+            node.nvml.set_faults(
+                {"nvmlDeviceGetTotalEnergyConsumption": {"error": "NVML_ERROR_NOT_SUPPORTED"}}
+            )
+        run = asyncio.create_task(coordinator.run(until_tuned=True))
+        await asyncio.sleep(12)
+        while_missing = journal(state)
+        assert not [t for t in trials(while_missing) if t["status"] != "no_energy"], while_missing
+        assert not run.done()
+        assert not [e for e in while_missing if e["type"] == "final"]
+        assert "no energy reading" in str(coordinator.job(JOB).state)
+        for node in nodes:
+            assert node.nvml is not None
+            node.nvml.set_faults(None)
+        async with asyncio.timeout(90):
+            await run
+    entries = journal(state)
+    measured = [t for t in trials(entries) if t["status"] == "ok"]
+    energies = [r["energy_j"] for t in measured for r in t["reports"].values()]
+    assert len(measured) >= 4 and all(e > 0 for e in energies), measured
+    assert entries[-1]["type"] == "final"
