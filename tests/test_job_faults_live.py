@@ -5,12 +5,18 @@ trials spent or not, what the journal says, whether the tuning ends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
-from hyperagent.demo import JOB, SimulatedNode, simulated_cluster
+from hyperagent.config import build_config
+from hyperagent.coordinator import Coordinator, coordinator_link
+from hyperagent.demo import JOB, SimulatedNode, cluster_config, simulated_cluster
 
 from conftest import Mosquitto
 
@@ -121,3 +127,53 @@ async def test_a_missing_energy_reading_spends_no_trial_and_the_tuning_goes_on_w
     energies = [r["energy_j"] for t in measured for r in t["reports"].values()]
     assert len(measured) >= 4 and all(e > 0 for e in energies), measured
     assert entries[-1]["type"] == "final"
+
+
+async def test_a_job_waiting_for_its_ranks_holds_back_no_other_jobs_drift_watch(
+    mosquitto: Mosquitto, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two jobs: ``stuck`` names nodes whose ranks never come; the demo job is tuned, then its
+    GPUs are capped to 100 W behind the agents' backs (an operator's ``nvidia-smi -pl``). The
+    demo job is re-tuned on the drift while ``stuck`` still waits (instead of no job being
+    watched until every job is tuned)."""
+    key = os.urandom(32)
+    state = tmp_path / "state"
+    overrides = {"patience": 3, "confirm_best": False, "drift_sustained_s": 3.0}
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=3,
+        seed=4,
+        speedup=100,
+        key=key,
+        job_overrides=overrides,
+        coordinator_dir=state,
+    ) as (_, nodes, _):
+        raw = cluster_config(mosquitto.url, 2, 3, 4, tmp_path, "throughput", (100.0, 250.0))
+        raw["coordinator"]["state_dir"] = str(state)
+        raw["coordinator"]["jobs"][0].update(overrides)
+        stuck = {**raw["coordinator"]["jobs"][0], "id": "stuck", "nodes": ["node-8", "node-9"]}
+        raw["coordinator"]["jobs"].append(stuck)
+        config = build_config(raw, {"node": "coordinator"})
+        coordinator = Coordinator(config, coordinator_link(config), key)
+        caplog.set_level(logging.WARNING, logger="hyperagent.coordinator")
+        run = asyncio.create_task(coordinator.run())
+        try:
+            async with asyncio.timeout(60):
+                while not any(e["type"] == "final" for e in journal(state)):
+                    await asyncio.sleep(0.1)
+            for node in nodes:
+                assert node.nvml is not None
+                for index in range(node.nvml.nvmlDeviceGetCount()):
+                    handle = node.nvml.nvmlDeviceGetHandleByIndex(index)
+                    node.nvml.nvmlDeviceSetPowerManagementLimit(handle, 100_000)
+            async with asyncio.timeout(60):
+                while "re-tuning" not in caplog.text:
+                    await asyncio.sleep(0.1)
+        finally:
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+    assert not (state / "stuck.jsonl").exists() or not trials(
+        [orjson.loads(line) for line in (state / "stuck.jsonl").read_bytes().splitlines()]
+    )
