@@ -225,3 +225,58 @@ def test_a_part_unknown_by_name_and_id_is_warned_about_once_with_its_id(
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "0x1002:0x7fff" in said[0], said
     assert parts.pci_id("0x1002", "74A1") == parts.pci_id(0x1002, 0x74A1) == "0x1002:0x74a1"
+
+
+MI300X_JSON = FIXTURES / "replay" / "amd-mi300x-metric-json"
+
+
+async def test_amd_smi_metric_json_replays_as_its_csv() -> None:
+    """``amd-smi metric --json`` of the 8 MI300X: every device's power, energy, utilisation,
+    memory, temperature and identity, as the same node's ``--csv`` gives them."""
+    from devices.test_vendors import MI300X
+
+    from_json = await replayed_readings(MI300X_JSON, Clock())
+    from_csv = await replayed_readings(MI300X, Clock())
+    for name in (
+        "hyperagent_gpu_power_watts",
+        "hyperagent_gpu_energy_joules_total",
+        "hyperagent_gpu_utilization_ratio",
+        "hyperagent_gpu_memory_used_bytes",
+        "hyperagent_gpu_memory_total_bytes",
+        "hyperagent_gpu_temperature_celsius",
+    ):
+        assert by_gpu(from_json, name) == by_gpu(from_csv, name), name
+    assert by_gpu(from_json, "hyperagent_gpu_power_watts")["7"] == 134
+    info = [r.labels for r in from_json if r.name == "hyperagent_gpu_info"]
+    assert info == [r.labels for r in from_csv if r.name == "hyperagent_gpu_info"]
+
+
+def test_amd_smi_metric_json_under_gpu_data_reads_alike() -> None:
+    """Newer amd-smi prints the device list under ``gpu_data``; a device object without its
+    index, or JSON of another shape, is refused."""
+    import json
+
+    from hyperagent.capture import amd_smi
+
+    text = (MI300X_JSON / "amd-smi-metric.json").read_text()
+    wrapped = json.dumps({"gpu_data": json.loads(text)})
+    assert amd_smi.parse_metric_json(wrapped) == amd_smi.parse_metric_json(text)
+    with pytest.raises(ValueError, match="'gpu' index"):
+        amd_smi.parse_metric_json('[{"usage": {}}]')
+    with pytest.raises(ValueError, match="gpu_data"):
+        amd_smi.parse_metric_json('{"card0": {}}')
+
+
+def test_an_amd_smi_metric_json_that_is_not_json_ends_the_agent_with_one_line(
+    tmp_path: Path,
+) -> None:
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    csv_text = (FIXTURES / "replay" / "amd-mi300x-8gpu" / "amd-smi-metric.csv").read_text()
+    (capture / "amd-smi-metric.json").write_text(csv_text)
+    result = _replay_agent(capture, tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert str(capture / "amd-smi-metric.json") in lines[0] and "line 1" in lines[0]
+    assert "amd-smi metric --json" in lines[0]
