@@ -8,8 +8,10 @@
 - ``amd-smi static --json`` (``gpu_data[]``: ``asic.market_name``, ``limit.{min,max}_power`` and
   ``limit.socket_power`` in W, the power cap; ``driver.version``);
 - ``amd-smi xgmi --json`` (each device's PCI address, ``bdf``);
-- ``rocm-smi --showallinfo --json`` (``cardN`` objects; ``Max Graphics Package Power (W)`` is
-  the power cap, ``Average``/``Current Socket Graphics Package Power (W)`` the draw);
+- ``rocm-smi --showallinfo --json`` (``-a``; ``cardN`` objects; ``Max Graphics Package Power
+  (W)`` is the power cap, ``Average``/``Current Socket Graphics Package Power (W)`` the draw,
+  else the GPU metrics' ``average_socket_power (W)``; ``Accumulated Energy (uJ)`` the energy
+  counter);
 - ``rocm-smi ... --csv``, what monitoring scripts run: the same keys as columns, one row per
   card (:func:`parse_rocm_smi_csv`).
 
@@ -188,8 +190,18 @@ def parse_rocm_smi_csv(text: str) -> list[AcceleratorRecord]:
     return _rocm_smi_cards(cards, "")
 
 
+_ENERGY_UNIT = "15.259uJ (2^-16)"
+_ENERGY_RESOLUTION_UJ = 15.259
+"""``--showmetrics``' energy_accumulator counts in this unit (rocm_smi.py's label for it)."""
+
+
 def _rocm_smi_cards(data: dict[str, Any], driver: str) -> list[AcceleratorRecord]:
-    """Records of the ``cardN`` entries of rocm-smi's output, keys matched case-insensitively."""
+    """Records of the ``cardN`` entries of rocm-smi's output, keys matched case-insensitively.
+
+    ``-a`` (``--showallinfo``) adds the energy counter (``Accumulated Energy (uJ)``) and the GPU
+    metrics table (``average_socket_power (W)``, ``current_gfxclk (MHz)``...), read where the
+    usual keys are absent (RDNA cards print no package power); the first key with a number
+    wins."""
     out = []
     cards = sorted(
         (k for k in data if k.startswith("card") and k[4:].isdigit()), key=lambda k: int(k[4:])
@@ -200,34 +212,54 @@ def _rocm_smi_cards(data: dict[str, Any], driver: str) -> list[AcceleratorRecord
         def get(name: str, card: dict[str, Any] = card) -> Any:
             return card.get(name.lower())
 
-        power = (
-            get("Average Graphics Package Power (W)")
-            or get("Current Socket Graphics Package Power (W)")
-            or get("Average Socket Graphics Package Power (W)")
+        def first(*names: str, card: dict[str, Any] = card) -> float | None:
+            return next(
+                (n for n in (number(card.get(k.lower())) for k in names) if n is not None), None
+            )
+
+        power = first(
+            "Average Graphics Package Power (W)",
+            "Current Socket Graphics Package Power (W)",
+            "Average Socket Graphics Package Power (W)",
+            "current_socket_power (W)",
+            "average_socket_power (W)",
         )
         cap = number(get("Max Graphics Package Power (W)"))
+        energy_uj = first("Accumulated Energy (uJ)")
+        if energy_uj is None and (counter := first(f"energy_accumulator ({_ENERGY_UNIT})")):
+            energy_uj = counter * _ENERGY_RESOLUTION_UJ
+        model = str(get("Card series") or "")
+        if not model or model == "N/A":
+            model = str(get("Device Name") or "").strip()
         out.append(
             AcceleratorRecord(
                 index=position,
                 vendor="amd",
-                model=_model(str(get("Card series") or "")),
+                model="" if model == "N/A" else _model(model),
                 uuid=str(get("Unique ID") or ""),
                 vendor_id=str(get("Vendor ID") or ("0x1002" if get("Device ID") else "")),
                 device_id=str(get("Device ID") or ""),
                 bus_id=str(get("PCI Bus") or "").lower(),
                 driver=driver,
-                util_pct=number(get("GPU use (%)")),
+                util_pct=first("GPU use (%)", "average_gfx_activity (%)"),
                 mem_util_pct=number(get("GPU Memory Read/Write Activity (%)"))
                 if get("GPU Memory Read/Write Activity (%)") is not None
-                else number(get("GPU memory use (%)") or get("GPU Memory Allocated (VRAM%)")),
-                power_w=number(power),
+                else first(
+                    "GPU memory use (%)", "GPU Memory Allocated (VRAM%)", "average_umc_activity (%)"
+                ),
+                power_w=power,
+                energy_j=None if energy_uj is None else energy_uj / 1e6,
                 mem_used_bytes=number(get("VRAM Total Used Memory (B)")),
                 mem_total_bytes=number(get("VRAM Total Memory (B)")),
-                temp_c=number(get("Temperature (Sensor junction) (C)"))
-                or number(get("Temperature (Sensor edge) (C)")),
-                mem_temp_c=number(get("Temperature (Sensor memory) (C)")),
-                clock_mhz=number(get("sclk clock speed:")),
-                mem_clock_mhz=number(get("mclk clock speed:")),
+                temp_c=first(
+                    "Temperature (Sensor junction) (C)",
+                    "Temperature (Sensor edge) (C)",
+                    "temperature_hotspot (C)",
+                    "temperature_edge (C)",
+                ),
+                mem_temp_c=first("Temperature (Sensor memory) (C)", "temperature_mem (C)"),
+                clock_mhz=first("sclk clock speed:", "current_gfxclk (MHz)"),
+                mem_clock_mhz=first("mclk clock speed:", "current_uclk (MHz)"),
                 power_cap_w=cap,
                 max_power_cap_w=cap,
             )

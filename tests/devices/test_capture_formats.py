@@ -280,3 +280,45 @@ def test_an_amd_smi_metric_json_that_is_not_json_ends_the_agent_with_one_line(
     assert len(lines) == 1, result.stderr
     assert str(capture / "amd-smi-metric.json") in lines[0] and "line 1" in lines[0]
     assert "amd-smi metric --json" in lines[0]
+
+
+ROCM_ALL = FIXTURES / "replay" / "amd-mi100-rocm-smi-all-json"
+
+
+async def test_rocm_smi_all_json_replays_its_energy_counter() -> None:
+    """``rocm-smi -a --json``: each card's energy counter (``Accumulated Energy (uJ)``) is where
+    its energy starts, then 10 s at its recorded draw; power, temperature and utilisation as
+    the MI100 capture gives them."""
+    readings = await replayed_readings(ROCM_ALL, Clock())
+    power = by_gpu(readings, "hyperagent_gpu_power_watts")
+    assert power == {"0": 36.0, "1": 44.0, "2": 43.0, "3": 39.0}
+    energy = by_gpu(readings, "hyperagent_gpu_energy_joules_total")
+    assert energy["0"] == pytest.approx(9526356.0 + 10 * 36, abs=0.01)
+    assert energy["3"] == pytest.approx(10320219.0 + 10 * 39, abs=0.01)
+    assert by_gpu(readings, "hyperagent_gpu_temperature_celsius")["1"] == 58.0
+
+
+async def test_rocm_smi_all_json_without_package_power_reads_the_gpu_metrics(
+    tmp_path: Path,
+) -> None:
+    """A card that prints no package power (RDNA) under ``-a``: its draw is the GPU metrics'
+    ``average_socket_power (W)``, its clock ``current_gfxclk (MHz)``, its model its Device
+    Name where it has no Card series."""
+    import json
+
+    data = json.loads((ROCM_ALL / "rocm-smi.json").read_text())
+    for name, card in data.items():
+        if name.startswith("card"):
+            for key in ("Average Graphics Package Power (W)", "sclk clock speed:", "Card series"):
+                del card[key]
+            card["Device Name"] = "AMD Instinct MI100"
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    (capture / "rocm-smi.json").write_text(json.dumps(data))
+    readings = await replayed_readings(capture, Clock())
+    assert by_gpu(readings, "hyperagent_gpu_power_watts") == {
+        "0": 36.0, "1": 44.0, "2": 43.0, "3": 39.0,
+    }  # fmt: skip
+    info = {r.labels["gpu"]: r.labels for r in readings if r.name == "hyperagent_gpu_info"}
+    assert {labels["model"] for labels in info.values()} == {"AMD Instinct MI100"}
+    assert by_gpu(readings, "hyperagent_gpu_sm_clock_hertz")["0"] == 300e6
