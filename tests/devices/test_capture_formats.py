@@ -322,3 +322,26 @@ async def test_rocm_smi_all_json_without_package_power_reads_the_gpu_metrics(
     info = {r.labels["gpu"]: r.labels for r in readings if r.name == "hyperagent_gpu_info"}
     assert {labels["model"] for labels in info.values()} == {"AMD Instinct MI100"}
     assert by_gpu(readings, "hyperagent_gpu_sm_clock_hertz")["0"] == 300e6
+
+
+GAUDI_DEFAULT = FIXTURES / "replay" / "gaudi-hl205-default-fields"
+
+
+async def test_a_headerless_hl_smi_csv_of_the_default_field_list_reads_without_its_list() -> None:
+    """``hl-smi -Q`` with the default list of monitoring tools (all-smi's 11 fields, no
+    ``hl-smi-fields.txt`` beside it): every card's values as the headed capture gives them,
+    its power cap the ``power.max`` column."""
+    headed = await replayed_readings(GAUDI, Clock())
+    plain = await replayed_readings(GAUDI_DEFAULT, Clock())
+    for name in (
+        "hyperagent_gpu_power_watts",
+        "hyperagent_gpu_utilization_ratio",
+        "hyperagent_gpu_memory_used_bytes",
+        "hyperagent_gpu_memory_total_bytes",
+        "hyperagent_gpu_temperature_celsius",
+    ):
+        assert by_gpu(plain, name) == by_gpu(headed, name), name
+    records = hl_smi.load_capture(GAUDI_DEFAULT)
+    assert {r.power_cap_w for r in records} == {350.0}
+    assert {r.model for r in records} == {"HL-205"}
+    assert records[0].driver == "1.18.0-fw-53.1.1.1"
