@@ -65,36 +65,41 @@ def _replay_agent(directory: Path, tmp_path: Path) -> subprocess.CompletedProces
     )
 
 
-def test_a_capture_that_does_not_parse_ends_the_agent_with_one_line(tmp_path: Path) -> None:
-    """A headerless hl-smi CSV without its field list: exit 2 and one line naming the file,
-    the line and the expected format, no traceback."""
+def _refused_in_one_line(tmp_path: Path, name: str, text: str) -> str:
+    """The one line the agent ends with (exit 2, no traceback) replaying a capture of ``text``
+    under ``name``; it names the file and its line 1."""
     capture = tmp_path / "capture"
     capture.mkdir()
-    (capture / "hl-smi.csv").write_text((GAUDI_NOHEADER / "hl-smi.csv").read_text())
+    (capture / name).write_text(text)
     result = _replay_agent(capture, tmp_path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
-    assert str(capture / "hl-smi.csv") in lines[0] and "line 1" in lines[0]
+    assert str(capture / name) in lines[0] and "line 1" in lines[0]
     assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_a_capture_that_does_not_parse_ends_the_agent_with_one_line(tmp_path: Path) -> None:
+    """A headerless hl-smi CSV without its field list: exit 2 and one line naming the file,
+    the line and the expected format, no traceback."""
+    line = _refused_in_one_line(
+        tmp_path, "hl-smi.csv", (GAUDI_NOHEADER / "hl-smi.csv").read_text()
+    )
+    assert "hl-smi-fields.txt" in line
 
 
 
 def test_a_rocm_smi_csv_saved_as_json_ends_the_agent_with_one_line(tmp_path: Path) -> None:
     """``rocm-smi --csv`` output under ``rocm-smi.json``: exit 2 and one line naming the file,
     the line and the format expected, not a JSONDecodeError traceback."""
-    capture = tmp_path / "capture"
-    capture.mkdir()
-    (capture / "rocm-smi.json").write_text(
+    line = _refused_in_one_line(
+        tmp_path,
+        "rocm-smi.json",
         "device,Temperature (Sensor edge) (C),Current Socket Graphics Package Power (W)\n"
-        "card0,35.0,90.0\n"
+        "card0,35.0,90.0\n",
     )
-    result = _replay_agent(capture, tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert str(capture / "rocm-smi.json") in lines[0] and "line 1" in lines[0]
-    assert "rocm-smi --showallinfo --json" in lines[0]
+    assert "rocm-smi --showallinfo --json" in line
 
 
 ROCM_CSV = FIXTURES / "replay" / "amd-mi100-rocm-smi-csv"
@@ -270,16 +275,10 @@ def test_amd_smi_metric_json_under_gpu_data_reads_alike() -> None:
 def test_an_amd_smi_metric_json_that_is_not_json_ends_the_agent_with_one_line(
     tmp_path: Path,
 ) -> None:
-    capture = tmp_path / "capture"
-    capture.mkdir()
     csv_text = (FIXTURES / "replay" / "amd-mi300x-8gpu" / "amd-smi-metric.csv").read_text()
-    (capture / "amd-smi-metric.json").write_text(csv_text)
-    result = _replay_agent(capture, tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert str(capture / "amd-smi-metric.json") in lines[0] and "line 1" in lines[0]
-    assert "amd-smi metric --json" in lines[0]
+    assert "amd-smi metric --json" in _refused_in_one_line(
+        tmp_path, "amd-smi-metric.json", csv_text
+    )
 
 
 ROCM_ALL = FIXTURES / "replay" / "amd-mi100-rocm-smi-all-json"

@@ -170,11 +170,11 @@ class _Row:
 
 def counted(table: Table, walk: Walk, index: Oid) -> bool:
     """Whether row ``index`` is within its unit's row count (:attr:`Table.count`); a row whose
-    count is not among the objects is taken."""
+    count is not among the objects, or is 0, is taken."""
     if not table.count or not index:
         return True
     limit = measured(walk.values.get((*parse_oid(table.count), *(index[:-1] or (0,)))))
-    return limit is None or index[-1] <= limit
+    return not limit or index[-1] <= limit
 
 
 def count_oid(table: Table, index: Oid) -> str:
