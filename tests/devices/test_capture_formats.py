@@ -12,11 +12,25 @@ import pytest
 from devices.test_vendors import Clock, by_gpu, replayed_readings
 
 from hyperagent.capture import hl_smi
+from hyperagent.readings import Reading
 
 from conftest import FIXTURES
 
 GAUDI = FIXTURES / "replay" / "gaudi-hl205-8card"
 GAUDI_NOHEADER = FIXTURES / "replay" / "gaudi-hl205-noheader"
+SAME_READINGS = (
+    "hyperagent_gpu_power_watts",
+    "hyperagent_gpu_utilization_ratio",
+    "hyperagent_gpu_memory_used_bytes",
+    "hyperagent_gpu_memory_total_bytes",
+    "hyperagent_gpu_temperature_celsius",
+)
+
+
+def assert_same_per_gpu(left: list[Reading], right: list[Reading], *extra: str) -> None:
+    """Each GPU's ``SAME_READINGS`` (and ``extra``) alike in two replays of one node."""
+    for name in (*SAME_READINGS, *extra):
+        assert by_gpu(left, name) == by_gpu(right, name), name
 
 
 async def test_headerless_hl_smi_csv_with_units_reads_as_the_headed_one() -> None:
@@ -25,14 +39,7 @@ async def test_headerless_hl_smi_csv_with_units_reads_as_the_headed_one() -> Non
     header."""
     headed = await replayed_readings(GAUDI, Clock())
     plain = await replayed_readings(GAUDI_NOHEADER, Clock())
-    for name in (
-        "hyperagent_gpu_power_watts",
-        "hyperagent_gpu_utilization_ratio",
-        "hyperagent_gpu_memory_used_bytes",
-        "hyperagent_gpu_memory_total_bytes",
-        "hyperagent_gpu_temperature_celsius",
-    ):
-        assert by_gpu(plain, name) == by_gpu(headed, name), name
+    assert_same_per_gpu(plain, headed)
     info = {r.labels["gpu"]: r.labels for r in plain if r.name == "hyperagent_gpu_info"}
     assert sorted(info) == [str(i) for i in range(8)]
     assert {labels["model"] for labels in info.values()} == {"HL-205"}
@@ -242,15 +249,7 @@ async def test_amd_smi_metric_json_replays_as_its_csv() -> None:
 
     from_json = await replayed_readings(MI300X_JSON, Clock())
     from_csv = await replayed_readings(MI300X, Clock())
-    for name in (
-        "hyperagent_gpu_power_watts",
-        "hyperagent_gpu_energy_joules_total",
-        "hyperagent_gpu_utilization_ratio",
-        "hyperagent_gpu_memory_used_bytes",
-        "hyperagent_gpu_memory_total_bytes",
-        "hyperagent_gpu_temperature_celsius",
-    ):
-        assert by_gpu(from_json, name) == by_gpu(from_csv, name), name
+    assert_same_per_gpu(from_json, from_csv, "hyperagent_gpu_energy_joules_total")
     assert by_gpu(from_json, "hyperagent_gpu_power_watts")["7"] == 134
     info = [r.labels for r in from_json if r.name == "hyperagent_gpu_info"]
     assert info == [r.labels for r in from_csv if r.name == "hyperagent_gpu_info"]
@@ -332,14 +331,7 @@ async def test_a_headerless_hl_smi_csv_of_the_default_field_list_reads_without_i
     its power cap the ``power.max`` column."""
     headed = await replayed_readings(GAUDI, Clock())
     plain = await replayed_readings(GAUDI_DEFAULT, Clock())
-    for name in (
-        "hyperagent_gpu_power_watts",
-        "hyperagent_gpu_utilization_ratio",
-        "hyperagent_gpu_memory_used_bytes",
-        "hyperagent_gpu_memory_total_bytes",
-        "hyperagent_gpu_temperature_celsius",
-    ):
-        assert by_gpu(plain, name) == by_gpu(headed, name), name
+    assert_same_per_gpu(plain, headed)
     records = hl_smi.load_capture(GAUDI_DEFAULT)
     assert {r.power_cap_w for r in records} == {350.0}
     assert {r.model for r in records} == {"HL-205"}
