@@ -90,9 +90,7 @@ def _refused_in_one_line(tmp_path: Path, name: str, text: str) -> str:
 def test_a_capture_that_does_not_parse_ends_the_agent_with_one_line(tmp_path: Path) -> None:
     """A headerless hl-smi CSV without its field list: exit 2 and one line naming the file,
     the line and the expected format, no traceback."""
-    line = _refused_in_one_line(
-        tmp_path, "hl-smi.csv", (GAUDI_NOHEADER / "hl-smi.csv").read_text()
-    )
+    line = _refused_in_one_line(tmp_path, "hl-smi.csv", (GAUDI_NOHEADER / "hl-smi.csv").read_text())
     assert "hl-smi-fields.txt" in line
 
 
