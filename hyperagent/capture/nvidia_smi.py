@@ -557,10 +557,15 @@ def _csv_memory(
 ) -> tuple[int | None, int | None, int | None]:
     """(total, used, reserved) of a CSV row. Drivers since R510 leave the reserve out of
     ``memory.used``: a capture without ``memory.reserved`` has it as total - used - free, so
-    that used and reserved together are total - free, as the XML path reads them."""
+    that used and reserved together are total - free, as the XML path reads them; one with
+    ``memory.reserved`` whose ``memory.used`` is N/A has used as total - free - reserved (NVML
+    answers all of its memory figures or none, so an unknown used would hide the total)."""
     if reserved is None and None not in (total, used, free):
         assert total is not None and used is not None and free is not None
         reserved = max(0, total - used - free)
+    elif used is None and None not in (total, free, reserved):
+        assert total is not None and free is not None and reserved is not None
+        used = max(0, total - free - reserved)
     return total, used, reserved
 
 
