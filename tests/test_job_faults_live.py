@@ -17,6 +17,7 @@ import pytest
 from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, SimulatedNode, cluster_config, simulated_cluster
+from hyperagent.job import JobReporter
 
 from conftest import Mosquitto
 
@@ -177,3 +178,54 @@ async def test_a_job_waiting_for_its_ranks_holds_back_no_other_jobs_drift_watch(
     assert not (state / "stuck.jsonl").exists() or not trials(
         [orjson.loads(line) for line in (state / "stuck.jsonl").read_bytes().splitlines()]
     )
+
+
+async def test_a_job_sharing_a_node_with_another_leaves_that_nodes_power_caps_alone(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    """An energy job on 2 nodes searches power caps; another job's rank also runs on node-1,
+    on GPUs the tuned job cannot tell from its own. node-1's GPUs keep their power limit
+    (the other job's GPUs are not capped by a tuning that is not theirs), node-0's are
+    tuned, and the tuning ends."""
+    state = tmp_path / "state"
+    async with simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=4,
+        seed=5,
+        speedup=100,
+        objective="energy",
+        job_overrides={"patience": 4, "confirm_best": False},
+        coordinator_dir=state,
+    ) as (coordinator, nodes, _):
+        shared = nodes[1]
+        assert shared.nvml is not None
+        other = JobReporter("other", rank=0, socket_path=shared.agent.config.sources.job.socket)
+
+        async def other_rank() -> None:
+            while True:
+                other.report_step(32, 0.5, 0.4, 0.1, 2.0)
+                await asyncio.sleep(0.05)
+
+        def limits() -> set[int]:
+            nvml = shared.nvml
+            assert nvml is not None
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            return {nvml.nvmlDeviceGetPowerManagementLimit(h) for h in handles}
+
+        before = limits()
+        ranks = asyncio.create_task(other_rank())
+        seen: set[int] = set()
+        try:
+            await asyncio.sleep(3)
+            run = asyncio.create_task(coordinator.run(until_tuned=True))
+            async with asyncio.timeout(90):
+                while not run.done():
+                    seen |= limits()
+                    await asyncio.sleep(0.05)
+            await run
+        finally:
+            ranks.cancel()
+            other.close()
+    assert seen == before, (before, seen)
+    assert journal(state)[-1]["type"] == "final"
