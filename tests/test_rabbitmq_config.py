@@ -21,7 +21,11 @@ from hyperagent.config import build_config
 
 from conftest import REPO, RabbitMq
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [
+    pytest.mark.peer,
+    pytest.mark.timeout(180),
+    pytest.mark.xdist_group("shipped-rabbitmq"),  # one broker for the module, on one worker
+]
 
 SHIPPED = REPO / "systemd" / "rabbitmq"
 ACL = REPO / "systemd" / "mosquitto" / "hyperagent.acl"
@@ -204,6 +208,7 @@ async def test_a_node_writes_only_its_own_topics(shipped_rabbitmq: ShippedRabbit
     assert {topic.replace("/", ".") for topic in others} <= shipped_rabbitmq.refused("node-1")
 
 
+@pytest.mark.long(25)
 async def test_a_node_reads_only_settings_and_the_coordinator_status(
     shipped_rabbitmq: ShippedRabbitMq,
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+import tomllib
 from collections.abc import Iterator
 
 import pytest
@@ -36,7 +37,8 @@ pytestmark = pytest.mark.timeout(1800)
 BROKER = "rabbitmq-server"
 UNITS = (BROKER, *DAEMONS)
 BROKER_LOG = f"/var/log/rabbitmq/rabbit@{NODE}.log"
-SESSION_QUEUE = "mqtt-subscription-hyperagent-coordinator-{cluster}qos1"
+CLUSTER = tomllib.loads((REPO / "systemd" / "hyperagent.toml").read_text())["cluster"]
+"""The shipped hyperagent.toml's cluster, which the test installs."""
 
 
 def rabbitmq_section(readme: str) -> str:
@@ -83,10 +85,7 @@ def test_rabbitmq_and_the_daemons_run_as_the_readme_says(installed: Installed) -
         NODE,
     ], users
     # the coordinator's persistent session in a quorum queue
-    cluster = re.search(
-        r'(?m)^cluster = "([^"]+)"', installed.sh("cat /etc/hyperagent/hyperagent.toml")
-    )
-    queue = SESSION_QUEUE.format(cluster=cluster.group(1) if cluster else "default")
+    queue = f"mqtt-subscription-hyperagent-coordinator-{CLUSTER}qos1"
 
     def listed() -> str:
         queues = installed.sh("rabbitmqctl -s list_queues -p hyperagent name type")
@@ -106,6 +105,31 @@ def test_a_job_is_tuned_to_a_result_over_rabbitmq(installed: Installed) -> None:
         line for line in log.splitlines() if JOURNAL_ERRORS.search(line)
     ]
     assert "access to topic" not in log, "the broker refused a daemon a topic"
+
+
+def test_the_node_s_user_writes_neither_settings_nor_another_node_s_report(
+    installed: Installed,
+) -> None:
+    """With the node's own credentials, as root on the node could: RabbitMQ refuses."""
+    root = f"hyperagent/v1/{CLUSTER}"
+    forged = [f"{root}/job/{JOB}/settings", f"{root}/job/{JOB}/report/gpu-018"]
+    tried = []
+    for topic in forged:
+        result = installed.host.sh(
+            f"mosquitto_pub -h mqtt.cluster.internal -p 8883 --cafile /etc/hyperagent/mqtt-ca.crt"
+            f' -u {NODE} -P "$(cat /etc/hyperagent/mqtt.password)" -i forger -q 1'
+            f" -t {topic} -m forged",
+            check=False,
+            timeout_s=30,
+        )
+        tried.append(f"{topic}: exit {result.returncode} {result.stdout}{result.stderr}")
+    for topic in forged:
+        refusal = (
+            f"access to topic '{topic.replace('/', '.')}' in exchange 'amq.topic' in vhost"
+            f" 'hyperagent' refused for user '{NODE}'"
+        )
+        assert until(lambda r=refusal: r in installed.sh(f"cat {BROKER_LOG}"), 10, refusal), tried
+    assert installed.running(DAEMONS[1])
 
 
 def test_the_daemons_and_rabbitmq_stop_cleanly(installed: Installed) -> None:
