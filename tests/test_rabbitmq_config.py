@@ -324,3 +324,26 @@ async def test_the_agent_connects_with_its_config(
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     assert bus.decode(message.payload, "status")["state"] == "online"  # type: ignore[arg-type]
+
+
+async def test_run_again_the_script_sets_a_new_password(shipped_rabbitmq: ShippedRabbitMq) -> None:
+    script = SHIPPED / "hyperagent-rabbitmq-users"
+    try:
+        shipped_rabbitmq.ctl(str(ACL), stdin="node-2 a new one\n", script=script)
+        async with client(shipped_rabbitmq, "node-2", "a new one"):
+            pass
+        with pytest.raises(aiomqtt.MqttError):
+            async with client(shipped_rabbitmq, "node-2"):
+                pytest.fail("node-2's old password still works")
+    finally:
+        shipped_rabbitmq.ctl(str(ACL), stdin=f"node-2 {PASSWORDS['node-2']}\n", script=script)
+    refused = subprocess.run(
+        [str(script), str(ACL)],
+        input="gpu-017.example secret\n",
+        env={**shipped_rabbitmq.env, "RABBITMQCTL": str(shipped_rabbitmq.ctl_script)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2, refused
+    assert "gpu-017.example: a node name is letters, digits" in refused.stderr
