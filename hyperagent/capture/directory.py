@@ -111,7 +111,7 @@ def capture_sources(
     smi = directory / "nvidia-smi.xml"
     if enabled.nvml.enabled and smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
-        _replay_processes(nvml, directory / nvidia_smi.COMPUTE_APPS_FILE)
+        replay_processes(nvml, directory / nvidia_smi.COMPUTE_APPS_FILE)
         sources.append(
             NvmlSource(
                 nvml,
@@ -174,7 +174,7 @@ def capture_sources(
     return sources, replace(hardware, nvml=nvml, accelerators=library)
 
 
-def _replay_processes(nvml: FakeNvml, capture: Path) -> None:
+def replay_processes(nvml: FakeNvml, capture: Path) -> None:
     """Put the processes of a ``--query-compute-apps`` capture on the fake's GPUs (by uuid);
     raises ConfigError naming ``--replay`` for a malformed file or a uuid no GPU has."""
     if not capture.is_file():
