@@ -369,6 +369,12 @@ class Attribution:
         self._mapped: dict[str, tuple[SchedulerJob, ...]] = {}
         self._gpu_pids: dict[str, list[int]] = {}
         self._logged: set[str] = set()
+        self._pending: (
+            asyncio.Future[
+                tuple[dict[int, ProcessJob | None], MappingRead | None, dict[int, str | None]]
+            ]
+            | None
+        ) = None
 
     @property
     def scheduler(self) -> bool:
@@ -399,9 +405,12 @@ class Attribution:
         self._processes = {p: j for p, j in self._processes.items() if p in pids}
         new = sorted(pids - self._processes.keys())
         uids = {u for u in owner_uids if u not in self._names}
+        if self._pending is not None and not self._pending.done():
+            return  # the last read still hangs in its thread: no second one beside it
+        self._pending = pending = asyncio.ensure_future(asyncio.to_thread(self._read, new, uids))
         try:
             async with asyncio.timeout(self.timeout_s):
-                found, mapped, names = await asyncio.to_thread(self._read, new, uids)
+                found, mapped, names = await asyncio.shield(pending)
         except TimeoutError:
             self._error_once(f"reading the scheduler's view took over {self.timeout_s} s")
             return
