@@ -371,6 +371,7 @@ class Attribution:
         self._mapped: dict[str, tuple[SchedulerJob, ...]] = {}
         self._gpu_pids: dict[str, list[int]] = {}
         self._logged: set[str] = set()
+        self._warned_hidden = False
         self._pending: (
             asyncio.Future[
                 tuple[dict[int, ProcessJob | None], MappingRead | None, dict[int, str | None]]
@@ -436,6 +437,17 @@ class Attribution:
                 except CgroupFormatError as e:
                     self._error_once(f"{self.proc_root}/{pid}/cgroup: {e}")
                     found[pid] = None
+            hidden = [p for p, job in found.items() if job is None and not self._visible(p)]
+            if hidden and not self._warned_hidden:
+                self._warned_hidden = True
+                log.warning(
+                    "job attribution: %d process(es) NVML shows on the GPUs are not under %s"
+                    " (pid %d first): gone already, or hidden from this user (hidepid,"
+                    " systemd ProtectProc=invisible)",
+                    len(hidden),
+                    self.proc_root,
+                    hidden[0],
+                )
         mapped = None
         if self.mode == "mapping" and self.mapping_dir is not None:
             mapped = read_mapping_dir(self.mapping_dir)
@@ -444,6 +456,9 @@ class Attribution:
                 uids.add(process.uid)
         names = {uid: self.users(uid) for uid in uids if uid not in self._names}
         return found, mapped, names
+
+    def _visible(self, pid: int) -> bool:
+        return (self.proc_root / str(pid)).exists()
 
     def user(self, uid: int | None) -> str:
         """The user name of ``uid`` as looked up (the uid itself for one the database does

@@ -197,6 +197,31 @@ def test_jobs_are_bounded_and_an_ended_one_makes_room(caplog: pytest.LogCaptureF
     assert set(ledger.jobs) == {"b", "c"}
 
 
+def test_a_stream_of_short_jobs_stays_bounded_and_every_joule_goes_to_one_job() -> None:
+    """Churn: 200 short jobs one after another on GPU 0 (each seen for 3 cycles, then gone)
+    under max_jobs 4: never more than 4 kept, each job's energy what GPU 0 used while it
+    held it, their sum the GPU's."""
+    clock = ManualClock()
+    ledger = JobLedger(release_after_s=5.0, max_jobs=4, clock=clock)
+    energy, most = 0.0, 0
+    finals: dict[str, float] = {}
+    for generation in range(200):
+        job = f"slurm-{1000 + generation}-0"
+        for _ in range(3):
+            ledger.hold({job: (JobIdentity(job), frozenset({"0"}))})
+            clock.now += 1.0
+            energy += 250.0
+            out = ledger.readings({"0": GpuValues("GPU-0", energy=energy)}, None)
+            most = max(most, len(ledger.jobs))
+            finals.update(
+                {r.labels["job_id"]: r.value for r in out if r.name.endswith("_joules_total")}
+            )
+    assert most <= 4
+    assert finals["slurm-1000-0"] == 500.0  # first cycle is its baseline
+    assert all(finals[f"slurm-{1000 + g}-0"] == 750.0 for g in range(1, 200))
+    assert sum(finals.values()) == energy - 250.0
+
+
 # -- the agent over the replay ---------------------------------------------------------------
 
 
