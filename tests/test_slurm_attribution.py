@@ -376,6 +376,29 @@ async def test_two_slurm_jobs_from_their_cgroups(tmp_path: Path) -> None:
         await check_released(port, "slurm-4243-0", "slurm-4242-0")
 
 
+async def test_a_cgroup_v1_node_names_the_owner_in_the_path(tmp_path: Path) -> None:
+    """The same node under Slurm's cgroup/v1 plugin, and an agent that may not read the
+    processes' status (the uid comes from ``uid_<uid>`` in the path)."""
+    node = tmp_path / "v1"
+    shutil.copytree(NODE, node)
+    for folder in (node / "proc").iterdir():
+        parts = (folder / "cgroup").read_text().strip().split("/")
+        job, step, task = parts[3], parts[4], parts[6]
+        uid = "1001" if job == "job_4242" else "1002"
+        lines = [
+            f"{n}:{controller}:/slurm/uid_{uid}/{job}/{step}/{task}"
+            for n, controller in ((11, "devices"), (7, "memory"), (3, "cpuset"), (2, "freezer"))
+        ]
+        (folder / "cgroup").write_text("\n".join(lines) + "\n1:name=systemd:/system.slice\n")
+        (folder / "status").unlink()
+    async with replayed(tmp_path, {"mode": "cgroup", "proc_root": str(node / "proc")}) as (
+        _,
+        port,
+        _node,
+    ):
+        await check_two_jobs(port, ALICE, BOB)
+
+
 async def test_the_same_from_a_job_mapping_directory(tmp_path: Path) -> None:
     alice = {"job_id": "slurm-4242", "user": "alice", "slurm_job": "4242", "slurm_step": ""}
     bob = {"job_id": "slurm-4243", "user": "bob", "slurm_job": "4243", "slurm_step": ""}
