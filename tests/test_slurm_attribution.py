@@ -295,7 +295,7 @@ async def check_two_jobs(port: int, alice: dict[str, str], bob: dict[str, str]) 
         return samples if len(per_job(samples, "hyperagent_job_gpus")) == 2 else None
 
     first = await until(both)
-    await asyncio.sleep(2.0)  # energy accumulates
+    await asyncio.sleep(1.0)  # energy accumulates
     samples = scrape(port)
     assert labels_of(samples, alice["job_id"]) == alice
     assert labels_of(samples, bob["job_id"]) == bob
@@ -327,7 +327,7 @@ async def check_two_jobs(port: int, alice: dict[str, str], bob: dict[str, str]) 
     # what the GPUs used since then is what the jobs used
     jobs_before = sum(per_job(first, "hyperagent_job_gpu_energy_joules_total").values())
     total_before = sum(per_gpu(first, "hyperagent_gpu_energy_joules_total").values())
-    assert total - total_before > 1000.0
+    assert total - total_before > 500.0  # 984 W on the 8 GPUs
     assert sum(energy.values()) - jobs_before == pytest.approx(total - total_before, rel=0.01)
     assert sum(energy.values()) <= total
     assert energy[alice["job_id"]] > energy[bob["job_id"]]  # GPUs 0-3 draw 651 W, 4-7 333 W
