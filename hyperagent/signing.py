@@ -141,61 +141,62 @@ def _fingerprint(paths: Sequence[Path]) -> tuple[tuple[int, int, int] | None, ..
     return tuple(out)
 
 
-def _read(path: Path, secret: bool) -> bytes:
+def _read(path: Path) -> tuple[bytes, int]:
+    """The file's bytes and permission bits."""
     try:
         info = path.stat()
         if stat.S_ISDIR(info.st_mode):
             raise KeyFileError(path, "is a directory, not a key file")
-        mode = info.st_mode & 0o777
-        if secret and mode & 0o007:
-            raise KeyFileError(
-                path,
-                f"private key accessible to other users (mode {mode:o}); make it 0600, or 0640 "
-                "root:hyperagent-coordinator",
-            )
-        if not secret and mode & 0o022:
-            raise KeyFileError(
-                path,
-                f"trusted key writable by other users (mode {mode:o}): whoever can write it can "
-                "sign settings every node applies; make it 0644 root:root",
-            )
-        return path.read_bytes()
+        return path.read_bytes(), info.st_mode & 0o777
     except OSError as e:
         raise KeyFileError(path, e.strerror or str(e)) from e
 
 
 def load_signing_key(path: Path) -> SigningKey:
-    """The Ed25519 private key in ``path`` (PEM); raises KeyFileError saying what is wrong."""
-    data = _read(path, secret=True)
+    """The Ed25519 private key in ``path`` (PEM), which other users may not read; raises
+    KeyFileError saying what is wrong."""
+    data, mode = _read(path)
     if b"PUBLIC KEY" in data and b"PRIVATE KEY" not in data:
         raise KeyFileError(
             path, "holds a public key; the coordinator signs with the private key (*.key)"
+        )
+    if mode & 0o007:
+        raise KeyFileError(
+            path,
+            f"private key accessible to other users (mode {mode:o}); make it 0600, or 0640 "
+            "root:hyperagent-coordinator",
         )
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as e:
         raise KeyFileError(path, f"not a PEM private key without passphrase ({e})") from None
     if not isinstance(private, Ed25519PrivateKey):
-        raise KeyFileError(path, f"a {type(private).__name__.lstrip('_')}, not an Ed25519 key")
+        raise KeyFileError(path, "not an Ed25519 key")
     return SigningKey.of(private)
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
-    """The Ed25519 public key in ``path`` (PEM); a private key there is refused, since a file a
-    node trusts must never hold what signs."""
-    data = _read(path, secret=False)
+    """The Ed25519 public key in ``path`` (PEM), which other users may not write; a private key
+    there is refused, since a file a node trusts must never hold what signs."""
+    data, mode = _read(path)
     if b"PRIVATE KEY" in data:
         raise KeyFileError(
             path,
             "holds a private key: a node must hold only the public key (*.pub); remove this "
             "file from the node and make a new key pair",
         )
+    if mode & 0o022:
+        raise KeyFileError(
+            path,
+            f"trusted key writable by other users (mode {mode:o}): whoever can write it can "
+            "sign settings every node applies; make it 0644 root:root",
+        )
     try:
         public = serialization.load_pem_public_key(data)
     except (ValueError, TypeError, UnsupportedAlgorithm) as e:
         raise KeyFileError(path, f"not a PEM public key ({e})") from None
     if not isinstance(public, Ed25519PublicKey):
-        raise KeyFileError(path, f"a {type(public).__name__.lstrip('_')}, not an Ed25519 key")
+        raise KeyFileError(path, "not an Ed25519 key")
     return public
 
 
@@ -203,12 +204,18 @@ def _read_public_keys(paths: Sequence[Path]) -> list[Ed25519PublicKey]:
     keys = []
     for path in paths:
         if path.is_dir():
-            if path.stat().st_mode & 0o022:
+            try:
+                writable = path.stat().st_mode & 0o022
+            except OSError as e:
+                raise KeyFileError(path, e.strerror or str(e)) from e
+            if writable:
                 raise KeyFileError(
                     path,
                     "trusted-keys directory writable by other users: whoever can add a file "
                     "there can sign settings every node applies; make it 0755 root:root",
                 )
+            if not os.access(path, os.R_OK | os.X_OK):
+                raise KeyFileError(path, "this user may not list the directory")
             keys += [load_public_key(p) for p in sorted(path.glob(f"*{PUBLIC_SUFFIX}"))]
         else:
             keys.append(load_public_key(path))
@@ -218,10 +225,7 @@ def _read_public_keys(paths: Sequence[Path]) -> list[Ed25519PublicKey]:
 def public_key_of(path: Path) -> tuple[Ed25519PublicKey, bool]:
     """The public key of a key file of either kind, and whether the file holds the private
     key: what ``hyperagent keys id`` prints."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise KeyFileError(path, e.strerror or str(e)) from e
+    data, _ = _read(path)
     try:
         if b"PRIVATE KEY" in data:
             private = serialization.load_pem_private_key(data, password=None)

@@ -159,7 +159,7 @@ async def test_forged_stale_foreign_and_out_of_bounds_settings_change_nothing(
     assert limits_w(harness.nvml) == {150.0}
     assert agent.applied_versions["j"] == 5 and agent.stats.applied == 1
     snapshot = await agent.collect_once()
-    assert snapshot.value("hyperagent_settings_rejected_total", reason="bad_signature") == 1
+    assert snapshot.value("hyperagent_settings_rejected_total", reason="unknown_key") == 1
 
 
 async def test_telemetry_carries_indicators(harness: Harness) -> None:
