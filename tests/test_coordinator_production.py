@@ -22,7 +22,7 @@ from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.notify import Notifier
-from hyperagent.signing import write_key_pair
+from hyperagent.signing import SigningKey, write_key_pair
 from hyperagent.tuner import tuning
 from hyperagent.tuner.jobstate import Progress
 from hyperagent.tuner.lifecycle import Backoff, Tuned, WaitingForRanks
@@ -415,7 +415,7 @@ async def test_a_job_waiting_for_its_ranks_delays_no_other_jobs_drift_watch(
             "coordinator": {"state_dir": str(tmp_path), "metrics_address": "", "defaults": policy},
         }
     )
-    coordinator = Coordinator(config, coordinator_link(config), b"k" * 32)
+    coordinator = Coordinator(config, coordinator_link(config), SigningKey.generate())
     running = asyncio.create_task(coordinator.run())
 
     def telemetry(node: str, jobs: dict[str, Any], ts: float) -> bytes:

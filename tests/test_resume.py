@@ -64,6 +64,13 @@ async def wait_until(predicate, timeout_s: float) -> None:  # type: ignore[no-un
             await asyncio.sleep(0.01)
 
 
+def mid_trial(journal: Path) -> bool:
+    """The journal says two trials are done and the next one's settings are published."""
+    log = entries(journal)
+    done = [e for e in log if e["type"] == "trial"]
+    return len(done) >= 2 and log[-1]["type"] == "published" and bool(log[-1]["trial"])
+
+
 async def final_applied(journal: Path, nodes: list[Any]) -> dict[str, Any]:
     """The journal's final entry, once every node's agent applies its version."""
     await wait_until(lambda: any(e["type"] == "final" for e in entries(journal)), 180)
@@ -83,13 +90,7 @@ async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_pa
     ) as (_, nodes, _):
         first = start(config)
         try:
-
-            def mid_trial() -> bool:
-                log = entries(journal)
-                done = [e for e in log if e["type"] == "trial"]
-                return len(done) >= 2 and log[-1]["type"] == "published" and log[-1]["trial"]
-
-            await wait_until(mid_trial, 120)
+            await wait_until(lambda: mid_trial(journal), 120)
             first.send_signal(signal.SIGKILL)
             first.wait(10)
         finally:

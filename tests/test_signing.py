@@ -23,7 +23,14 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client.parser import text_string_to_metric_families
-from test_resume import coordinator_config, entries, final_applied, start, wait_until
+from test_resume import (
+    coordinator_config,
+    entries,
+    final_applied,
+    mid_trial,
+    start,
+    wait_until,
+)
 
 from hyperagent import bus
 from hyperagent.demo import JOB, simulated_cluster
@@ -427,13 +434,7 @@ async def test_a_key_rotation_mid_tuning_loses_no_trial(
     ) as (_, nodes, _):
         first = start(config)
         try:
-
-            def mid_trial() -> bool:
-                log = entries(journal)
-                done = [e for e in log if e["type"] == "trial"]
-                return len(done) >= 2 and log[-1]["type"] == "published" and log[-1]["trial"]
-
-            await wait_until(mid_trial, 120)
+            await wait_until(lambda: mid_trial(journal), 120)
             shutil.copy(new_public, trusted_dir / "settings-2.pub")
             first.send_signal(signal.SIGTERM)
             await asyncio.to_thread(first.wait, 30)
