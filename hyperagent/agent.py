@@ -628,21 +628,18 @@ class Agent:
         await self._apply(job, message)
 
     async def _signature_problem(self, message: dict[str, Any]) -> tuple[str, str] | None:
-        """Why ``message`` is not signed by a trusted key (bus.signature_problem), or None. A
-        key not trusted yet has the trusted files read again if they changed (a key added
-        during a rotation)."""
+        """Why ``message`` is not signed by a trusted key (bus.signature_problem), or None. The
+        trusted files are read again first if they changed (a key added or removed during a
+        rotation; a few ``stat`` calls otherwise)."""
         keys = self.trusted_keys
         if keys is None:
             return "no_key", "no security.trusted_keys configured; refusing every setting"
-        problem = bus.signature_problem(message, keys)
-        if problem is not None and problem[0] == "unknown_key":
-            if await asyncio.to_thread(keys.refresh):
-                log.info("trusted settings keys read again: %s", keys.describe())
-                problem = bus.signature_problem(message, keys)
-        if problem is not None and not len(keys):
+        if keys.paths and await asyncio.to_thread(keys.refresh):
+            log.info("trusted settings keys read again: %s", keys.describe())
+        if not len(keys):
             paths = ", ".join(map(str, keys.paths)) or "none configured"
             return "no_key", f"no key in security.trusted_keys ({paths}); refusing every setting"
-        return problem
+        return bus.signature_problem(message, keys)
 
     def _check_age(self, message: dict[str, Any]) -> str | None:
         issued = message["issued_at"]  # a finite number: bus.decode checked it

@@ -76,11 +76,11 @@ class SigningKey:
 class TrustedKeys:
     """Public keys by key id: ``keys`` given as they are, and those read from ``paths``
     (files, or directories of ``*.pub`` files). The paths are read again when they change
-    (``refresh``), so a key added to a node during a rotation is taken without restarting its
-    agent."""
+    (``refresh``), so a key added to or removed from a node during a rotation counts without
+    restarting its agent."""
 
     def __init__(self, keys: Iterable[Ed25519PublicKey] = (), paths: Sequence[Path] = ()) -> None:
-        self.fixed: dict[str, Ed25519PublicKey] = {key_id(k): k for k in keys}
+        self.fixed = _by_id(keys)
         self.paths = tuple(paths)
         self._seen = _fingerprint(self.paths) if self.paths else None
         self.keys = {**self.fixed, **_by_id(_read_public_keys(self.paths))}

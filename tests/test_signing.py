@@ -188,6 +188,9 @@ def test_a_trusted_directory_is_read_again_when_a_key_is_added(tmp_path: Path) -
     (trusted_dir / "bad.pub").write_text("garbage")
     assert not trusted.refresh() and len(trusted) == 2  # lenient at run time: kept
     (trusted_dir / "bad.pub").unlink()
+    (trusted_dir / "old.pub").unlink()  # the end of a rotation: the old key refused again
+    assert trusted.refresh() and trusted.ids == [new.key_id]
+    assert not bus.verify(bus.sign(MESSAGE, old), trusted)
     listed = TrustedKeys(paths=[old_pub, new_pub])  # two files, as during a rotation
     assert set(listed.ids) == {old.key_id, new.key_id}
     trusted_dir.chmod(0o775)
