@@ -634,8 +634,9 @@ class Agent:
         keys = self.trusted_keys
         if keys is None:
             return "no_key", "no security.trusted_keys configured; refusing every setting"
-        if keys.paths and await asyncio.to_thread(keys.refresh):
-            log.info("trusted settings keys read again: %s", keys.describe())
+        if keys.paths:
+            if await asyncio.to_thread(keys.refresh):
+                log.info("trusted settings keys read again: %s", keys.describe())
         if not len(keys):
             paths = ", ".join(map(str, keys.paths)) or "none configured"
             return "no_key", f"no key in security.trusted_keys ({paths}); refusing every setting"
