@@ -164,7 +164,7 @@ def load_signing_key(path: Path) -> SigningKey:
         raise KeyFileError(
             path,
             f"private key accessible to other users (mode {mode:o}); make it 0600, or 0640 "
-            "root:hyperagent-coordinator",
+            "root:hyperagent-signing",
         )
     try:
         private = serialization.load_pem_private_key(data, password=None)

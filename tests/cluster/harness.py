@@ -303,9 +303,9 @@ class Cluster:
         group = grp.getgrnam("hyperagent").gr_gid
         toml = shipped_toml()
         # README: hyperagent keys generate on the coordinator's host; settings.pub to each node
-        signing_group = grp.getgrnam("hyperagent-coordinator").gr_gid
+        signing_group = grp.getgrnam("hyperagent-signing").gr_gid
         keys = self.root / "keys"
-        write_key_pair(keys, "settings", "hyperagent-coordinator")
+        write_key_pair(keys, "settings", "hyperagent-signing")
         self.passwords = {"coordinator": secrets.token_urlsafe(16)}
         self.passwords |= {self.hosts[k].name: secrets.token_urlsafe(16) for k in self.node_keys}
         hosts_file = self._hosts_file()
