@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # this tree's hyperagent, whatever is installed
@@ -34,7 +36,21 @@ from mqttsim import SimClient, connect_all, connect_packet, publish_packet, rais
 
 CLUSTER = "bench"
 JOB = "bench"
-SETTINGS_KEY = b"benchmark-settings-key-0123456789"
+SETTINGS_SEED = b"benchmark-settings-key-012345678"
+"""The seed of the one signing key of every worker process (a benchmark's, never a
+deployment's)."""
+
+
+@functools.cache
+def settings_key() -> Any:
+    from hyperagent.signing import SigningKey
+
+    return SigningKey.of(Ed25519PrivateKey.from_private_bytes(SETTINGS_SEED))
+
+
+@functools.cache
+def trusted_keys() -> Any:
+    return settings_key().trusted()
 
 
 def cpu_seconds() -> float:
@@ -354,7 +370,7 @@ async def coordinator_worker(args: argparse.Namespace) -> None:
         logging.getLogger("hyperagent").setLevel(logging.ERROR)
     defaults = orjson.loads(args.defaults) if args.defaults else None
     config = _coordinator_config(args.broker, args.state, [], defaults)
-    coordinator = CountingCoordinator(config, coordinator_link(config), SETTINGS_KEY)
+    coordinator = CountingCoordinator(config, coordinator_link(config), settings_key())
     running = asyncio.create_task(coordinator.run(), name="coordinator")
     try:
         async with asyncio.timeout(30):
@@ -429,7 +445,7 @@ async def fanout_worker(args: argparse.Namespace) -> None:
                 "issued_at": time.time(),
             }
             link.publish(
-                topics.settings(job_id), bus.encode(bus.sign(message, SETTINGS_KEY)), 1, True
+                topics.settings(job_id), bus.encode(bus.sign(message, settings_key())), 1, True
             )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(args.timeout):
@@ -470,7 +486,8 @@ async def simagents_worker(args: argparse.Namespace) -> None:
         if not payload:
             return
         message = bus.decode(payload, "settings")
-        if not bus.verify(message, SETTINGS_KEY) or client.client_id not in message["nodes"]:
+        trusted = bus.verify(message, trusted_keys())
+        if not trusted or client.client_id not in message["nodes"]:
             return
         ack = {
             "job": message["job"],

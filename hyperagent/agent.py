@@ -30,6 +30,7 @@ from hyperagent.job import JobSettings, StepReport
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading, Snapshot
 from hyperagent.replay import Recorder
+from hyperagent.signing import TrustedKeys
 from hyperagent.sources import Hardware, build_sources
 from hyperagent.sources.base import Source
 from hyperagent.sources.job import JobSource
@@ -115,7 +116,7 @@ class Agent:
         hardware: Hardware,
         *,
         link: bus.MqttLink | None = None,
-        settings_key: bytes | None = None,
+        trusted_keys: TrustedKeys | None = None,
         metrics: MetricsServer | None = None,
         recorder: Recorder | None = None,
         sources: list[Source] | None = None,
@@ -123,7 +124,9 @@ class Agent:
         applied_file: Path | None = None,
     ) -> None:
         """``sources`` default to the ones ``config`` enables, over ``hardware``;
-        ``applied_file`` keeps the settings versions applied per job across restarts."""
+        ``trusted_keys`` are the public keys whose settings it applies (none: it refuses every
+        setting); ``applied_file`` keeps the settings versions applied per job across
+        restarts."""
         self.config = config
         self.notifier = notifier or Notifier()
         self.last_collection = time.monotonic()
@@ -149,7 +152,7 @@ class Agent:
                 devices, state_file, timeout_s=config.sources.timeout_s
             )
         self.link = link
-        self.settings_key = settings_key
+        self.trusted_keys = trusted_keys
         self.metrics = metrics
         self.collector = metrics.collector if metrics else SnapshotCollector()
         self.snapshot: Snapshot | None = None
@@ -202,7 +205,7 @@ class Agent:
         cls,
         config: Config,
         hardware: Hardware | None = None,
-        settings_key: bytes | None = None,
+        trusted_keys: TrustedKeys | None = None,
         sources: list[Source] | None = None,
         recorder: Recorder | None = None,
     ) -> Agent:
@@ -228,7 +231,7 @@ class Agent:
             config,
             hardware,
             link=link,
-            settings_key=settings_key,
+            trusted_keys=trusted_keys,
             metrics=metrics,
             recorder=recorder,
             sources=sources,
@@ -591,11 +594,10 @@ class Agent:
         if allowed and job not in allowed:
             self._reject("job_not_allowed", f"{job} is not in actuation.allowed_jobs")
             return
-        if self.settings_key is None:
-            self._reject("no_key", "no security.settings_key_file configured; refusing settings")
-            return
-        if not bus.verify(message, self.settings_key):
-            self._reject("bad_signature", f"settings v{message['version']} for {job}")
+        unsigned = await self._signature_problem(message)
+        if unsigned is not None:
+            reason, detail = unsigned
+            self._reject(reason, f"settings v{message['version']} for {job}: {detail}")
             return
         version, applied = message["version"], self.applied_versions.get(job, 0)
         if version < applied:
@@ -619,6 +621,21 @@ class Agent:
             self._ack(job, version, ok=False, error=problem)
             return
         await self._apply(job, message)
+
+    async def _signature_problem(self, message: dict[str, Any]) -> tuple[str, str] | None:
+        """Why ``message`` is not signed by a trusted key (bus.signature_problem), or None. The
+        trusted files are read again first if they changed (a key added or removed during a
+        rotation; a few ``stat`` calls otherwise)."""
+        keys = self.trusted_keys
+        if keys is None:
+            return "no_key", "no security.trusted_keys configured; refusing every setting"
+        if keys.paths:
+            if await asyncio.to_thread(keys.refresh):
+                log.info("trusted settings keys read again: %s", keys.describe())
+        if not len(keys):
+            paths = ", ".join(map(str, keys.paths)) or "none configured"
+            return "no_key", f"no key in security.trusted_keys ({paths}); refusing every setting"
+        return bus.signature_problem(message, keys)
 
     def _check_age(self, message: dict[str, Any]) -> str | None:
         issued = message["issued_at"]  # a finite number: bus.decode checked it

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import math
 import random
@@ -33,6 +31,7 @@ import orjson
 from hyperagent.config import Config
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 from hyperagent.readings import Kind, Reading
+from hyperagent.signing import SigningKey, TrustedKeys, verify_signature
 from hyperagent.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -141,26 +140,50 @@ def _as_tuple(types: _Types) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
+SIGNATURE = "signature"
+"""The field holding a settings message's Ed25519 signature (hex); ``key_id`` names its key."""
+
+
 def _canonical(message: Mapping[str, Any]) -> bytes:
     return orjson.dumps(
-        {k: v for k, v in message.items() if k != "hmac"}, option=orjson.OPT_SORT_KEYS
+        {k: v for k, v in message.items() if k != SIGNATURE}, option=orjson.OPT_SORT_KEYS
     )
 
 
-def sign(message: Mapping[str, Any], key: bytes) -> dict[str, Any]:
-    """A copy of ``message`` carrying an HMAC-SHA256 over its canonical JSON (schema included)."""
-    body = {"schema": SCHEMA, **message}
-    body.pop("hmac", None)
-    return {**body, "hmac": hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()}
+def sign(message: Mapping[str, Any], key: SigningKey) -> dict[str, Any]:
+    """A copy of ``message`` naming ``key``'s id and carrying its Ed25519 signature over the
+    canonical JSON of everything else (schema and key id included)."""
+    body = {"schema": SCHEMA, **message, "key_id": key.key_id}
+    body.pop(SIGNATURE, None)
+    return {**body, SIGNATURE: key.sign(_canonical(body)).hex()}
 
 
-def verify(message: Mapping[str, Any], key: bytes) -> bool:
-    """True when ``message`` carries a valid HMAC made with ``key``."""
-    tag = message.get("hmac")
-    if not isinstance(tag, str):
-        return False
-    expected = hmac.new(key, _canonical(message), hashlib.sha256).hexdigest()
-    return hmac.compare_digest(tag, expected)
+def signature_problem(message: Mapping[str, Any], keys: TrustedKeys) -> tuple[str, str] | None:
+    """Why ``message`` is not signed by a key of ``keys``, as (reason, detail): ``unsigned``
+    (no signature or key id, or not one of the right form), ``unknown_key`` (a key not
+    trusted here) or ``bad_signature``; None when the signature holds."""
+    kid, tag = message.get("key_id"), message.get(SIGNATURE)
+    if not isinstance(kid, str) or not isinstance(tag, str):
+        if "hmac" in message:
+            return "unsigned", "an HMAC, no Ed25519 signature (a coordinator of an older version?)"
+        return "unsigned", "no key_id and signature"
+    try:
+        signature = bytes.fromhex(tag)
+    except ValueError:
+        return "unsigned", "the signature is not hex"
+    if len(signature) != 64:
+        return "unsigned", f"a signature of {len(signature)} bytes, not 64"
+    public = keys.get(kid)
+    if public is None:
+        return "unknown_key", f"signed by key {kid[:32]!r}, not trusted here ({keys.describe()})"
+    if not verify_signature(public, signature, _canonical(message)):
+        return "bad_signature", f"the signature does not match key {kid}"
+    return None
+
+
+def verify(message: Mapping[str, Any], keys: TrustedKeys) -> bool:
+    """True when ``message`` carries a valid signature by a key of ``keys``."""
+    return signature_problem(message, keys) is None
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:

@@ -1,10 +1,11 @@
 """Command-line entry points: agent, coordinator, demo, record, report, metrics, check-config,
-nccl-plugin."""
+keys, nccl-plugin."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib.util
 import logging
 import os
@@ -18,6 +19,15 @@ from typing import TYPE_CHECKING, Any
 from hyperagent import __version__
 from hyperagent.config import Config, load_config
 from hyperagent.errors import ConfigError, ConfigProblem, HyperagentError
+from hyperagent.signing import (
+    KeyFileError,
+    SigningKey,
+    TrustedKeys,
+    key_id,
+    load_signing_key,
+    public_key_of,
+    write_key_pair,
+)
 
 if TYPE_CHECKING:
     from hyperagent.agent import Agent
@@ -122,33 +132,31 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def read_settings_key(config: Config) -> bytes | None:
-    """The HMAC key for settings messages, or None when none is configured."""
-    path = config.security.settings_key_file
+def read_signing_key(config: Config) -> SigningKey:
+    """The coordinator's private key (``security.signing_key_file``); ConfigError when none is
+    configured or the file is not a private Ed25519 key only its owners can read."""
+    path = config.security.signing_key_file
     if path is None:
-        return None
-    try:
-        mode = path.stat().st_mode
-        if mode & 0o007:
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "security.settings_key_file",
-                        f"{path} is accessible to other users (mode {mode & 0o777:o}); "
-                        "make it 0600 or 0640 root:hyperagent",
-                    )
-                ]
-            )
-        key = path.read_bytes().strip()
-    except OSError as e:
         raise ConfigError(
-            [ConfigProblem("security.settings_key_file", f"{path}: {e.strerror}")]
-        ) from e
-    if len(key) < 16:
-        raise ConfigError(
-            [ConfigProblem("security.settings_key_file", f"{path}: key shorter than 16 bytes")]
+            [
+                ConfigProblem(
+                    "security.signing_key_file",
+                    "required by the coordinator (make one: hyperagent keys generate --out DIR)",
+                )
+            ]
         )
-    return key
+    try:
+        return load_signing_key(path)
+    except KeyFileError as e:
+        raise ConfigError([ConfigProblem("security.signing_key_file", str(e))]) from e
+
+
+def read_trusted_keys(config: Config) -> TrustedKeys:
+    """The public keys an agent takes settings from (``security.trusted_keys``)."""
+    try:
+        return TrustedKeys(paths=config.security.trusted_keys)
+    except KeyFileError as e:
+        raise ConfigError([ConfigProblem("security.trusted_keys", str(e))]) from e
 
 
 def _run(main: Coroutine[Any, Any, Any]) -> int:
@@ -173,11 +181,11 @@ def _agent(args: argparse.Namespace, config: Config, recorder: Recorder | None =
     from hyperagent.agent import Agent
     from hyperagent.capture.directory import capture_sources
 
-    key = read_settings_key(config)
+    trusted = read_trusted_keys(config)
     if args.replay is None:
-        return Agent.from_config(config, settings_key=key, recorder=recorder)
+        return Agent.from_config(config, trusted_keys=trusted, recorder=recorder)
     sources, hardware = capture_sources(args.replay, config, speed=args.speed)
-    return Agent.from_config(config, hardware, key, sources=sources, recorder=recorder)
+    return Agent.from_config(config, hardware, trusted, sources=sources, recorder=recorder)
 
 
 def _state_dir(config: Config, file: Path | None) -> None:
@@ -253,17 +261,18 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                 settings, why = recommend(config.coordinator, job.id)
                 print(f"{job.id}: would set {_describe(settings)}, because {why}")
             return 0
-    key = read_settings_key(config)
-    problems = []
-    if key is None:
-        problems.append(ConfigProblem("security.settings_key_file", "required by the coordinator"))
     if not config.mqtt.enabled:
-        problems.append(ConfigProblem("mqtt.enabled", "the coordinator needs the broker"))
-    if problems:
-        raise ConfigError(problems, str(args.config))
-    assert key is not None
+        raise ConfigError(
+            [ConfigProblem("mqtt.enabled", "the coordinator needs the broker")], str(args.config)
+        )
+    try:
+        key = read_signing_key(config)
+        trusted = read_trusted_keys(config)
+    except ConfigError as e:
+        raise ConfigError(e.problems, str(args.config)) from e
+    log.info("signing settings with key %s (%s)", key.key_id, config.security.signing_key_file)
     link = coordinator_link(config)
-    coordinator = Coordinator(config, link, key)
+    coordinator = Coordinator(config, link, key, trusted_keys=trusted)
     try:
         address = config.coordinator.metrics_address
         if not address:
@@ -327,14 +336,27 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.file)
-    read_settings_key(config)
+    trusted = read_trusted_keys(config)
+    signs = "no signing key (an agent's host)"
+    if config.security.signing_key_file is not None:
+        try:
+            signs = f"signs with key {read_signing_key(config).key_id}"
+        except ConfigError as e:
+            cause = e.__cause__
+            if not isinstance(cause, KeyFileError) or cause.reason not in _NOT_HERE:
+                raise
+            signs = f"no signing key here ({cause.reason}; the coordinator's host needs it)"
     rules = len(config.coordinator.jobs)
     print(
         f"{args.file}: OK (node {config.node}, cluster {config.cluster}, "
         f"jobs found by the agents, tune = {config.coordinator.defaults.tune!r}, "
-        f"{rules} job rule(s))"
+        f"{rules} job rule(s); settings keys trusted: {trusted.describe()}; {signs})"
     )
     return 0
+
+
+_NOT_HERE = (os.strerror(errno.ENOENT), os.strerror(errno.EACCES))
+"""Why a signing key may be absent from a host that is not the coordinator's."""
 
 
 def _describe(settings: dict[str, Any]) -> str:
@@ -503,6 +525,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    """Make the coordinator's signing key pair: NAME.key (private) and NAME.pub (public)."""
+    try:
+        key, private, public = write_key_pair(args.out, args.name, args.group)
+    except KeyFileError as e:
+        print(f"hyperagent keys generate: {e}", file=sys.stderr)
+        return 1
+    mode = "0640, group " + args.group if args.group else "0600"
+    print(f"key id {key.key_id}")
+    print(f"{private}: the private key ({mode}): on the coordinator's host only")
+    print(f"{public}: the public key: copy it to every node's security.trusted_keys")
+    return 0
+
+
+def cmd_keys_id(args: argparse.Namespace) -> int:
+    """Print the key id of each key file (public or private)."""
+    status = 0
+    for path in args.files:
+        try:
+            public, private = public_key_of(path)
+        except KeyFileError as e:
+            print(f"hyperagent keys id: {e}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"{key_id(public)}  {path}{'  (private key)' if private else ''}")
+    return status
+
+
 def cmd_nccl_plugin(args: argparse.Namespace) -> int:
     """Print the NCCL tuner plugin's absolute path, building it into the cache if needed."""
     from hyperagent.nccl import PluginBuildError, library_path
@@ -606,6 +656,21 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a configuration file")
     check.add_argument("file", type=Path)
     check.set_defaults(func=cmd_check_config)
+
+    keys = sub.add_parser("keys", help="make and inspect the keys that sign settings")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = keys_sub.add_parser(
+        "generate", help="make an Ed25519 key pair: NAME.key (private) and NAME.pub (public)"
+    )
+    generate.add_argument("--out", type=Path, required=True, metavar="DIR")
+    generate.add_argument("--name", default="settings", help="file name (default: %(default)s)")
+    generate.add_argument(
+        "--group", help="make the private key 0640 in this group (default: 0600, no group)"
+    )
+    generate.set_defaults(func=cmd_keys_generate)
+    ids = keys_sub.add_parser("id", help="print the key id of key files")
+    ids.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    ids.set_defaults(func=cmd_keys_id)
 
     plugin = sub.add_parser(
         "nccl-plugin",

@@ -354,14 +354,28 @@ class AttributionSection(_Model):
 
 
 class SecuritySection(_Model):
-    settings_key_file: Path | None = None
-    """Shared HMAC key for settings messages; without it an agent refuses every setting."""
+    signing_key_file: Path | None = None
+    """The coordinator's Ed25519 private key (PEM) that signs settings: on the coordinator's
+    host only, readable by it alone. Agents never read it."""
+    trusted_keys: tuple[Path, ...] = ()
+    """Public keys whose settings an agent applies: files, or directories of ``*.pub`` files
+    (two keys during a rotation); none: the agent refuses every setting."""
     settings_max_age_s: Annotated[float, Field(gt=0)] = 86400.0
     """A new settings version issued longer ago than this is refused (a replayed or left-over
     message); the version an agent already applies is re-applied whatever its age."""
     clock_skew_s: Annotated[float, Field(ge=0)] = 60.0
     """Tolerated clock difference between coordinator and agents: settings issued up to this
     far in the future, or this much past the maximum age, are still taken."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_shared_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "settings_key_file" in data:
+            raise ValueError(
+                "settings_key_file (an HMAC key every node held) is replaced by signing_key_file "
+                "on the coordinator and trusted_keys on the agents (README: Settings keys)"
+            )
+        return data
 
 
 Backend = Literal["nccl", "gloo", "mpi", "horovod", "deepspeed"]

@@ -31,6 +31,7 @@ from hyperagent.errors import PayloadError
 from hyperagent.exporter import SnapshotCollector
 from hyperagent.notify import Notifier
 from hyperagent.readings import Kind, Reading
+from hyperagent.signing import SigningKey, TrustedKeys
 from hyperagent.tuner import lifecycle, tuning
 from hyperagent.tuner.discovery import (
     JobView,
@@ -124,17 +125,21 @@ class Coordinator:
         self,
         config: Config,
         link: bus.MqttLink,
-        settings_key: bytes,
+        signing_key: SigningKey,
         on_trial: TrialCallback | None = None,
         notifier: Notifier | None = None,
         backoff: Backoff | None = None,
+        trusted_keys: TrustedKeys | None = None,
     ) -> None:
+        """Settings go out signed by ``signing_key``; retained settings signed by it or by a
+        key of ``trusted_keys`` (the key before a rotation) tell it the versions published."""
         self.config = config
         self.section = config.coordinator
         self.backoff = backoff or Backoff()
         self.notifier = notifier or Notifier()
         self.link = link
-        self.key = settings_key
+        self.key = signing_key
+        self.trusted = (trusted_keys or TrustedKeys()).with_key(signing_key.public)
         self.topics = bus.Topics(config.cluster)
         self.on_trial = on_trial
         self.clock = ConnectedClock(link)
@@ -325,7 +330,7 @@ class Coordinator:
             message = bus.decode(payload, "settings")
         except PayloadError:
             return
-        if not bus.verify(message, self.key):
+        if not bus.verify(message, self.trusted):
             return
         job, version = message["job"], message["version"]
         entry = self.tuned.get(job)

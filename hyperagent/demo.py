@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import socket
 import tempfile
@@ -33,6 +32,7 @@ from hyperagent.devices import as_library
 from hyperagent.devices.base import MW_PER_W
 from hyperagent.devices.nvml import NvmlLibrary
 from hyperagent.job import KNOBS, JobReporter
+from hyperagent.signing import SigningKey, TrustedKeys
 from hyperagent.sim import JobModel
 from hyperagent.sources import Hardware
 from hyperagent.tuner.jobstate import TrialRecord
@@ -301,7 +301,8 @@ async def simulated_cluster(
     objective: str = "throughput",
     params_b: float = 1.3,
     speedup: float = 40.0,
-    key: bytes | None = None,
+    key: SigningKey | None = None,
+    trusted: TrustedKeys | None = None,
     job_overrides: Mapping[str, Any] | None = None,
     coordinator_dir: Path | None = None,
     on_trial: Callable[[JobTuning, TrialRecord], None] | None = None,
@@ -313,8 +314,10 @@ async def simulated_cluster(
     The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say). The
     nodes' GPUs replay ``capture_dir`` (an AMD or Gaudi capture directory) where given, else
     the packaged V100S capture. ``cluster`` names the topic tree (clusters sharing a broker
-    keep apart)."""
-    key = key or os.urandom(32)
+    keep apart). Settings are signed by ``key`` (default: a key made for this cluster only);
+    the agents trust ``trusted`` (default: that key)."""
+    key = key or SigningKey.generate()
+    trusted = trusted or key.trusted()
     low, high = demo_power_limits_w(capture_dir)
     gpus_per_node = demo_hardware(capture_dir, lambda: 0.0).gpus.count()
     with tempfile.TemporaryDirectory(prefix="hyperagent-demo-") as tmp:
@@ -344,7 +347,7 @@ async def simulated_cluster(
                     "agent.state_dir": str(workdir / name),
                 },
             )
-            agent = Agent.from_config(config, node_hw.hardware, settings_key=key)
+            agent = Agent.from_config(config, node_hw.hardware, trusted)
             reporter = JobReporter(
                 JOB,
                 rank=i,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from hyperagent.demo import free_port
 from hyperagent.errors import HyperagentError
 from hyperagent.job import StepReport
+from hyperagent.signing import SigningKey
 
 if TYPE_CHECKING:
     from torch import nn
@@ -355,7 +356,7 @@ async def run_torch_demo(
     seed: int = 0,
     on_trial: TrialCallback | None = None,
     *,
-    key: bytes | None = None,
+    key: SigningKey | None = None,
 ) -> TorchDemoResult:
     """Tune two real DDP ranks end to end over the broker at ``broker_url``.
 
@@ -373,7 +374,7 @@ async def run_torch_demo(
     if trials < 1:
         raise ValueError("trials must be >= 1")
     began = time.monotonic()
-    key = key or os.urandom(32)
+    key = key or SigningKey.generate()  # ephemeral: the demo's coordinator only
     with tempfile.TemporaryDirectory(prefix="hyperagent-torch-") as tmp:
         workdir = Path(tmp)
         raw = torch_cluster_config(broker_url, trials, seed, workdir)
@@ -382,7 +383,7 @@ async def run_torch_demo(
         watch = _RankWatch(WORLD_SIZE)
         job_source.listeners.append(watch.on_step)
         agent = Agent.from_config(
-            agent_config, Hardware(nvml=None), settings_key=key, sources=[job_source]
+            agent_config, Hardware(nvml=None), key.trusted(), sources=[job_source]
         )
         assert agent.link is not None
         coordinator_config = build_config(raw, {"node": "coordinator"})

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiomqtt
 import pytest
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from hyperagent import bus
 from hyperagent.agent import Agent
@@ -26,11 +27,12 @@ from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import Config, build_config
 from hyperagent.job import JobReporter, JobSettings, encode_hello
 from hyperagent.readings import Reading
+from hyperagent.signing import SigningKey
 from hyperagent.sources import Hardware
 
 from conftest import REPO, free_port, wait_for_port
 
-KEY = b"s" * 32
+KEY = SigningKey.generate()
 
 
 def limits_w(nvml: FakeNvml) -> set[float]:
@@ -50,7 +52,7 @@ class Harness:
         self,
         version: int,
         settings: dict[str, Any],
-        key: bytes = KEY,
+        key: SigningKey = KEY,
         nodes: list[str] | None = None,
         issued_at: float | None = None,
     ) -> None:
@@ -95,7 +97,7 @@ async def running_agent(
     """An agent over a fake NVML replaying ``capture``, running and connected to the broker
     until the block ends."""
     nvml = FakeNvml.from_capture(capture)
-    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    agent = Agent.from_config(config, Hardware(nvml=nvml), trusted_keys=KEY.trusted())
     task = asyncio.create_task(agent.run())
     try:
         async with asyncio.timeout(10):
@@ -148,8 +150,8 @@ async def test_forged_stale_foreign_and_out_of_bounds_settings_change_nothing(
     agent = harness.agent
     await harness.send(5, {"power_cap_w": 150})
     await until(lambda: agent.applied_versions.get("j") == 5)
-    await harness.send(6, {"power_cap_w": 100}, key=b"x" * 32)
-    await until(lambda: agent.stats.rejected["bad_signature"] == 1)
+    await harness.send(6, {"power_cap_w": 100}, key=SigningKey.generate())
+    await until(lambda: agent.stats.rejected["unknown_key"] == 1)
     await harness.send(4, {"power_cap_w": 125})
     await until(lambda: agent.stats.rejected["stale"] == 1)
     await harness.send(7, {"power_cap_w": 125}, nodes=["some-other-node"])
@@ -158,7 +160,7 @@ async def test_forged_stale_foreign_and_out_of_bounds_settings_change_nothing(
     assert limits_w(harness.nvml) == {150.0}
     assert agent.applied_versions["j"] == 5 and agent.stats.applied == 1
     snapshot = await agent.collect_once()
-    assert snapshot.value("hyperagent_settings_rejected_total", reason="bad_signature") == 1
+    assert snapshot.value("hyperagent_settings_rejected_total", reason="unknown_key") == 1
 
 
 async def test_telemetry_carries_indicators(harness: Harness) -> None:
@@ -187,7 +189,7 @@ async def test_power_limits_restored_when_the_agent_stops(
         }
     )
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
-    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    agent = Agent.from_config(config, Hardware(nvml=nvml), trusted_keys=KEY.trusted())
     task = asyncio.create_task(agent.run())
     await until(lambda: agent.link.connected.is_set())  # type: ignore[union-attr]
     h = Harness(agent, nvml, mosquitto.port, tmp_path / "j.sock")
@@ -318,7 +320,7 @@ async def test_the_applied_version_survives_a_restart(
     acks: list[dict[str, Any]] = []
 
     async def run_agent(nvml: FakeNvml) -> tuple[Harness, asyncio.Task[None]]:
-        agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+        agent = Agent.from_config(config, Hardware(nvml=nvml), trusted_keys=KEY.trusted())
         task = asyncio.create_task(agent.run())
         async with asyncio.timeout(10):
             await agent.ready.wait()
@@ -448,7 +450,7 @@ async def test_a_stopped_agent_says_offline(
     agent = Agent.from_config(
         config,
         Hardware(nvml=FakeNvml.from_capture(nvidia_smi_dir / "tesla-t4.xml")),
-        settings_key=KEY,
+        trusted_keys=KEY.trusted(),
     )
     task = asyncio.create_task(agent.run())
     await until(lambda: agent.link.connected.is_set())  # type: ignore[union-attr]
@@ -469,8 +471,8 @@ async def test_no_secret_in_logs_metrics_or_payloads(
     async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
         await listener.subscribe("hyperagent/#", qos=1)
         await harness.send(1, {"power_cap_w": 175})
-        await harness.send(2, {"power_cap_w": 150}, key=b"forged-key-forged-key-forged-key")
-        await until(lambda: harness.agent.stats.rejected["bad_signature"] == 1)
+        await harness.send(2, {"power_cap_w": 150}, key=SigningKey.generate())
+        await until(lambda: harness.agent.stats.rejected["unknown_key"] == 1)
         async with asyncio.timeout(10):
             async for message in listener.messages:
                 seen.append(bytes(message.payload))  # type: ignore[arg-type]
@@ -483,10 +485,12 @@ async def test_no_secret_in_logs_metrics_or_payloads(
     server = MetricsServer("127.0.0.1:0")
     server.collector.update((await harness.agent.collect_once()).readings)
     exposition = generate_latest(server.registry)
-    for secret in (KEY, KEY.hex().encode(), b"forged-key-forged-key-forged-key"):
+    raw = KEY.private.private_bytes_raw()
+    pem = KEY.private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+    for secret in (raw, raw.hex().encode(), pem.splitlines()[1]):
         assert secret not in exposition
         assert all(secret not in payload for payload in seen)
-        assert secret.decode() not in caplog.text
+        assert secret.decode("latin-1") not in caplog.text
     assert build_config({}).agent.metrics_address.startswith("127.0.0.1:")
 
 
@@ -505,7 +509,7 @@ async def test_collecting_at_10_hz_publishes_telemetry_once_a_second(
         }
     )
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
-    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    agent = Agent.from_config(config, Hardware(nvml=nvml), trusted_keys=KEY.trusted())
     received = []
     async with aiomqtt.Client("127.0.0.1", mosquitto.port) as listener:
         await listener.subscribe(bus.Topics("c").telemetry("fast"), qos=0)

@@ -18,8 +18,9 @@ import pytest
 from hyperagent import bus
 from hyperagent.errors import PayloadError
 from hyperagent.readings import Kind
+from hyperagent.signing import SigningKey
 
-KEY = b"k" * 32
+KEY = SigningKey.generate()
 
 
 @contextlib.asynccontextmanager
@@ -51,13 +52,15 @@ def test_topics() -> None:
 
 
 def test_sign_and_verify() -> None:
+    """More in tests/test_signing.py."""
+    trusted = KEY.trusted()
     message = bus.sign({"job": "j", "version": 3, "settings": {"bucket_mb": 8}}, KEY)
-    assert bus.verify(message, KEY)
-    assert not bus.verify(message, b"x" * 32)
-    assert not bus.verify({**message, "version": 4}, KEY)
-    assert not bus.verify({**message, "settings": {"bucket_mb": 16}}, KEY)
-    assert not bus.verify({k: v for k, v in message.items() if k != "hmac"}, KEY)
-    assert bus.verify(orjson.loads(bus.encode(message)), KEY)  # survives the wire
+    assert bus.verify(message, trusted)
+    assert not bus.verify(message, SigningKey.generate().trusted())
+    assert not bus.verify({**message, "version": 4}, trusted)
+    assert not bus.verify({**message, "settings": {"bucket_mb": 16}}, trusted)
+    assert not bus.verify({k: v for k, v in message.items() if k != "signature"}, trusted)
+    assert bus.verify(orjson.loads(bus.encode(message)), trusted)  # survives the wire
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import pytest
 
 from hyperagent.config import DEFAULT_METRICS_PORT, build_config, load_config
 from hyperagent.errors import ConfigError
+from hyperagent.signing import write_key_pair
 
 from conftest import REPO
 
@@ -39,7 +40,7 @@ def test_defaults_are_safe() -> None:
     assert config.agent.metrics_address == f"127.0.0.1:{DEFAULT_METRICS_PORT}"
     assert config.mqtt.url == "mqtt://127.0.0.1:1883"
     assert config.sources.nvml.enabled and config.sources.host.enabled
-    assert config.security.settings_key_file is None
+    assert config.security.signing_key_file is None and config.security.trusted_keys == ()
 
 
 def test_file_is_typed_and_frozen(tmp_path: Path) -> None:
@@ -119,12 +120,12 @@ def test_check_config_command(tmp_path: Path) -> None:
     assert any(line.startswith(f"{bad}: actuation.min_power_w:") for line in lines)
 
 
-def test_check_config_reads_the_key_file(tmp_path: Path) -> None:
+def test_check_config_reads_the_key_files(tmp_path: Path) -> None:
     path = tmp_path / "k.toml"
-    path.write_text(f'[security]\nsettings_key_file = "{tmp_path / "missing.key"}"\n')
+    path.write_text(f'[security]\ntrusted_keys = ["{tmp_path / "missing.pub"}"]\n')
     result = _check(path)
     assert result.returncode == 2
-    assert "security.settings_key_file" in result.stderr
+    assert "security.trusted_keys" in result.stderr and "No such file" in result.stderr
 
 
 def test_shipped_example_config_is_valid() -> None:
@@ -148,7 +149,7 @@ def test_coordinator_refuses_to_start_without_a_key_but_needs_no_job_list(
         timeout=60,
     )
     assert result.returncode == 2
-    assert "security.settings_key_file: required by the coordinator" in result.stderr
+    assert "security.signing_key_file: required by the coordinator" in result.stderr
     assert "coordinator.jobs" not in result.stderr  # jobs are found, not configured
 
 
@@ -170,11 +171,10 @@ def test_searching_the_power_cap_needs_its_limits() -> None:
 
 
 def test_a_key_other_users_can_read_is_refused(tmp_path: Path) -> None:
-    key = tmp_path / "settings.key"
-    key.write_text("k" * 64)
+    _, key, _ = write_key_pair(tmp_path, "settings")
     key.chmod(0o644)
     path = tmp_path / "k.toml"
-    path.write_text(f'[security]\nsettings_key_file = "{key}"\n')
+    path.write_text(f'[security]\nsigning_key_file = "{key}"\n')
     result = _check(path)
     assert result.returncode == 2 and "accessible to other users (mode 644)" in result.stderr
     key.chmod(0o640)
@@ -182,13 +182,11 @@ def test_a_key_other_users_can_read_is_refused(tmp_path: Path) -> None:
 
 
 def test_coordinator_recommend_mode_publishes_nothing_and_explains(tmp_path: Path) -> None:
-    key = tmp_path / "settings.key"
-    key.write_text("k" * 64)
-    key.chmod(0o600)
+    _, key, _ = write_key_pair(tmp_path, "settings")
     path = tmp_path / "c.toml"
     path.write_text(
         'cluster = "c"\n[mqtt]\nurl = "mqtt://127.0.0.1:1"\n'
-        f'[security]\nsettings_key_file = "{key}"\n'
+        f'[security]\nsigning_key_file = "{key}"\n'
         f'[coordinator]\nstate_dir = "{tmp_path}"\nmetrics_address = ""\n'
         '[[coordinator.jobs]]\nid = "big"\nnodes = ["a", "b", "c", "d", "e", "f", "g", "h", "i",'
         ' "j"]\nbackend = "mpi"\npower_limits_w = [200, 400]\n'

@@ -14,11 +14,12 @@ from prometheus_client import CollectorRegistry
 from hyperagent import bus
 from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator
+from hyperagent.signing import SigningKey
 from hyperagent.tuner import tuning
 from hyperagent.tuner.journals import Journals
 
 TOPICS = bus.Topics("c")
-KEY = b"k" * 32
+KEY = SigningKey.generate()
 
 
 def _coordinator(tmp_path: Path, **coordinator: Any) -> Coordinator:
@@ -193,7 +194,7 @@ def test_versions_retained_before_a_job_is_found_keep_rising(tmp_path: Path) -> 
     coordinator = _coordinator(tmp_path)
     message = {"job": "j", "settings": {}, "backend": {}, "issued_at": 1.0}
     signed = bus.sign({**message, "version": 41}, KEY)
-    forged = bus.sign({**message, "version": 900}, b"x" * 32)
+    forged = bus.sign({**message, "version": 900}, SigningKey.generate())
     _feed(
         coordinator,
         (TOPICS.settings("j"), bus.encode(signed)),

@@ -22,6 +22,7 @@ from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.notify import Notifier
+from hyperagent.signing import SigningKey, write_key_pair
 from hyperagent.tuner import tuning
 from hyperagent.tuner.jobstate import Progress
 from hyperagent.tuner.lifecycle import Backoff, Tuned, WaitingForRanks
@@ -328,9 +329,7 @@ async def test_a_journal_of_refusals_alone_does_not_resume_as_tuned(
 def test_an_unreadable_journal_ends_the_coordinator_with_one_clear_line(
     mosquitto: Mosquitto, tmp_path: Path
 ) -> None:
-    key = tmp_path / "settings.key"
-    key.write_bytes(b"ab" * 32)
-    key.chmod(0o600)
+    _, key, _ = write_key_pair(tmp_path, "settings")
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     journal = state_dir / "j.jsonl"
@@ -338,7 +337,7 @@ def test_an_unreadable_journal_ends_the_coordinator_with_one_clear_line(
     config = tmp_path / "coordinator.toml"
     config.write_text(
         f'cluster = "c"\nnode = "coordinator"\n[mqtt]\nurl = "{mosquitto.url}"\n'
-        f'[security]\nsettings_key_file = "{key}"\n'
+        f'[security]\nsigning_key_file = "{key}"\n'
         f'[coordinator]\nstate_dir = "{state_dir}"\nmetrics_address = ""\n'
         '[[coordinator.jobs]]\nid = "j"\nnodes = ["n0"]\n'
     )
@@ -416,7 +415,7 @@ async def test_a_job_waiting_for_its_ranks_delays_no_other_jobs_drift_watch(
             "coordinator": {"state_dir": str(tmp_path), "metrics_address": "", "defaults": policy},
         }
     )
-    coordinator = Coordinator(config, coordinator_link(config), b"k" * 32)
+    coordinator = Coordinator(config, coordinator_link(config), SigningKey.generate())
     running = asyncio.create_task(coordinator.run())
 
     def telemetry(node: str, jobs: dict[str, Any], ts: float) -> bytes:

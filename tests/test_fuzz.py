@@ -25,6 +25,7 @@ from hyperagent.coordinator import Coordinator
 from hyperagent.errors import ConfigError, PayloadError, SourceError
 from hyperagent.job import JobReporter, StepReport, decode, encode_step, parse_step
 from hyperagent.replay import RecordingError, load_recording
+from hyperagent.signing import SigningKey
 from hyperagent.sources import Hardware, ipmi, pdu, rdma, rdma_ethtool, rdma_resources
 from hyperagent.sources.host import parse_numa_balancing
 from hyperagent.sources.job import JobSource, Peer
@@ -56,7 +57,8 @@ KEYS = [
     "settings",
     "backend",
     "issued_at",
-    "hmac",
+    "key_id",
+    "signature",
     "nodes",
     "plan",
     "samples",
@@ -83,7 +85,7 @@ payloads = st.one_of(
     payload_like.map(lambda d: orjson.dumps({**d, "schema": 1})),
 )
 
-KEY = b"k" * 32
+KEY = SigningKey.generate()
 TOPICS = bus.Topics("f")
 
 
@@ -104,7 +106,7 @@ def agent(tmp_path: Path) -> Agent:
             },
         }
     )
-    return Agent(config, Hardware(nvml=None), settings_key=KEY)
+    return Agent(config, Hardware(nvml=None), trusted_keys=KEY.trusted())
 
 
 @FUZZ

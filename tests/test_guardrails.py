@@ -4,7 +4,6 @@ NaN loss and on a missing ack, a lost node excluded while the tuning completes."
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.job import JobReporter
+from hyperagent.signing import write_key_pair
 from hyperagent.tuner.lifecycle import Backoff
 from hyperagent.tuner.tuning import JobTuning as JobState
 
@@ -166,15 +166,13 @@ async def test_the_space_follows_the_knobs_the_job_announces(mosquitto: Mosquitt
 def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
     mosquitto: Mosquitto, tmp_path: Path
 ) -> None:
-    key = tmp_path / "settings.key"
-    key.write_bytes(os.urandom(32).hex().encode())
-    key.chmod(0o600)
+    key, private, public = write_key_pair(tmp_path, "settings")
     socket_path = tmp_path / "job.sock"
     raw = {
         "cluster": "g",
         "node": "coordinator",
         "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1},
-        "security": {"settings_key_file": str(key)},
+        "security": {"signing_key_file": str(private), "trusted_keys": [str(public)]},
         "coordinator": {
             "state_dir": str(tmp_path / "coordinator"),
             "metrics_address": "",
@@ -192,7 +190,7 @@ def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
     config_file.write_text(
         f'cluster = "g"\nnode = "node-1"\n[mqtt]\nurl = "{mosquitto.url}"\n'
         f'[agent]\nstate_dir = "{tmp_path / "agent"}"\n'
-        f'[security]\nsettings_key_file = "{key}"\n'
+        f'[security]\ntrusted_keys = ["{public}"]\n'
         f'[sources.job]\nsocket = "{socket_path}"\n'
     )
     agent = subprocess.Popen(
@@ -221,7 +219,7 @@ def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
         coordinator = Coordinator(
             config,
             coordinator_link(config),
-            key.read_bytes().strip(),
+            key,
             on_trial=hang_after_trial_0,
             backoff=Backoff(1.0, 4.0),
         )
@@ -264,14 +262,12 @@ def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
 
 
 def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path) -> None:
-    key = tmp_path / "settings.key"
-    key.write_bytes(os.urandom(32).hex().encode())
-    key.chmod(0o600)
+    key, _, public = write_key_pair(tmp_path, "settings")
     config = tmp_path / "agent.toml"
     config.write_text(
         f'cluster = "g"\nnode = "node-1"\n[mqtt]\nurl = "{mosquitto.url}"\n'
         f'[agent]\nstate_dir = "{tmp_path / "agent"}"\n'
-        f'[security]\nsettings_key_file = "{key}"\n'
+        f'[security]\ntrusted_keys = ["{public}"]\n'
     )
     agent = subprocess.Popen(
         [
@@ -304,7 +300,7 @@ def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path
                 "plan": None,
                 "issued_at": time.time(),
             },
-            key.read_bytes().strip(),
+            key,
         )
         async with aiomqtt.Client("127.0.0.1", mosquitto.port, identifier="coordinator") as c:
             online = bus.encode({"state": "online", "node": "coordinator", "ts": time.time()})

@@ -31,7 +31,7 @@ async def test_telemetry_says_how_many_ranks_the_sums_cover(
 ) -> None:
     config = node_config(mosquitto.url, tmp_path)
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
-    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    agent = Agent.from_config(config, Hardware(nvml=nvml), trusted_keys=KEY.trusted())
     task = asyncio.create_task(agent.run())
     reporters = []
     try:

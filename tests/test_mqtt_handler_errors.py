@@ -14,9 +14,10 @@ from hyperagent.capture.fake_nvml import FakeNvml
 from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.readings import Snapshot
+from hyperagent.signing import SigningKey
 from hyperagent.sources import Hardware
 
-KEY = b"s" * 32
+KEY = SigningKey.generate()
 PROBE = "hyperagent/v1/c/probe/+"
 """A subscription whose handler always fails (what a handler bug looks like from outside)."""
 
@@ -50,7 +51,7 @@ async def test_the_agent_exposes_its_handler_errors(
         }
     )
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "tesla-t4.xml")
-    agent = Agent.from_config(config, Hardware(nvml=nvml), settings_key=KEY)
+    agent = Agent.from_config(config, Hardware(nvml=nvml), trusted_keys=KEY.trusted())
     assert agent.link is not None
     agent.link.subscribe(PROBE, 1, _fail)
     task = asyncio.create_task(agent.run())

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hyperagent.signing import write_key_pair
+
 from conftest import REPO
 
 
@@ -83,13 +85,11 @@ def test_coordinator_lifecycle(
     tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     sock, path = notify_socket
-    key = tmp_path / "settings.key"
-    key.write_bytes(os.urandom(32).hex().encode())
-    key.chmod(0o600)
+    _, key, _ = write_key_pair(tmp_path, "settings")
     config = tmp_path / "c.toml"
     config.write_text(
         f'cluster = "t"\n[mqtt]\nurl = "{mosquitto.url}"\n'
-        f'[security]\nsettings_key_file = "{key}"\n'
+        f'[security]\nsigning_key_file = "{key}"\n'
         f'[coordinator]\nstate_dir = "{tmp_path / "state"}"\nmetrics_address = ""\n'
         '[[coordinator.jobs]]\nid = "j"\nnodes = ["absent-node"]\nack_timeout_s = 60\n'
     )

@@ -4,7 +4,6 @@ twice, versions keep rising, the retained settings end consistent with what ever
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import orjson
 
 from hyperagent import bus
 from hyperagent.demo import JOB, JOB_DEFAULTS, simulated_cluster
+from hyperagent.signing import write_key_pair
 
 from conftest import Mosquitto
 
@@ -32,16 +32,17 @@ def entries(path: Path) -> list[dict[str, Any]]:
 
 
 def coordinator_config(
-    tmp_path: Path, mosquitto: Mosquitto, key: bytes, trials: int = TRIALS, patience: int = TRIALS
+    tmp_path: Path,
+    mosquitto: Mosquitto,
+    key_file: Path,
+    trials: int = TRIALS,
+    patience: int = TRIALS,
 ) -> Path:
-    key_file = tmp_path / "settings.key"
-    key_file.write_bytes(key)
-    key_file.chmod(0o600)
     nodes = ", ".join(f'"node-{i}"' for i in range(NODES))
     config = tmp_path / "coordinator.toml"
     config.write_text(
         f'cluster = "demo"\nnode = "coordinator"\n[mqtt]\nurl = "{mosquitto.url}"\n'
-        f'[security]\nsettings_key_file = "{key_file}"\n'
+        f'[security]\nsigning_key_file = "{key_file}"\n'
         f'[coordinator]\nstate_dir = "{tmp_path / "state"}"\nmetrics_address = ""\n'
         f'[[coordinator.jobs]]\nid = "{JOB}"\nnodes = [{nodes}]\nbackend = "nccl"\n'
         f"trials = {trials}\npatience = {patience}\npower_limits_w = [100.0, 250.0]\n"
@@ -63,6 +64,13 @@ async def wait_until(predicate, timeout_s: float) -> None:  # type: ignore[no-un
             await asyncio.sleep(0.01)
 
 
+def mid_trial(journal: Path) -> bool:
+    """The journal says two trials are done and the next one's settings are published."""
+    log = entries(journal)
+    done = [e for e in log if e["type"] == "trial"]
+    return len(done) >= 2 and log[-1]["type"] == "published" and bool(log[-1]["trial"])
+
+
 async def final_applied(journal: Path, nodes: list[Any]) -> dict[str, Any]:
     """The journal's final entry, once every node's agent applies its version."""
     await wait_until(lambda: any(e["type"] == "final" for e in entries(journal)), 180)
@@ -74,21 +82,15 @@ async def final_applied(journal: Path, nodes: list[Any]) -> dict[str, Any]:
 
 
 async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_path: Path) -> None:
-    key = os.urandom(32).hex().encode()
-    config = coordinator_config(tmp_path, mosquitto, key)
+    key, private, _ = write_key_pair(tmp_path, "settings")
+    config = coordinator_config(tmp_path, mosquitto, private)
     journal = tmp_path / "state" / f"{JOB}.jsonl"
     async with simulated_cluster(
         mosquitto.url, nodes=NODES, trials=TRIALS, seed=7, speedup=60, key=key
     ) as (_, nodes, _):
         first = start(config)
         try:
-
-            def mid_trial() -> bool:
-                log = entries(journal)
-                done = [e for e in log if e["type"] == "trial"]
-                return len(done) >= 2 and log[-1]["type"] == "published" and log[-1]["trial"]
-
-            await wait_until(mid_trial, 120)
+            await wait_until(lambda: mid_trial(journal), 120)
             first.send_signal(signal.SIGKILL)
             first.wait(10)
         finally:
@@ -121,7 +123,7 @@ async def test_coordinator_killed_mid_trial_resumes(mosquitto: Mosquitto, tmp_pa
     )  # final re-states
     message = bus.decode(retained.payload, "settings")  # type: ignore[arg-type]
     assert message["version"] == final["version"] and message["settings"] == final["settings"]
-    assert bus.verify(message, key)
+    assert bus.verify(message, key.trusted())
     assert second.returncode == 0
 
 
@@ -140,8 +142,8 @@ async def test_killed_at_ten_points_of_a_tuning_that_converges_early_it_finishes
     that stops early (patience 3 of 14 trials) and of its confirmations: every start loads
     the journal, no trial index repeats, no search trial follows a confirmation, and the
     tuning ends with its final version applied."""
-    key = os.urandom(32).hex().encode()
-    config = coordinator_config(tmp_path, mosquitto, key, trials=14, patience=3)
+    key, private, _ = write_key_pair(tmp_path, "settings")
+    config = coordinator_config(tmp_path, mosquitto, private, trials=14, patience=3)
     journal = tmp_path / "state" / f"{JOB}.jsonl"
     # kill points: a number of trials done (search and confirmations: this tuning runs
     # about 8) and a delay into the next one, drawn; and the first confirmation's publish

@@ -5,7 +5,6 @@ it through both (and delivers a live message once per matching subscription)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import uuid
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from hyperagent.demo import (
     simulated_cluster,
 )
 from hyperagent.job import JobReporter
+from hyperagent.signing import SigningKey
 
 pytestmark = [pytest.mark.peer, pytest.mark.timeout(240)]
 
@@ -57,7 +57,9 @@ async def stop(node: SimulatedNode) -> None:
     node.reporter.close()
 
 
-def fresh_node(old: SimulatedNode, state_dir: Path, key: bytes, world_size: int) -> SimulatedNode:
+def fresh_node(
+    old: SimulatedNode, state_dir: Path, key: SigningKey, world_size: int
+) -> SimulatedNode:
     """``old``'s node come back with nothing on disk (re-imaged, or down through the whole
     tuning): a new agent over new fake GPUs, and its rank of the job."""
     config = old.agent.config
@@ -66,7 +68,7 @@ def fresh_node(old: SimulatedNode, state_dir: Path, key: bytes, world_size: int)
     )
     clock = VirtualClock()
     hardware = demo_hardware(None, clock)
-    agent = Agent.from_config(config, hardware.hardware, settings_key=key)
+    agent = Agent.from_config(config, hardware.hardware, trusted_keys=key.trusted())
     reporter = JobReporter(
         JOB,
         rank=int(old.name.removeprefix("node-")),
@@ -83,7 +85,7 @@ def fresh_node(old: SimulatedNode, state_dir: Path, key: bytes, world_size: int)
 async def test_an_agent_started_after_the_tuning_runs_the_final_settings(
     broker_url: str, tmp_path: Path
 ) -> None:
-    key = os.urandom(32)
+    key = SigningKey.generate()
     async with simulated_cluster(
         broker_url, nodes=1, trials=3, seed=3, key=key, cluster=cluster_name()
     ) as (coordinator, nodes, model):

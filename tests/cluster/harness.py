@@ -50,6 +50,8 @@ sys.path.insert(0, str(REPO / "tests"))  # run as a script too
 from access import open_the_way, put_back  # noqa: E402
 from pki import make_certificates  # noqa: E402
 
+from hyperagent.signing import write_key_pair  # noqa: E402
+
 SYSTEMD = REPO / "systemd"
 BIN = Path(sys.executable).parent
 REPLAY = REPO / "fixtures" / "replay"
@@ -299,8 +301,11 @@ class Cluster:
     def _install(self) -> None:
         hyperagent = pwd.getpwnam("hyperagent")
         group = grp.getgrnam("hyperagent").gr_gid
-        key = secrets.token_hex(32)
         toml = shipped_toml()
+        # README: hyperagent keys generate on the coordinator's host; settings.pub to each node
+        signing_group = grp.getgrnam("hyperagent-signing").gr_gid
+        keys = self.root / "keys"
+        write_key_pair(keys, "settings", "hyperagent-signing")
         self.passwords = {"coordinator": secrets.token_urlsafe(16)}
         self.passwords |= {self.hosts[k].name: secrets.token_urlsafe(16) for k in self.node_keys}
         hosts_file = self._hosts_file()
@@ -317,13 +322,18 @@ class Cluster:
                 user = "coordinator" if key_name == "ctl" else host.name
                 for name, content in (
                     ("hyperagent.toml", toml),
-                    ("settings.key", key + "\n"),
                     ("mqtt.password", self.passwords[user] + "\n"),
                     ("mqtt-ca.crt", self.ca.read_text()),
                 ):
                     (etc / name).write_text(content)
                     os.chown(etc / name, 0, group)
                     os.chmod(etc / name, 0o640)
+                shutil.copy(keys / "settings.pub", etc / "trusted-keys" / "settings.pub")
+                os.chmod(etc / "trusted-keys" / "settings.pub", 0o644)
+                if key_name == "ctl":
+                    shutil.copy(keys / "settings.key", etc / "signing" / "settings.key")
+                    os.chown(etc / "signing" / "settings.key", 0, signing_group)
+                    os.chmod(etc / "signing" / "settings.key", 0o640)
             if key_name.startswith("n"):
                 for path, mode in (("run/hyperagent", 0o755), ("var/lib/hyperagent", 0o700)):
                     (host.root / path).mkdir(parents=True)
@@ -529,13 +539,16 @@ class Cluster:
         self.wait_listening("ctl", 8883)
 
     def start_coordinator(self) -> None:
-        group = grp.getgrnam("hyperagent").gr_gid
+        unit = (SYSTEMD / "hyperagent-coordinator.service").read_text()
+        names = re.search(r"(?m)^SupplementaryGroups=(.+)$", unit)
+        assert names, "the coordinator's unit names its supplementary groups"
+        groups = ",".join(str(grp.getgrnam(g).gr_gid) for g in names.group(1).split())
         self.spawn(
             "coordinator",
             self.hosts["ctl"],
             [str(BIN / "hyperagent"), "coordinator", "--config", "/etc/hyperagent/hyperagent.toml"],
             uid_gid=(COORDINATOR_UID, COORDINATOR_UID),
-            groups=str(group),
+            groups=groups,
             private_tmp=True,
             umask="0077",
         )

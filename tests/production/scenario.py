@@ -38,6 +38,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from hyperagent.signing import write_key_pair
+
 from conftest import Mosquitto, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,9 +208,8 @@ class Scenario:
         self.capture.mkdir(exist_ok=True)
         if not (self.capture / "nvidia-smi.xml").exists():
             (self.capture / "nvidia-smi.xml").symlink_to(CAPTURE)
-        key = self.root / "settings.key"
-        key.write_text(os.urandom(32).hex() + "\n")
-        key.chmod(0o600)
+        if not (self.root / "settings.key").exists():
+            write_key_pair(self.root, "settings")
         self.broker = Mosquitto(self.root)
         self.broker.start()
         self.status = StatusListener(self.root / "notify.sock")
@@ -259,7 +260,13 @@ class Scenario:
                 "release_after_s": self.job_release_after_s,
             },
         )
-        text += _section("security", {"settings_key_file": self.root / "settings.key"})
+        text += _section(
+            "security",
+            {
+                "signing_key_file": self.root / "settings.key",
+                "trusted_keys": [self.root / "settings.pub"],
+            },
+        )
         text += _section(
             "coordinator",
             {

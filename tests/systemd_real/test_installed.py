@@ -270,6 +270,19 @@ def test_the_readme_brings_up_the_three_units(installed: Installed) -> None:
     )
 
 
+def test_only_the_coordinator_reads_the_key_that_signs_settings(installed: Installed) -> None:
+    """The README's key pair: the private key is out of the agent's user's reach (also through
+    the group it shares with the coordinator) and a training user's; the coordinator signs with
+    it, and the agent trusts its public half."""
+    key = "/etc/hyperagent/signing/settings.key"
+    for user in ("hyperagent", JOB_USER):
+        read = installed.host.sh(f"runuser -u {user} -- cat {key}", check=False)
+        assert read.returncode != 0 and "Permission denied" in read.stderr, (user, read.stdout)
+    kid = installed.sh("hyperagent keys id /etc/hyperagent/trusted-keys/settings.pub").split()[0]
+    assert installed.sh(f"hyperagent keys id {key}").split()[0] == kid
+    assert f"signing settings with key {kid}" in installed.journal("hyperagent-coordinator")
+
+
 def test_the_running_units_exposure_is_the_readme_s(installed: Installed) -> None:
     readme = install_section((REPO / "README.md").read_text())
     claimed = re.search(
