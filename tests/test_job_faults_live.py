@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, SimulatedNode, cluster_config, simulated_cluster
 from hyperagent.job import JobReporter
+from hyperagent.signing import SigningKey
 
 from conftest import Mosquitto
 
@@ -137,7 +137,7 @@ async def test_a_job_waiting_for_its_ranks_holds_back_no_other_jobs_drift_watch(
     GPUs are capped to 100 W behind the agents' backs (an operator's ``nvidia-smi -pl``). The
     demo job is re-tuned on the drift while ``stuck`` still waits (instead of no job being
     watched until every job is tuned)."""
-    key = os.urandom(32)
+    key = SigningKey.generate()
     state = tmp_path / "state"
     overrides = {"patience": 3, "confirm_best": False, "drift_sustained_s": 3.0}
     async with simulated_cluster(
