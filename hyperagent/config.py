@@ -15,9 +15,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hyperagent.errors import ConfigError, ConfigProblem
+from hyperagent.names import check_name, name_problem, safe_name
 
 DEFAULT_METRICS_PORT = 10478
 """Outside 9100-9999, which the Prometheus exporter port registry has fully allocated."""
@@ -35,6 +44,9 @@ def load_quantum_coefficients() -> dict[str, float]:
 DEFAULT_QUANTUM_COEFFICIENTS: dict[str, float] = load_quantum_coefficients()
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+TopicName = Annotated[str, AfterValidator(check_name)]
+"""A cluster, node or job name: one MQTT topic level on every supported broker
+(:mod:`hyperagent.names`)."""
 PositiveSeconds = Annotated[float, Field(gt=0, le=3600)]
 
 
@@ -316,7 +328,7 @@ class ActuationSection(_Model):
     power_cap: bool = True
     min_power_w: Annotated[float, Field(gt=0)] | None = None
     max_power_w: Annotated[float, Field(gt=0)] | None = None
-    allowed_jobs: tuple[Name, ...] = ()
+    allowed_jobs: tuple[TopicName, ...] = ()
     """Jobs whose settings this node applies; empty means every job in its cluster."""
 
     @model_validator(mode="after")
@@ -361,10 +373,19 @@ class TrialPlanSection(_Model):
     """... or this many windows are done (0: four times ``windows``)."""
 
 
-JobPattern = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.*?\[\]-]+$")]
-"""A job id, or a shell-style pattern of ids (``slurm-*``, ``llama-?``)."""
-
 WILDCARDS = frozenset("*?[")
+
+
+def _check_pattern(pattern: str) -> str:
+    """A job name, where shell wildcards (``*``, ``?``, ``[!...]``) may stand."""
+    problem = name_problem(pattern, also="*?[]!")
+    if problem is not None:
+        raise ValueError(problem)
+    return pattern
+
+
+JobPattern = Annotated[str, AfterValidator(_check_pattern)]
+"""A job id, or a shell-style pattern of ids (``slurm-*``, ``llama-?``)."""
 
 
 class JobPolicy(_Model):
@@ -437,7 +458,7 @@ class JobRule(JobPolicy):
     first rule that matches applies), with what they override of the defaults."""
 
     id: JobPattern
-    nodes: tuple[Name, ...] = ()
+    nodes: tuple[TopicName, ...] = ()
     """A fixed node set (optional: a job's nodes are the agents that carry it)."""
 
     @property
@@ -453,8 +474,8 @@ class JobTuningSection(JobPolicy):
     """One job's tuning as resolved: the defaults, the rule that matches it, what its ranks
     said (:meth:`CoordinatorSection.tuning`)."""
 
-    id: Name
-    nodes: Annotated[tuple[Name, ...], Field(min_length=1)]
+    id: TopicName
+    nodes: Annotated[tuple[TopicName, ...], Field(min_length=1)]
     backend: Backend = "nccl"
 
     @model_validator(mode="after")
@@ -526,8 +547,8 @@ class CoordinatorSection(_Model):
 class Config(_Model):
     """The whole configuration. Unknown keys are errors."""
 
-    node: Name = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
-    cluster: Name = "default"
+    node: TopicName = Field(default_factory=lambda: safe_name(socket.gethostname().split(".")[0]))
+    cluster: TopicName = "default"
     agent: AgentSection = AgentSection()
     mqtt: MqttSection = MqttSection()
     sources: SourcesSection = SourcesSection()
@@ -544,6 +565,8 @@ def _problems(error: ValidationError) -> list[ConfigProblem]:
         reason = item["msg"]
         if item["type"] == "extra_forbidden":
             reason = "unknown key"
+        elif item["type"] == "value_error" and "error" in item.get("ctx", {}):
+            reason = str(item["ctx"]["error"])
         problems.append(ConfigProblem(key, reason))
     return problems
 
