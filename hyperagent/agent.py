@@ -562,7 +562,7 @@ class Agent:
                 )
             )
         if self.link is not None:
-            out.append(Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())))
+            out += self.link.broker_readings()
             out.append(
                 Reading("hyperagent_mqtt_dropped_total", self.link.dropped_total, {}, Kind.COUNTER)
             )

@@ -104,6 +104,7 @@ _CORE: dict[str, str] = {
         " once because another call had hung past its timeout (reason busy)."
     ),
     "hyperagent_mqtt_connected": "1 while connected to the MQTT broker.",
+    "hyperagent_mqtt_broker_info": "The address of mqtt.url connected to (while connected).",
     "hyperagent_mqtt_dropped_total": "Outgoing MQTT messages dropped because the outbox was full.",
     "hyperagent_mqtt_queued_messages": "Outgoing MQTT messages waiting (telemetry and spooled).",
     "hyperagent_mqtt_invalid_payloads_total": "Incoming MQTT payloads that failed validation.",

@@ -10,6 +10,7 @@ import fnmatch
 import socket
 import tomllib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -75,9 +76,34 @@ class AgentSection(_Model):
     _address = field_validator("metrics_address")(_check_address)
 
 
+@dataclass(frozen=True)
+class BrokerUrl:
+    """One broker address of ``mqtt.url``."""
+
+    url: str
+    host: str
+    port: int
+    tls: bool
+
+
+def _broker_url(value: str) -> BrokerUrl:
+    """``value`` parsed, or ValueError naming it."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("mqtt", "mqtts", "tcp") or not parts.hostname:
+        raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {value!r}")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"bad port in {value!r}") from e
+    tls = parts.scheme == "mqtts"
+    return BrokerUrl(value, parts.hostname, port or (8883 if tls else 1883), tls)
+
+
 class MqttSection(_Model):
     enabled: bool = True
-    url: str = "mqtt://127.0.0.1:1883"
+    url: str | tuple[str, ...] = "mqtt://127.0.0.1:1883"
+    """The broker, or several addresses of one (clustered) broker: the daemons connect to
+    them in turn, and to the next one at once when the connection drops."""
     client_id: str | None = None
     username: str | None = None
     password_file: Path | None = None
@@ -93,35 +119,49 @@ class MqttSection(_Model):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("mqtt", "mqtts", "tcp") or not parts.hostname:
-            raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {value!r}")
-        try:
-            parts.port  # noqa: B018 - validates the port
-        except ValueError as e:
-            raise ValueError(f"bad port in {value!r}") from e
+    def _url(cls, value: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        urls = (value,) if isinstance(value, str) else value
+        if not urls:
+            raise ValueError("lists no broker: give one URL or a list of them")
+        for index, url in enumerate(urls):
+            try:
+                _broker_url(url)
+            except ValueError as e:
+                where = "" if isinstance(value, str) else f"entry {index}: "
+                raise ValueError(f"{where}{e}") from None
+        if len(set(urls)) < len(urls):
+            raise ValueError("lists a URL twice")
         return value
 
     @model_validator(mode="after")
     def _tls(self) -> MqttSection:
-        if self.tls and self.tls_ca_file is None:
-            raise ValueError("an mqtts:// url needs tls_ca_file")
+        secured = [b.url for b in self.brokers if b.tls]
+        if secured and self.tls_ca_file is None:
+            raise ValueError(f"an mqtts:// url needs tls_ca_file ({', '.join(secured)})")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         return self
 
     @property
+    def brokers(self) -> tuple[BrokerUrl, ...]:
+        """Each address of ``url``, in the order given."""
+        urls = (self.url,) if isinstance(self.url, str) else self.url
+        return tuple(_broker_url(url) for url in urls)
+
+    @property
     def tls(self) -> bool:
-        return urlsplit(self.url).scheme == "mqtts"
+        """The first address uses TLS."""
+        return self.brokers[0].tls
 
     @property
     def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
+        """The first address's host."""
+        return self.brokers[0].host
 
     @property
     def port(self) -> int:
-        return urlsplit(self.url).port or (8883 if self.tls else 1883)
+        """The first address's port."""
+        return self.brokers[0].port
 
 
 class NvmlSection(_Model):

@@ -182,13 +182,13 @@ class Coordinator:
                 try:
                     await self._until(until_tuned)
                     await self.link.flush(timeout_s=10)
-                except asyncio.CancelledError:
-                    # the link still runs: tell the agents, so they put power limits back
+                finally:
+                    # the link still runs: tell the agents (ended or cancelled), so they put
+                    # power limits back and hold what they would send
                     offline = bus.status_message(
                         self.topics, "coordinator", "offline", self.topics.coordinator_status()
                     )
                     await self.link.disconnect([offline])
-                    raise
                 for task in [*background, *(j.task for j in self.tuned.values() if j.task)]:
                     task.cancel()
         finally:
@@ -515,7 +515,7 @@ class Coordinator:
             ),
             Reading("hyperagent_coordinator_jobs_found_total", self.found, {}, Kind.COUNTER),
             Reading("hyperagent_coordinator_jobs_not_tuned", len(self.ignored), {}),
-            Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())),
+            *self.link.broker_readings(),
             *self.link.handler_error_readings(),
         ]
         counts = dict.fromkeys(lifecycle.STATES, 0)

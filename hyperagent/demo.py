@@ -256,7 +256,7 @@ class DemoResult:
 
 
 def cluster_config(
-    broker_url: str,
+    broker_url: str | list[str],
     nodes: int,
     trials: int,
     seed: int,
@@ -293,7 +293,7 @@ def cluster_config(
 
 @contextlib.asynccontextmanager
 async def simulated_cluster(
-    broker_url: str,
+    broker_url: str | list[str],
     nodes: int,
     trials: int,
     seed: int = 0,
@@ -383,7 +383,7 @@ async def simulated_cluster(
 
 
 async def run_demo(
-    broker_url: str,
+    broker_url: str | list[str],
     nodes: int,
     trials: int,
     seed: int,
