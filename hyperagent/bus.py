@@ -63,6 +63,11 @@ class Topics:
         """A node's acks of a job's settings (the broker lets only ``node`` write it)."""
         return f"{self.root}/job/{job}/ack/{node}"
 
+    def receipt(self, job: str, node: str) -> str:
+        """The coordinator's receipts of ``node``'s reports of a job: a node resends a report
+        until its receipt comes (only the coordinator writes it, only ``node`` reads it)."""
+        return f"{self.root}/job/{job}/receipt/{node}"
+
     def coordinator_status(self) -> str:
         """Retained "online"; the coordinator's last will says "offline"."""
         return f"{self.root}/coordinator/status"
@@ -97,6 +102,7 @@ SCHEMAS: dict[str, dict[str, _Types]] = {
         "issued_at": _NUMBER,
     },
     "ack": {"job": str, "node": str, "version": int, "ok": bool},
+    "receipt": {"job": str, "node": str, "version": int},
     "report": {
         "job": str,
         "node": str,

@@ -114,6 +114,10 @@ _CORE: dict[str, str] = {
     ),
     "hyperagent_settings_rejected_total": "Settings messages the agent refused, by reason.",
     "hyperagent_settings_applied_total": "Settings versions the agent applied.",
+    "hyperagent_reports_resent_total": (
+        "Measurement reports sent again because the coordinator had not confirmed them."
+    ),
+    "hyperagent_reports_unconfirmed": "Measurement reports the coordinator has not confirmed yet.",
     # Coordinator
     "hyperagent_coordinator_invalid_payloads_total": "MQTT payloads the coordinator dropped.",
     "hyperagent_node_online": "1 while the node's retained MQTT status says online.",

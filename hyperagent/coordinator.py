@@ -311,6 +311,16 @@ class Coordinator:
         if entry is not None:
             event = tuning.Ack if kind == "ack" else tuning.Report
             entry.inbox.put_nowait(event(self.clock.now(), message))
+        if kind == "report" and message.get("partial") is not True:
+            self._confirm(message)
+
+    def _confirm(self, report: dict[str, Any]) -> None:
+        """Tell the node its report is here, so it stops sending it again. Every report gets
+        its receipt, a repeat too: a version the job's machine has not taken now it never
+        takes (the versions in play only rise), and the machine takes a repeat once."""
+        job, node = report["job"], report["node"]
+        receipt = bus.encode({"job": job, "node": node, "version": report["version"]})
+        self.link.publish(self.topics.receipt(job, node), receipt, 1)
 
     async def _on_settings(self, topic: str, payload: bytes) -> None:
         """Learn the last retained version so versions keep rising across restarts."""
