@@ -57,6 +57,11 @@ CLOCK_TICK_S = 0.5
 HOUSEKEEPING_S = 1.0
 """How often jobs are looked at again (ranks gone quiet, releases) and /metrics rebuilt."""
 
+ANNOUNCE_S = 30.0
+"""The coordinator says it is online again this often, and (within ``HOUSEKEEPING_S``) when a
+node says it is online: a broker that serves a retained message only from the cluster node
+that stored it would leave a node reconnected elsewhere waiting for it."""
+
 
 class ConnectedClock:
     """Seconds spent connected to the broker: it stops while the link is down."""
@@ -152,6 +157,9 @@ class Coordinator:
         """Jobs the config names: ``run(until_tuned=True)`` waits for them."""
         self._tasks: asyncio.TaskGroup | None = None
         self._settled = False
+        self._announce_due = False
+        self._announced_at = time.monotonic()
+        self._ending = False
         link.subscribe(self.topics.ack("+", "+"), 1, self._on_ack)
         link.subscribe(self.topics.report("+", "+"), 1, self._on_report)
         link.subscribe(self.topics.settings("+"), 1, self._on_settings)
@@ -185,6 +193,7 @@ class Coordinator:
                 finally:
                     # the link still runs: tell the agents (ended or cancelled), so they put
                     # power limits back and hold what they would send
+                    self._ending = True
                     offline = bus.status_message(
                         self.topics, "coordinator", "offline", self.topics.coordinator_status()
                     )
@@ -353,6 +362,7 @@ class Coordinator:
         if self.nodes.get(node) == (online, float(message["ts"])):
             return  # the same status again (through a wildcard and its exact topic)
         self.nodes[node] = (online, float(message["ts"]))
+        self._announce_due = self._announce_due or online
         now = self.clock.now()
         if not online:
             for job in self.registry.forget_node(node):
@@ -490,7 +500,21 @@ class Coordinator:
                 elif now - entry.done_since >= entry.machine.config.release_after_s:
                     self._release(job)
             self._say_settled(now)
+            self._announce()
             self.update_metrics()
+
+    def _announce(self) -> None:
+        """Publish the online status again when a node came online, or ``ANNOUNCE_S`` passed."""
+        now = time.monotonic()
+        if self._ending or (not self._announce_due and now - self._announced_at < ANNOUNCE_S):
+            return
+        self._announce_due = False
+        self._announced_at = now
+        if self.link.connected.is_set():
+            online = bus.status_message(
+                self.topics, "coordinator", "online", self.topics.coordinator_status()
+            )
+            self.link.publish(online.topic, online.payload, online.qos, online.retain)
 
     def _say_settled(self, now: float) -> None:
         """The daemon's status line says so once every job it tunes is tuned (or over)."""

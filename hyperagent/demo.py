@@ -308,12 +308,14 @@ async def simulated_cluster(
     job_knobs: tuple[str, ...] | None = JOB_KNOBS,
     capture_dir: Path | None = None,
     cluster: str = "demo",
+    spread_brokers: bool = False,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
     """Agents and simulated ranks running in the background, and a coordinator ready to run.
     The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say). The
     nodes' GPUs replay ``capture_dir`` (an AMD or Gaudi capture directory) where given, else
     the packaged V100S capture. ``cluster`` names the topic tree (clusters sharing a broker
-    keep apart)."""
+    keep apart). With several broker URLs and ``spread_brokers``, node ``i`` tries them from the
+    ``i``-th on (the agents spread across a clustered broker's nodes)."""
     key = key or os.urandom(32)
     low, high = demo_power_limits_w(capture_dir)
     gpus_per_node = demo_hardware(capture_dir, lambda: 0.0).gpus.count()
@@ -336,6 +338,9 @@ async def simulated_cluster(
             clock = VirtualClock()
             node_hw = demo_hardware(capture_dir, clock)
             node_raw = {**raw, "sources": {**raw["sources"], **node_hw.sources}}
+            if spread_brokers and not isinstance(broker_url, str):
+                turn = i % len(broker_url)
+                node_raw["mqtt"] = {**raw["mqtt"], "url": broker_url[turn:] + broker_url[:turn]}
             config = build_config(
                 node_raw,
                 {

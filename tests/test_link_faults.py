@@ -1,18 +1,23 @@
 """Faults at the edge of a session: a broker that accepts a connection and drops it while the
-link subscribes (a real TCP server on loopback doing just that), and a coordinator that ends
-its tuning, whose retained status must not go on saying "online"."""
+link subscribes (a real TCP server on loopback doing just that), a coordinator that ends its
+tuning, whose retained status must not go on saying "online", and a node whose broker has no
+retained coordinator status."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
+import time
+from pathlib import Path
 
 import aiomqtt
 import orjson
 import pytest
 
 from hyperagent import bus
+from hyperagent.config import build_config
+from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import simulated_cluster
 
 from conftest import Mosquitto
@@ -89,3 +94,44 @@ async def test_a_coordinator_that_ends_leaves_its_status_offline(mosquitto: Mosq
                 status = orjson.loads(message.payload)  # type: ignore[arg-type]
                 break
     assert status["state"] == "offline"
+
+
+async def test_the_coordinator_says_online_again_when_a_node_comes_online(
+    mosquitto: Mosquitto, tmp_path: Path
+) -> None:
+    """A node reconnected to a broker (cluster node) that never stored the coordinator's
+    retained status still hears it: the coordinator says online again when the node's own
+    online status arrives."""
+    config = build_config(
+        {
+            "cluster": "announce",
+            "mqtt": {"url": mosquitto.url, "reconnect_min_s": 0.1, "reconnect_max_s": 0.5},
+            "coordinator": {"state_dir": str(tmp_path / "coordinator"), "metrics_address": ""},
+        },
+        {"node": "coordinator"},
+    )
+    coordinator = Coordinator(config, coordinator_link(config), b"k" * 32)
+    topics = coordinator.topics
+    running = asyncio.create_task(coordinator.run())
+    try:
+        async with asyncio.timeout(10):
+            await coordinator.link.connected.wait()
+        async with aiomqtt.Client("127.0.0.1", mosquitto.port, identifier="node-7") as node:
+            # the broker forgets the retained status, as a cluster node that never stored it
+            await node.publish(topics.coordinator_status(), b"", qos=1, retain=True)
+            await node.subscribe(topics.coordinator_status(), qos=1)
+            await node.publish(
+                topics.status("node-7"),
+                bus.encode({"node": "node-7", "state": "online", "ts": time.time()}),
+                qos=1,
+                retain=True,
+            )
+            async with asyncio.timeout(5):
+                async for message in node.messages:
+                    if message.payload:
+                        status = orjson.loads(message.payload)  # type: ignore[arg-type]
+                        break
+        assert status["state"] == "online"
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
