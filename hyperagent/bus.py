@@ -499,6 +499,11 @@ class MqttLink:
         self._wake.set()
 
     @property
+    def gate_open(self) -> bool:
+        """Whether spooled messages may go out (always, on a link that is not gated)."""
+        return self._gate_open
+
+    @property
     def queued(self) -> int:
         return len(self._telemetry) + len(self.spool)
 
@@ -913,7 +918,9 @@ def link_from_config(
         outbox_size=m.outbox_size,
         spool_dir=spool_dir,
         gated=gated,
-        persistent_session=persistent_session,
+        persistent_session=(
+            persistent_session if m.persistent_session is None else m.persistent_session
+        ),
         username=m.username or (username if password is not None else None),
         password=password,
         keepalive_s=m.keepalive_s,

@@ -116,6 +116,12 @@ class MqttSection(_Model):
     outbox_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     reconnect_min_s: PositiveSeconds = 0.5
     reconnect_max_s: PositiveSeconds = 30.0
+    persistent_session: bool | None = None
+    """Keep the MQTT session (subscriptions, queued messages) across connections; default: the
+    coordinator does, an agent does not. On a RabbitMQ cluster set it on the agents too: a
+    session's queue is then a quorum queue (``mqtt.durable_queue_type = quorum``) that any node
+    serves after one dies, where a clean session's queue on the dead node keeps the agent from
+    subscribing anywhere until that node is back."""
 
     @field_validator("url")
     @classmethod

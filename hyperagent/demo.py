@@ -309,13 +309,15 @@ async def simulated_cluster(
     capture_dir: Path | None = None,
     cluster: str = "demo",
     spread_brokers: bool = False,
+    mqtt: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
     """Agents and simulated ranks running in the background, and a coordinator ready to run.
     The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say). The
     nodes' GPUs replay ``capture_dir`` (an AMD or Gaudi capture directory) where given, else
     the packaged V100S capture. ``cluster`` names the topic tree (clusters sharing a broker
     keep apart). With several broker URLs and ``spread_brokers``, node ``i`` tries them from the
-    ``i``-th on (the agents spread across a clustered broker's nodes)."""
+    ``i``-th on (the agents spread across a clustered broker's nodes); ``mqtt``: more of the
+    ``[mqtt]`` section, for every daemon."""
     key = key or os.urandom(32)
     low, high = demo_power_limits_w(capture_dir)
     gpus_per_node = demo_hardware(capture_dir, lambda: 0.0).gpus.count()
@@ -323,6 +325,7 @@ async def simulated_cluster(
         workdir = Path(tmp)
         raw = cluster_config(broker_url, nodes, trials, seed, workdir, objective, (low, high))
         raw["cluster"] = cluster
+        raw["mqtt"].update(mqtt or {})
         raw["coordinator"]["jobs"][0].update(job_overrides or {})
         if coordinator_dir is not None:
             raw["coordinator"]["state_dir"] = str(coordinator_dir)

@@ -79,6 +79,11 @@ def test_mqtt_url_takes_a_list_and_checks_each_address(tmp_path: Path) -> None:
     mixed = build_config({"mqtt": {"url": ["mqtt://a", "mqtts://b"], "tls_ca_file": str(ca)}})
     link = bus.link_from_config(mixed, "c")
     assert [(b.port, b.tls is not None) for b in link.brokers] == [(1883, False), (8883, True)]
+    assert not link.persistent_session  # an agent's default
+    persistent = build_config({"mqtt": {"persistent_session": True}})
+    assert bus.link_from_config(persistent, "agent").persistent_session
+    clean = build_config({"mqtt": {"persistent_session": False}})
+    assert not bus.link_from_config(clean, "c", persistent_session=True).persistent_session
 
 
 async def test_a_link_tries_the_addresses_in_turn_and_fails_over_at_once(
