@@ -116,6 +116,11 @@ class TunedJob:
     unread: bool = False
     """Its journal was written after the coordinator started: read it before beginning."""
 
+    def tell(self, event: tuning.Event) -> None:
+        """Queue ``event`` for the job's task; a job that ended or failed takes no more."""
+        if not self.machine.terminal:
+            self.inbox.put_nowait(event)
+
 
 class Coordinator:
     """Finds the cluster's jobs and tunes those the policy admits."""
@@ -245,14 +250,14 @@ class Coordinator:
                 if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
                     ranks = 1
                 progress = Progress(float(samples), float(step_s), float(message["ts"]), ranks)
-                entry.inbox.put_nowait(tuning.Steps(now, node, progress))
+                entry.tell(tuning.Steps(now, node, progress))
 
     def _consider(self, job: str, now: float) -> None:
         """A job's picture changed: tell its machine, or decide whether to tune it."""
         entry = self.tuned.get(job)
         view = self._view(job, now)
         if entry is not None:
-            entry.inbox.put_nowait(tuning.Seen(now, view))
+            entry.tell(tuning.Seen(now, view))
             return
         if view.attached == 0:
             self.ignored.pop(job, None)
@@ -283,7 +288,7 @@ class Coordinator:
             view.world_size or "?",
             view.said("user") or view.said("uid"),
         )
-        entry.inbox.put_nowait(tuning.Seen(now, self._view(job, now)))
+        entry.tell(tuning.Seen(now, self._view(job, now)))
         if self._tasks is not None:
             entry.task = self._tasks.create_task(self._drive(entry), name=f"job-{job}")
 
@@ -319,7 +324,7 @@ class Coordinator:
         entry = self.tuned.get(message["job"])
         if entry is not None:
             event = tuning.Ack if kind == "ack" else tuning.Report
-            entry.inbox.put_nowait(event(self.clock.now(), message))
+            entry.tell(event(self.clock.now(), message))
         if kind == "report" and message.get("partial") is not True:
             self._confirm(message)
 
@@ -344,7 +349,7 @@ class Coordinator:
         job, version = message["job"], message["version"]
         entry = self.tuned.get(job)
         if entry is not None:
-            entry.inbox.put_nowait(tuning.VersionSeen(version))
+            entry.tell(tuning.VersionSeen(version))
         elif len(self.versions) < 100 * self.section.max_jobs:
             self.versions[job] = max(self.versions.get(job, 0), version)
 
@@ -369,7 +374,7 @@ class Coordinator:
                 self._consider(job, now)
         for entry in self.tuned.values():
             if node in entry.machine.nodes:
-                entry.inbox.put_nowait(tuning.NodeStatus(now, node, online))
+                entry.tell(tuning.NodeStatus(now, node, online))
 
     def _follow_nodes(self, nodes: Iterable[str]) -> None:
         for node in nodes:
@@ -408,6 +413,8 @@ class Coordinator:
                 else:
                     continue
             await self._feed(entry, event)
+        while not entry.inbox.empty():  # what came after the end is of no use to anyone
+            entry.inbox.get_nowait()
         entry.done_since = self.clock.now()
         self.update_metrics()
 
@@ -496,7 +503,7 @@ class Coordinator:
                     if entry.machine.nodes or entry.machine.terminal is False:
                         rule = self.section.rule_for(job)
                         view = self.registry.view(job, now, rule.nodes if rule else ())
-                        entry.inbox.put_nowait(tuning.Seen(now, view))
+                        entry.tell(tuning.Seen(now, view))
                 elif now - entry.done_since >= entry.machine.config.release_after_s:
                     self._release(job)
             self._say_settled(now)

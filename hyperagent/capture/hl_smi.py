@@ -7,8 +7,10 @@ hl-smi's CSV names its fields as ``--query-aip`` does (``name``, ``uuid``, ``bus
 carry their units (``131072 MiB``, ``226 W``, ``36 C``, ``0 %``), as ``-f csv`` prints them. A
 capture directory holds ``hl-smi.csv``; where it was taken with ``-f csv,noheader`` (what
 monitoring scripts run), ``hl-smi-fields.txt`` holds the ``-Q`` field list it was taken with
-(``index,uuid,name,...``), since a headerless CSV names no field. Where the power limits were
-not in the query, ``hlml-power-limits.json`` (``{"min_w", "max_w", "limit_w"}``).
+(``index,uuid,name,...``), since a headerless CSV names no field; without that file, a
+headerless CSV whose rows hold as many values as `DEFAULT_FIELDS` is read by that list. Where
+the power limits were not in the query, ``hlml-power-limits.json`` (``{"min_w", "max_w",
+"limit_w"}``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,22 @@ CAPTURE_FILE = "hl-smi.csv"
 FIELDS_FILE = "hl-smi-fields.txt"
 _FIELD = re.compile(r"^[a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*(?:\s*\[[^\]]*\])?$")
 LIMITS_FILE = "hlml-power-limits.json"
+DEFAULT_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "driver_version",
+    "memory.total",
+    "memory.used",
+    "memory.free",
+    "power.draw",
+    "power.max",
+    "temperature.aip",
+    "utilization.aip",
+)
+"""The ``-Q`` list a monitoring tool runs ``hl-smi -f csv,noheader`` with when none is given:
+all-smi's default (lablup/all-smi ``src/device/hlsmi/config.rs``, Apache-2.0). hl-smi itself
+has no default list: ``-Q`` takes one."""
 MIB = 1024 * 1024
 
 
@@ -48,10 +66,13 @@ def parse_hl_smi_csv(text: str, fields: Sequence[str] | None = None) -> list[Acc
         names = rows[0]
     elif fields:
         names, first = list(fields), 0
+    elif len(rows[0]) == len(DEFAULT_FIELDS):
+        names, first = list(DEFAULT_FIELDS), 0
     else:
         raise ValueError(
             f"line 1 holds values, not a header ({', '.join(rows[0][:3])}, ...): expected "
-            f"hl-smi -Q FIELDS -f csv, or -f csv,noheader with the -Q list in {FIELDS_FILE}"
+            f"hl-smi -Q FIELDS -f csv, or -f csv,noheader with the -Q list in {FIELDS_FILE} "
+            f"(or {len(DEFAULT_FIELDS)} values a row: {','.join(DEFAULT_FIELDS)})"
         )
     header = [name.split(" [")[0].strip().lower() for name in names]
     out = []
@@ -82,7 +103,7 @@ def parse_hl_smi_csv(text: str, fields: Sequence[str] | None = None) -> list[Acc
                 mem_total_bytes=mib("memory.total"),
                 temp_c=number(field.get("temperature.aip")),
                 clock_mhz=number(field.get("clocks.current.soc")),
-                power_cap_w=number(field.get("power.limit")),
+                power_cap_w=number(field.get("power.limit") or field.get("power.max")),
             )
         )
     return out

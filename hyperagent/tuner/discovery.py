@@ -13,6 +13,7 @@ time comes in as arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -339,7 +340,10 @@ def plan_space(cfg: JobTuningSection, view: JobView | None = None) -> SpacePlan:
         kept = [c for c in caps if low <= c <= high]
         if len(kept) < len(caps):
             shown = f"[{low:g}, {high:g}] W" if high != float("inf") else f"at least {low:g} W"
-            if kept:
+            if not kept and len(caps) == 1:
+                kept = [math.floor(high) if caps[0] > high else math.ceil(low)]
+                notes.append(f"node {node} applies power caps in {shown}: holding {kept[0]} W")
+            elif kept:
                 notes.append(
                     f"node {node} applies power caps in {shown}: searching {kept[0]}-{kept[-1]} W"
                 )

@@ -487,6 +487,28 @@ def test_csv_without_memory_reserved_agrees_with_total_minus_free() -> None:
     assert parse_capture(with_reserved)[0].mem_reserved_bytes == 400 * MIB
 
 
+def test_csv_with_memory_reserved_and_no_used_keeps_its_memory_through_nvml() -> None:
+    """A query-gpu CSV whose memory columns include memory.reserved but whose memory.used is
+    N/A (a Tesla K80's row): used is total - free - reserved, so NVML still answers the
+    total and used instead of NOT_SUPPORTED for all of them."""
+    from hyperagent.capture.fake_nvml import FakeNvml
+
+    csv = (
+        "index, name, uuid, pci.bus_id, memory.total [MiB], memory.reserved [MiB],"
+        " memory.used [MiB], memory.free [MiB]\n"
+        "0, Tesla K80, GPU-x, 00000000:05:00.0, 11441 MiB, 66 MiB, [N/A], 11375 MiB\n"
+    )
+    (gpu,) = parse_capture(csv)
+    assert (gpu.mem_total_bytes, gpu.mem_used_bytes) == (11441 * MIB, 0)
+    nvml = FakeNvml([gpu])
+    nvml.nvmlInit()
+    try:
+        memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0))
+    finally:
+        nvml.nvmlShutdown()
+    assert (memory.total, memory.used, memory.free) == (11441 * MIB, 66 * MIB, 11375 * MIB)
+
+
 def test_csv_and_xml_report_the_same_memory_used_through_nvml() -> None:
     """The L40S capture's CSV with memory.reserved dropped gives NVML memory used (v1, reserve
     included) of total - free, as the full CSV does (within the 1 MiB nvidia-smi rounds each of

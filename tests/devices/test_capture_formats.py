@@ -12,11 +12,25 @@ import pytest
 from devices.test_vendors import Clock, by_gpu, replayed_readings
 
 from hyperagent.capture import hl_smi
+from hyperagent.readings import Reading
 
 from conftest import FIXTURES
 
 GAUDI = FIXTURES / "replay" / "gaudi-hl205-8card"
 GAUDI_NOHEADER = FIXTURES / "replay" / "gaudi-hl205-noheader"
+SAME_READINGS = (
+    "hyperagent_gpu_power_watts",
+    "hyperagent_gpu_utilization_ratio",
+    "hyperagent_gpu_memory_used_bytes",
+    "hyperagent_gpu_memory_total_bytes",
+    "hyperagent_gpu_temperature_celsius",
+)
+
+
+def assert_same_per_gpu(left: list[Reading], right: list[Reading], *extra: str) -> None:
+    """Each GPU's ``SAME_READINGS`` (and ``extra``) alike in two replays of one node."""
+    for name in (*SAME_READINGS, *extra):
+        assert by_gpu(left, name) == by_gpu(right, name), name
 
 
 async def test_headerless_hl_smi_csv_with_units_reads_as_the_headed_one() -> None:
@@ -25,14 +39,7 @@ async def test_headerless_hl_smi_csv_with_units_reads_as_the_headed_one() -> Non
     header."""
     headed = await replayed_readings(GAUDI, Clock())
     plain = await replayed_readings(GAUDI_NOHEADER, Clock())
-    for name in (
-        "hyperagent_gpu_power_watts",
-        "hyperagent_gpu_utilization_ratio",
-        "hyperagent_gpu_memory_used_bytes",
-        "hyperagent_gpu_memory_total_bytes",
-        "hyperagent_gpu_temperature_celsius",
-    ):
-        assert by_gpu(plain, name) == by_gpu(headed, name), name
+    assert_same_per_gpu(plain, headed)
     info = {r.labels["gpu"]: r.labels for r in plain if r.name == "hyperagent_gpu_info"}
     assert sorted(info) == [str(i) for i in range(8)]
     assert {labels["model"] for labels in info.values()} == {"HL-205"}
@@ -65,36 +72,39 @@ def _replay_agent(directory: Path, tmp_path: Path) -> subprocess.CompletedProces
     )
 
 
-def test_a_capture_that_does_not_parse_ends_the_agent_with_one_line(tmp_path: Path) -> None:
-    """A headerless hl-smi CSV without its field list: exit 2 and one line naming the file,
-    the line and the expected format, no traceback."""
+def _refused_in_one_line(tmp_path: Path, name: str, text: str) -> str:
+    """The one line the agent ends with (exit 2, no traceback) replaying a capture of ``text``
+    under ``name``; it names the file and its line 1."""
     capture = tmp_path / "capture"
     capture.mkdir()
-    (capture / "hl-smi.csv").write_text((GAUDI_NOHEADER / "hl-smi.csv").read_text())
+    (capture / name).write_text(text)
     result = _replay_agent(capture, tmp_path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
-    assert str(capture / "hl-smi.csv") in lines[0] and "line 1" in lines[0]
+    assert str(capture / name) in lines[0] and "line 1" in lines[0]
     assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_a_capture_that_does_not_parse_ends_the_agent_with_one_line(tmp_path: Path) -> None:
+    """A headerless hl-smi CSV without its field list: exit 2 and one line naming the file,
+    the line and the expected format, no traceback."""
+    line = _refused_in_one_line(tmp_path, "hl-smi.csv", (GAUDI_NOHEADER / "hl-smi.csv").read_text())
+    assert "hl-smi-fields.txt" in line
 
 
 
 def test_a_rocm_smi_csv_saved_as_json_ends_the_agent_with_one_line(tmp_path: Path) -> None:
     """``rocm-smi --csv`` output under ``rocm-smi.json``: exit 2 and one line naming the file,
     the line and the format expected, not a JSONDecodeError traceback."""
-    capture = tmp_path / "capture"
-    capture.mkdir()
-    (capture / "rocm-smi.json").write_text(
+    line = _refused_in_one_line(
+        tmp_path,
+        "rocm-smi.json",
         "device,Temperature (Sensor edge) (C),Current Socket Graphics Package Power (W)\n"
-        "card0,35.0,90.0\n"
+        "card0,35.0,90.0\n",
     )
-    result = _replay_agent(capture, tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert str(capture / "rocm-smi.json") in lines[0] and "line 1" in lines[0]
-    assert "rocm-smi --showallinfo --json" in lines[0]
+    assert "rocm-smi --showallinfo --json" in line
 
 
 ROCM_CSV = FIXTURES / "replay" / "amd-mi100-rocm-smi-csv"
@@ -225,3 +235,102 @@ def test_a_part_unknown_by_name_and_id_is_warned_about_once_with_its_id(
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "0x1002:0x7fff" in said[0], said
     assert parts.pci_id("0x1002", "74A1") == parts.pci_id(0x1002, 0x74A1) == "0x1002:0x74a1"
+
+
+MI300X_JSON = FIXTURES / "replay" / "amd-mi300x-metric-json"
+
+
+async def test_amd_smi_metric_json_replays_as_its_csv() -> None:
+    """``amd-smi metric --json`` of the 8 MI300X: every device's power, energy, utilisation,
+    memory, temperature and identity, as the same node's ``--csv`` gives them."""
+    from devices.test_vendors import MI300X
+
+    from_json = await replayed_readings(MI300X_JSON, Clock())
+    from_csv = await replayed_readings(MI300X, Clock())
+    assert_same_per_gpu(from_json, from_csv, "hyperagent_gpu_energy_joules_total")
+    assert by_gpu(from_json, "hyperagent_gpu_power_watts")["7"] == 134
+    info = [r.labels for r in from_json if r.name == "hyperagent_gpu_info"]
+    assert info == [r.labels for r in from_csv if r.name == "hyperagent_gpu_info"]
+
+
+def test_amd_smi_metric_json_under_gpu_data_reads_alike() -> None:
+    """Newer amd-smi prints the device list under ``gpu_data``; a device object without its
+    index, or JSON of another shape, is refused."""
+    import json
+
+    from hyperagent.capture import amd_smi
+
+    text = (MI300X_JSON / "amd-smi-metric.json").read_text()
+    wrapped = json.dumps({"gpu_data": json.loads(text)})
+    assert amd_smi.parse_metric_json(wrapped) == amd_smi.parse_metric_json(text)
+    with pytest.raises(ValueError, match="'gpu' index"):
+        amd_smi.parse_metric_json('[{"usage": {}}]')
+    with pytest.raises(ValueError, match="gpu_data"):
+        amd_smi.parse_metric_json('{"card0": {}}')
+
+
+def test_an_amd_smi_metric_json_that_is_not_json_ends_the_agent_with_one_line(
+    tmp_path: Path,
+) -> None:
+    csv_text = (FIXTURES / "replay" / "amd-mi300x-8gpu" / "amd-smi-metric.csv").read_text()
+    assert "amd-smi metric --json" in _refused_in_one_line(
+        tmp_path, "amd-smi-metric.json", csv_text
+    )
+
+
+ROCM_ALL = FIXTURES / "replay" / "amd-mi100-rocm-smi-all-json"
+
+
+async def test_rocm_smi_all_json_replays_its_energy_counter() -> None:
+    """``rocm-smi -a --json``: each card's energy counter (``Accumulated Energy (uJ)``) is where
+    its energy starts, then 10 s at its recorded draw; power, temperature and utilisation as
+    the MI100 capture gives them."""
+    readings = await replayed_readings(ROCM_ALL, Clock())
+    power = by_gpu(readings, "hyperagent_gpu_power_watts")
+    assert power == {"0": 36.0, "1": 44.0, "2": 43.0, "3": 39.0}
+    energy = by_gpu(readings, "hyperagent_gpu_energy_joules_total")
+    assert energy["0"] == pytest.approx(9526356.0 + 10 * 36, abs=0.01)
+    assert energy["3"] == pytest.approx(10320219.0 + 10 * 39, abs=0.01)
+    assert by_gpu(readings, "hyperagent_gpu_temperature_celsius")["1"] == 58.0
+
+
+async def test_rocm_smi_all_json_without_package_power_reads_the_gpu_metrics(
+    tmp_path: Path,
+) -> None:
+    """A card that prints no package power (RDNA) under ``-a``: its draw is the GPU metrics'
+    ``average_socket_power (W)``, its clock ``current_gfxclk (MHz)``, its model its Device
+    Name where it has no Card series."""
+    import json
+
+    data = json.loads((ROCM_ALL / "rocm-smi.json").read_text())
+    for name, card in data.items():
+        if name.startswith("card"):
+            for key in ("Average Graphics Package Power (W)", "sclk clock speed:", "Card series"):
+                del card[key]
+            card["Device Name"] = "AMD Instinct MI100"
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    (capture / "rocm-smi.json").write_text(json.dumps(data))
+    readings = await replayed_readings(capture, Clock())
+    assert by_gpu(readings, "hyperagent_gpu_power_watts") == {
+        "0": 36.0, "1": 44.0, "2": 43.0, "3": 39.0,
+    }  # fmt: skip
+    info = {r.labels["gpu"]: r.labels for r in readings if r.name == "hyperagent_gpu_info"}
+    assert {labels["model"] for labels in info.values()} == {"AMD Instinct MI100"}
+    assert by_gpu(readings, "hyperagent_gpu_sm_clock_hertz")["0"] == 300e6
+
+
+GAUDI_DEFAULT = FIXTURES / "replay" / "gaudi-hl205-default-fields"
+
+
+async def test_a_headerless_hl_smi_csv_of_the_default_field_list_reads_without_its_list() -> None:
+    """``hl-smi -Q`` with the default list of monitoring tools (all-smi's 11 fields, no
+    ``hl-smi-fields.txt`` beside it): every card's values as the headed capture gives them,
+    its power cap the ``power.max`` column."""
+    headed = await replayed_readings(GAUDI, Clock())
+    plain = await replayed_readings(GAUDI_DEFAULT, Clock())
+    assert_same_per_gpu(plain, headed)
+    records = hl_smi.load_capture(GAUDI_DEFAULT)
+    assert {r.power_cap_w for r in records} == {350.0}
+    assert {r.model for r in records} == {"HL-205"}
+    assert records[0].driver == "1.18.0-fw-53.1.1.1"

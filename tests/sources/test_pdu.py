@@ -613,3 +613,26 @@ async def test_a_wye_units_unnamed_line_rows_are_not_phases() -> None:
     readings = await read(whole_pdu(capture), capture)
     currents = values(readings, "hyperagent_pdu_phase_current_amperes")
     assert currents == {("1", "L1"): 6.12, ("1", "L2"): 6.05, ("1", "L3"): 6.11}
+
+
+async def test_outlet_rows_past_the_outlet_count_are_not_outlets() -> None:
+    """A Raritan PX1 with outletCount 8 whose agent answers the 12 rows of its board's
+    outletTable, rows 9-12 unnamed at 0 mA: only outlets 1-8 are published, whether the node
+    walks every outlet or names its own (a row past the count is no outlet id to resolve)."""
+    capture = "raritan-px1-counted.snmprec"
+    readings = await read(whole_pdu(capture), capture)
+    currents = values(readings, "hyperagent_pdu_outlet_current_amperes")
+    assert sorted(int(outlet) for (outlet,) in currents) == list(range(1, 9))
+    assert currents[("1",)] == 0.923
+    node = PduTarget("raritan-px1-counted", "127.0.0.1", outlets=("1", "2", "10"))
+    own = await read(node, capture)
+    assert sorted(o for (o,) in values(own, "hyperagent_pdu_outlet_power_watts")) == ["1", "2"]
+
+
+async def test_a_single_phase_inlet_has_one_phase_voltage() -> None:
+    """The same PX1 (inletPoleCount 1: single phase) answers a second inletPoleTable row, L2 at
+    the line's 230.1 V and 0 mA: the inlet keeps its one phase, L1."""
+    capture = "raritan-px1-counted.snmprec"
+    readings = await read(whole_pdu(capture), capture)
+    assert values(readings, "hyperagent_pdu_phase_voltage_volts") == {("1", "L1"): 230.1}
+    assert values(readings, "hyperagent_pdu_phase_current_amperes") == {("1", "L1"): 3.95}

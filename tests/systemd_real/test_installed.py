@@ -12,6 +12,7 @@ a capture for the agent to replay in place of GPUs with the README's replay drop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -76,6 +77,10 @@ class Installed:
 
     host: Container
     figures: dict[str, str] = field(default_factory=dict)
+    broker: str = "mosquitto"
+    """The broker's unit."""
+    broker_log: str = "/var/log/mosquitto/mosquitto.log"
+    """Where the broker writes its errors (mosquitto's go to a file, not the journal)."""
 
     def sh(self, script: str, timeout_s: float = 60) -> str:
         return self.host.sh(script, timeout_s=timeout_s).stdout
@@ -104,9 +109,9 @@ class Installed:
 
     def diagnostics(self) -> str:
         return self.host.sh(
-            "systemctl --no-pager --full status mosquitto 'hyperagent-*' 2>&1 | tail -n 60;"
-            " journalctl --no-pager -o cat -n 30 -u mosquitto -u 'hyperagent-*' 2>&1;"
-            " tail -n 20 /var/log/mosquitto/mosquitto.log 2>&1",
+            f"systemctl --no-pager --full status {self.broker} 'hyperagent-*' 2>&1 | tail -n 60;"
+            f" journalctl --no-pager -o cat -n 30 -u {self.broker} -u 'hyperagent-*' 2>&1;"
+            f" tail -n 20 {self.broker_log} 2>&1",
             check=False,
             timeout_s=30,
         ).stdout
@@ -161,18 +166,24 @@ def operator_supplies(root: Path, pki: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
+@contextlib.contextmanager
+def booted_install(
+    request: pytest.FixtureRequest,
+    before_boot: list[str],
+    steps: list[str],
+    broker: str = "mosquitto",
+    broker_log: str = "/var/log/mosquitto/mosquitto.log",
+    masked: tuple[str, ...] = (),
+) -> Iterator[Installed]:
+    """A fresh copy of the cached rootfs with what the operator supplies, ``before_boot``'s
+    scripts run in it with the host's network (the packages), then booted with the ``masked``
+    units masked (what this host does not have) and ``steps`` run in it, in order: the
+    README's install as written. Powered off at the end; its folder removed unless a test
+    failed."""
     try:
         check_host()
     except Unavailable as e:
         unavailable(str(e))
-    section = install_section((REPO / "README.md").read_text())
-    blocks = shell_blocks(section)
-    assert len(blocks) >= 2 and "pip install" in blocks[0], (
-        "README's install section gives no script: its ```sh blocks, the package first"
-    )
-    assert REPLAY_DROP_IN.replace("\n", "\\n") in section, "README shows another replay drop-in"
     failed = request.session.testsfailed
     work = Path(tempfile.mkdtemp(prefix="hyperagent-systemd-", dir="/var/tmp"))
     started = time.monotonic()
@@ -184,16 +195,19 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
     copied = time.monotonic()
     (work / "pki").mkdir()
     passwords = operator_supplies(root, work / "pki")
+    for unit in masked:
+        (root / "etc/systemd/system" / f"{unit}.service").symlink_to("/dev/null")
     host = Container(root, NODE, work / "console.log")
     kept = f"the container's root, console log and certificates are kept in {work}"
-    package = host.prepare(blocks[0], CHECKOUT)
-    assert package.returncode == 0, f"{package.stdout}{package.stderr}\n{kept}"
+    for script in before_boot:
+        package = host.prepare(script, CHECKOUT)
+        assert package.returncode == 0, f"{script}\n{package.stdout}{package.stderr}\n{kept}"
     prepared = time.monotonic()
     with host:
         host.boot()
-        installed = Installed(host)
+        installed = Installed(host, broker=broker, broker_log=broker_log)
         host.sh(f"useradd --create-home --shell /bin/bash {JOB_USER}")  # a user who trains
-        for block in blocks[1:]:
+        for block in steps:
             try:
                 host.sh(block, env=passwords, cwd=CHECKOUT, timeout_s=180)
             except AssertionError as e:
@@ -203,7 +217,7 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
         done = time.monotonic()
         installed.figures["setup"] = (
             f"rootfs {built - started:.0f} s, copy {copied - built:.0f} s, certificates and"
-            f" package {prepared - copied:.0f} s, boot and README {done - prepared:.0f} s"
+            f" packages {prepared - copied:.0f} s, boot and README {done - prepared:.0f} s"
         )
         yield installed
         figures = "; ".join(f"{k}: {v}" for k, v in installed.figures.items())
@@ -211,13 +225,31 @@ def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(
-            f"\ntests/systemd_real: {figures}; poweroff {time.monotonic() - poweroff:.0f} s;"
+            f"\n{request.node.nodeid}: {figures}; poweroff {time.monotonic() - poweroff:.0f} s;"
             f" {time.monotonic() - started:.0f} s in all"
         )
     if request.session.testsfailed == failed:
         subprocess.run(["rm", "-rf", "--one-file-system", str(work)], check=True, timeout=300)
     else:
         print(kept)
+
+
+def readme_install() -> tuple[str, list[str]]:
+    """README's install section and its ```sh blocks, the package first."""
+    section = install_section((REPO / "README.md").read_text())
+    blocks = shell_blocks(section)
+    assert len(blocks) >= 2 and "pip install" in blocks[0], (
+        "README's install section gives no script: its ```sh blocks, the package first"
+    )
+    assert REPLAY_DROP_IN.replace("\n", "\\n") in section, "README shows another replay drop-in"
+    return section, blocks
+
+
+@pytest.fixture(scope="module")
+def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
+    _, blocks = readme_install()
+    with booted_install(request, blocks[:1], blocks[1:]) as host:
+        yield host
 
 
 def test_the_readme_brings_up_the_three_units(installed: Installed) -> None:
@@ -254,7 +286,9 @@ def test_the_running_units_exposure_is_the_readme_s(installed: Installed) -> Non
     assert live == [claimed.group(1), claimed.group(2)]
 
 
-def test_a_job_as_another_user_runs_through_a_watchdog_soak(installed: Installed) -> None:
+def start_job(installed: Installed) -> None:
+    """The job as its user: 8 simulated ranks on JobReporter connections, until the agent
+    counts them."""
     installed.sh(
         f"systemd-run --unit={JOB}-ranks --property=User={JOB_USER} --collect"
         f" /opt/hyperagent/bin/python {CHECKOUT}/tests/cluster/sim_rank.py --job {JOB}"
@@ -271,6 +305,10 @@ def test_a_job_as_another_user_runs_through_a_watchdog_soak(installed: Installed
         f"the agent counting {JOB}'s 8 ranks",
     )
     assert ranks
+
+
+def test_a_job_as_another_user_runs_through_a_watchdog_soak(installed: Installed) -> None:
+    start_job(installed)
     pings = {u: installed.sh(f"systemctl show -P WatchdogTimestampMonotonic {u}") for u in DAEMONS}
     time.sleep(60)
     for unit in UNITS:
@@ -307,6 +345,12 @@ def test_the_coordinator_resumes_its_journal_after_a_sigkill(installed: Installe
 
 
 def test_the_job_is_tuned_to_a_result(installed: Installed) -> None:
+    tuned_to_a_result(installed)
+
+
+def tuned_to_a_result(installed: Installed) -> None:
+    """Wait for the coordinator's result of the job's tuning (its trials in ``figures``), then
+    for its status saying every job is tuned."""
     result = until(
         lambda: RESULT.search(installed.journal(DAEMONS[1])), 900, "the tuning's result", 5
     )

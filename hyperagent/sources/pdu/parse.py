@@ -168,11 +168,28 @@ class _Row:
     values: dict[str, float]
 
 
+def counted(table: Table, walk: Walk, index: Oid) -> bool:
+    """Whether row ``index`` is within its unit's row count (:attr:`Table.count`); a row whose
+    count is not among the objects, or is 0, is taken."""
+    if not table.count or not index:
+        return True
+    limit = measured(walk.values.get((*parse_oid(table.count), *(index[:-1] or (0,)))))
+    return not limit or index[-1] <= limit
+
+
+def count_oid(table: Table, index: Oid) -> str:
+    """The object holding the row count that row ``index`` of ``table`` is within."""
+    return f"{table.count}.{format_oid(index[:-1] or (0,))}"
+
+
 def _rows(table: Table, walk: Walk) -> Iterator[_Row]:
-    """The rows of ``table`` present in ``walk`` with their labels and scaled values."""
+    """The rows of ``table`` present in ``walk`` (within its row count) with their labels and
+    scaled values."""
     label_rows = walk.table(table.labels_entry, table.width) if table.labels_entry else {}
     if not table.sensor_typed:
         for index, cells in walk.table(table.entry, table.width).items():
+            if not counted(table, walk, index):
+                continue
             values = {
                 m.metric: _value(raw, m)
                 for m in table.measures
@@ -325,6 +342,8 @@ def walk_columns(tables: Iterable[Table]) -> list[str]:
             columns.append(f"{t.entry}.{t.state_column}")
         if t.digits_entry:
             columns.append(f"{t.digits_entry}.{_DIGITS_COLUMN}")
+        if t.count:
+            columns.append(t.count)
     return list(dict.fromkeys(columns))
 
 
@@ -334,6 +353,8 @@ def outlet_label_columns(profile: Profile) -> list[str]:
     for t in profile.tables_of(Part.OUTLET):
         labels = [f"{t.label_entry}.{c}" for c in t.label_columns]
         columns += labels or [f"{t.entry}.{t.measures[0].column}"]
+        if t.count:
+            columns.append(t.count)
     return list(dict.fromkeys(columns))
 
 
@@ -344,6 +365,8 @@ def outlet_rows(profile: Profile, binds: Sequence[VarBind]) -> dict[str, Oid]:
     for t in profile.tables_of(Part.OUTLET):
         rows = walk.table(t.label_entry if t.label_columns else t.entry, t.width)
         for index, labels in rows.items():
+            if not counted(t, walk, index):
+                continue
             found.setdefault(row_id(t, index, labels), index)
             if t.name_column is not None and (name := text(labels.get(t.name_column))):
                 found.setdefault(name, index)
@@ -356,6 +379,8 @@ def outlet_oids(profile: Profile, indexes: Iterable[Oid]) -> list[str]:
     for index in indexes:
         at = format_oid(index)
         for t in profile.tables_of(Part.OUTLET):
+            if t.count:
+                oids.append(count_oid(t, index))
             oids += [f"{t.label_entry}.{c}.{at}" for c in t.label_columns]
             oids += [f"{t.entry}.{c}.{at}" for c in t.own_label_columns]
             for m in t.measures:

@@ -98,6 +98,11 @@ class Table:
     named_only: bool = False
     """Phase tables: a row whose ``id_column`` is empty is not a phase of its own (a wye unit's
     line table beside its named phases, its rows unnamed and reading 0 A)."""
+    count: str = ""
+    """The object holding how many rows the unit has (PDU-MIB outletCount, inletPoleCount), read
+    at ``count`` indexed by a row's index less its last integer (``.0`` where that leaves
+    none): a row positioned past it is not one of the unit's (agents answer a table sized for
+    the largest model of a board, the rows past the count reading 0)."""
 
     @property
     def sensor_typed(self) -> bool:
@@ -260,7 +265,9 @@ RARITAN = Profile(
 )
 
 # Raritan PDU-MIB (PX1, enterprise 13742.4): currents in mA, voltages in mV, power in W, energy
-# in Wh. Firmware without the inlet table reports the unit's readings as scalars.
+# in Wh. Firmware without the inlet table reports the unit's readings as scalars. outletIndex
+# "ranges between 1 and the value of outletCount", and an inlet has inletPoleCount poles (1 for
+# single phase): rows past either count are left out.
 _PX1 = "1.3.6.1.4.1.13742.4.1"
 RARITAN_PX1 = Profile(
     "raritan-px1",
@@ -289,6 +296,7 @@ RARITAN_PX1 = Profile(
             (_m(PHASE_CURRENT, 3, 1, 1000), _m(PHASE_VOLTAGE, 4, 1, 1000), _m(PHASE_POWER, 7)),
             width=2,
             id_column=2,
+            count=f"{_PX1}.20.2.1.3",
         ),
         Table(
             Part.OUTLET,
@@ -300,6 +308,7 @@ RARITAN_PX1 = Profile(
                 _m(OUTLET_ENERGY, 31, JOULES_PER_WH),
             ),
             name_column=2,
+            count=f"{_PX1}.2.1",
         ),
     ),
     Info(serial=f"{_PX1}.1.2.0", firmware=f"{_PX1}.1.1.0"),
