@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import statistics
@@ -49,6 +50,13 @@ STALL_MIN_S = 2.0
 
 STALL_CHECK_S = 0.1
 """How often running trials are checked for a stalled job."""
+
+RESEND_S = 5.0
+"""A measurement report the coordinator has not confirmed (its receipt) is sent again this
+often, and at once when the coordinator says it is online (it may have lost its session)."""
+
+UNCONFIRMED_MAX = 256
+"""Reports kept for resending at most (the oldest go first)."""
 
 LAST_COLLECTION = "hyperagent_agent_last_collection_timestamp_seconds"
 DEVICE_CALL_FAILURES = "hyperagent_device_call_failures_total"
@@ -105,6 +113,7 @@ class AgentStats:
     rejected: Counter[str] = field(default_factory=Counter)
     invalid_payloads: int = 0
     reports_sent: int = 0
+    reports_resent: int = 0
 
 
 class Agent:
@@ -188,6 +197,10 @@ class Agent:
         """(job, "left" | "back"): its last rank left the node, or a rank came back."""
         self._device_problems: set[tuple[str, str]] = set()
         """(call, error type) of the agent's own NVML calls that failed, each logged once."""
+        self.unconfirmed: dict[tuple[str, int], tuple[str, bytes, float]] = {}
+        """(job, version) -> (topic, payload, when last sent) of each measurement report the
+        coordinator has not confirmed yet."""
+        self._resend_now = asyncio.Event()
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
@@ -197,6 +210,7 @@ class Agent:
         if link is not None:
             link.subscribe(self.topics.settings("+"), 1, self._on_settings)
             link.subscribe(self.topics.coordinator_status(), 1, self._on_coordinator_status)
+            link.subscribe(self.topics.receipt("+", self.node), 1, self._on_receipt)
             for job in self.applied_messages:
                 self._follow_job(job)
 
@@ -310,6 +324,7 @@ class Agent:
                 tasks.create_task(self._trial_loop(), name="trials")
                 tasks.create_task(self._stall_loop(), name="stalls")
                 tasks.create_task(self._job_loop(), name="job-caps")
+                tasks.create_task(self._resend_loop(), name="resend")
                 tasks.create_task(self.notifier.watchdog(self._alive), name="watchdog")
                 if self.link is not None:
                     tasks.create_task(self.link.run(), name="mqtt")
@@ -560,7 +575,10 @@ class Agent:
                 )
             )
         if self.link is not None:
-            out.append(Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())))
+            out += self.link.broker_readings()
+            resent = self.stats.reports_resent
+            out.append(Reading("hyperagent_reports_resent_total", resent, {}, Kind.COUNTER))
+            out.append(Reading("hyperagent_reports_unconfirmed", len(self.unconfirmed)))
             out.append(
                 Reading("hyperagent_mqtt_dropped_total", self.link.dropped_total, {}, Kind.COUNTER)
             )
@@ -665,6 +683,7 @@ class Agent:
                 if applied["settings"].get("power_cap_w"):
                     self.live_versions.pop(job, None)
         elif state == "online":
+            self._resend_now.set()
             for job, message in list(self.applied_messages.items()):
                 if self.live_versions.get(job) != message["version"]:
                     log.info(
@@ -948,9 +967,56 @@ class Agent:
                 "ts": time.time(),
             }
         )
-        self.link.publish(self.topics.report(trial.job, self.node), payload, qos=1)
+        topic = self.topics.report(trial.job, self.node)
+        self.link.publish(topic, payload, qos=1)
+        if not partial:
+            self._keep_unconfirmed(trial.job, trial.version, topic, payload)
         if not partial and not stalled:
             self.stats.reports_sent += 1
+
+    def _keep_unconfirmed(self, job: str, version: int, topic: str, payload: bytes) -> None:
+        """Keep a final report until the coordinator confirms it; a job's older versions go
+        (the coordinator moved on from them)."""
+        for key in [k for k in self.unconfirmed if k[0] == job and k[1] < version]:
+            del self.unconfirmed[key]
+        self.unconfirmed[(job, version)] = (topic, payload, time.monotonic())
+        while len(self.unconfirmed) > UNCONFIRMED_MAX:
+            del self.unconfirmed[next(iter(self.unconfirmed))]
+
+    async def _on_receipt(self, topic: str, payload: bytes) -> None:
+        """The coordinator has this node's report of ``version`` (and so needs no older one)."""
+        try:
+            job = self.topics.name_in(topic)
+            message = bus.decode(payload, "receipt")
+        except PayloadError:
+            self.stats.invalid_payloads += 1
+            return
+        if message["job"] != job or message["node"] != self.node:
+            self.stats.invalid_payloads += 1
+            return
+        version = message["version"]
+        for key in [k for k in self.unconfirmed if k[0] == job and k[1] <= version]:
+            del self.unconfirmed[key]
+
+    async def _resend_loop(self) -> None:
+        """Send again each report unconfirmed for ``RESEND_S`` (each one at once when the
+        coordinator comes online), while the link has handed everything before to the broker
+        (a gated or disconnected link does not pile up copies)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RESEND_S / 2):
+                    await self._resend_now.wait()
+            now_too = self._resend_now.is_set()
+            self._resend_now.clear()
+            link = self.link
+            if link is None or not link.connected.is_set() or link.spool:
+                continue
+            now = time.monotonic()
+            for key, (topic, payload, sent) in list(self.unconfirmed.items()):
+                if now_too or now - sent >= RESEND_S:
+                    link.publish(topic, payload, qos=1)
+                    self.unconfirmed[key] = (topic, payload, now)
+                    self.stats.reports_resent += 1
 
 
 def _attribution(config: Config, hardware: Hardware) -> Attribution:

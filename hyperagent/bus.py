@@ -19,7 +19,7 @@ import socket
 import ssl
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,11 @@ class Topics:
         """A node's acks of a job's settings (the broker lets only ``node`` write it)."""
         return f"{self.root}/job/{job}/ack/{node}"
 
+    def receipt(self, job: str, node: str) -> str:
+        """The coordinator's receipts of ``node``'s reports of a job: a node resends a report
+        until its receipt comes (only the coordinator writes it, only ``node`` reads it)."""
+        return f"{self.root}/job/{job}/receipt/{node}"
+
     def coordinator_status(self) -> str:
         """Retained "online"; the coordinator's last will says "offline"."""
         return f"{self.root}/coordinator/status"
@@ -96,6 +101,7 @@ SCHEMAS: dict[str, dict[str, _Types]] = {
         "issued_at": _NUMBER,
     },
     "ack": {"job": str, "node": str, "version": int, "ok": bool},
+    "receipt": {"job": str, "node": str, "version": int},
     "report": {
         "job": str,
         "node": str,
@@ -216,6 +222,11 @@ INBOX_HIGH = 10_000
 FOLLOW_BATCH = 100
 """Followed topics subscribed to (or unsubscribed from) per packet."""
 
+STABLE_SESSION_S = 2.0
+"""A link with several brokers whose connection drops connects to the next at once, unless it
+did so less than this long ago (then it waits, as with one broker: brokers that accept and
+drop every connection are not tried in a tight loop)."""
+
 HANDLER_ERRORS_LOGGED = 100
 """Distinct handler errors logged at most per link; past this they are only counted."""
 
@@ -231,6 +242,40 @@ async def _await_mqtt(call: Awaitable[Any]) -> Any:
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
     return result
+
+
+def _retrieve_disconnection(client: aiomqtt.Client) -> None:
+    """Mark the error that ended ``client``'s connection as seen: aiomqtt sets it on a future
+    that nobody awaits when the connection breaks while subscribing or publishing, and asyncio
+    would log "Future exception was never retrieved"."""
+    disconnected = getattr(client, "_disconnected", None)
+    if isinstance(disconnected, asyncio.Future) and disconnected.done():
+        if not disconnected.cancelled():
+            disconnected.exception()
+
+
+async def _unless_disconnected(
+    client: aiomqtt.Client, call: Coroutine[Any, Any, None], name: str
+) -> None:
+    """Await ``call``; a connection that breaks meanwhile ends it at once with MqttError (aiomqtt
+    would wait for the reply until its time-out)."""
+    task = asyncio.create_task(call, name=name)
+    disconnected = getattr(client, "_disconnected", None)
+    if not isinstance(disconnected, asyncio.Future):
+        await task
+        return
+    try:
+        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return
+    if disconnected.done():
+        error = None if disconnected.cancelled() else disconnected.exception()
+        raise aiomqtt.MqttError("Disconnected while subscribing") from error
+    task.result()
 
 
 class _BufferedSocket:
@@ -304,9 +349,26 @@ class Outgoing:
 Handler = Callable[[str, bytes], Awaitable[None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Broker:
+    """One address a link may connect to; ``url`` names it in logs and on /metrics."""
+
+    host: str
+    port: int
+    tls: aiomqtt.TLSParameters | None = None
+    url: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.url or f"mqtt{'s' if self.tls else ''}://{self.host}:{self.port}"
+
+
 class MqttLink:
     """One MQTT connection kept up with jittered exponential backoff.
 
+    Given several ``brokers`` (addresses of one clustered broker) it connects to them in turn:
+    when a connection drops it connects to the next one at once; when connecting fails it
+    tries the next, and waits (the backoff) only after each of them failed in a row.
     Subscribe handlers before ``run``; they are re-subscribed on every reconnect. ``follow``
     subscribes to one exact topic at any time (also kept across reconnects): some brokers
     (RabbitMQ) serve a retained message only to a subscriber of its exact topic, never through
@@ -337,13 +399,15 @@ class MqttLink:
         keepalive_s: int = 30,
         backoff_min_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        brokers: Sequence[Broker] = (),
     ) -> None:
-        self.host, self.port, self.client_id = host, port, client_id
+        self.brokers = tuple(brokers) or (Broker(host, port, tls),)
+        self._broker_index = 0
+        self.client_id = client_id
         self.will = will
         self.on_connect = on_connect
         self.persistent_session = persistent_session
         self.username, self.password = username, password
-        self.tls = tls
         self.keepalive_s = keepalive_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self._telemetry: deque[Outgoing] = deque(maxlen=outbox_size)
@@ -458,6 +522,11 @@ class MqttLink:
         self._wake.set()
 
     @property
+    def gate_open(self) -> bool:
+        """Whether spooled messages may go out (always, on a link that is not gated)."""
+        return self._gate_open
+
+    @property
     def queued(self) -> int:
         return len(self._telemetry) + len(self.spool)
 
@@ -475,73 +544,120 @@ class MqttLink:
             return False
         return True
 
+    @property
+    def broker(self) -> Broker:
+        """The broker connected to (or tried next)."""
+        return self.brokers[self._broker_index]
+
+    @property
+    def host(self) -> str:
+        return self.broker.host
+
+    @property
+    def port(self) -> int:
+        return self.broker.port
+
+    def broker_readings(self) -> list[Reading]:
+        """``hyperagent_mqtt_connected``, and ``hyperagent_mqtt_broker_info{url}`` while
+        connected: which of the brokers it is."""
+        out = [Reading("hyperagent_mqtt_connected", float(self.connected.is_set()))]
+        if self.connected.is_set():
+            out.append(
+                Reading("hyperagent_mqtt_broker_info", 1.0, {"url": self.broker.name}, Kind.INFO)
+            )
+        return out
+
     async def run(self) -> None:
         """Connect, serve, and reconnect forever (cancel to stop)."""
         delay = self.backoff_min_s
+        failed_in_a_row = 0
+        switched_at = -math.inf
         while True:
             self._was_up = False
+            broker = self.broker
             try:
-                await self._session()
+                await self._session(broker)
             except aiomqtt.MqttError as e:
-                log.warning("mqtt %s:%s: %s", self.host, self.port, e)
+                log.warning("mqtt %s: %s", broker.name, e)
             self.connected.clear()
             self._client = None
+            several = len(self.brokers) > 1
+            self._broker_index = (self._broker_index + 1) % len(self.brokers)
             if self._was_up:
                 delay = self.backoff_min_s
+                failed_in_a_row = 0
+                now = time.monotonic()
+                if several and now - switched_at >= STABLE_SESSION_S:
+                    switched_at = now
+                    continue  # to the next broker at once
+            else:
+                failed_in_a_row += 1
+                if several and failed_in_a_row % len(self.brokers):
+                    continue  # the next one, until each of them failed
             await asyncio.sleep(random.uniform(0, delay))
             delay = min(delay * 2, self.backoff_max_s)
 
-    async def _session(self) -> None:
+    async def _session(self, broker: Broker) -> None:
         will = None
         if self.will is not None:
             will = aiomqtt.Will(self.will.topic, self.will.payload, self.will.qos, self.will.retain)
         async with aiomqtt.Client(
-            self.host,
-            self.port,
+            broker.host,
+            broker.port,
             identifier=self.client_id,
             will=will,
             clean_session=not self.persistent_session,
             keepalive=self.keepalive_s,
             username=self.username,
             password=self.password,
-            tls_params=self.tls,
+            tls_params=broker.tls,
             timeout=10,
             # small QoS 1 packets (acks, PUBACKs) must not wait for the peer's delayed ACK
             socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         ) as client:
-            self._client = client
-            self._take_over_receiving(client)
-            self.connects += 1
-            self._was_up = True
-            self.open_gate(False)  # a gated link learns again, in every session, who listens
-            log.info("mqtt connected to %s:%s as %s", self.host, self.port, self.client_id)
-            for topic_filter, qos, _ in self._handlers:
-                await _await_mqtt(client.subscribe(topic_filter, qos, timeout=10))
-            self._subscribed = set()
-            await self._follow_now(client)
-            # only now: an "online" status implies this client's subscriptions are in place
-            for outgoing in self.on_connect() if self.on_connect else []:
-                await _await_mqtt(
-                    client.publish(
-                        outgoing.topic, outgoing.payload, outgoing.qos, outgoing.retain, timeout=10
-                    )
-                )
-            self.connected.set()
-            # Not a TaskGroup: on Python 3.11 a failing child leaves the parent task marked as
-            # cancelling, which would read as a pending cancellation in the next session.
-            loops = {
-                asyncio.create_task(self._send_loop(client), name="mqtt-send"),
-                asyncio.create_task(self._receive_loop(client), name="mqtt-receive"),
-                asyncio.create_task(self._follow_loop(client), name="mqtt-follow"),
-            }
             try:
-                done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+                await self._serve(client, broker)
             finally:
-                for task in loops:
-                    task.cancel()
-                await asyncio.gather(*loops, return_exceptions=True)
-            for task in done:
-                task.result()  # the MqttError that ended the session
+                _retrieve_disconnection(client)
+
+    async def _serve(self, client: aiomqtt.Client, broker: Broker) -> None:
+        """One session on a connected client: subscribe, say online, send and receive."""
+        self._client = client
+        self._take_over_receiving(client)
+        self.connects += 1
+        self.open_gate(False)  # a gated link learns again, in every session, who listens
+        log.info("mqtt connected to %s as %s", broker.name, self.client_id)
+        await _unless_disconnected(client, self._set_up(client), "mqtt-set-up")
+        self._was_up = True  # not before: a broker that drops each new session gets the backoff
+        self.connected.set()
+        # Not a TaskGroup: on Python 3.11 a failing child leaves the parent task marked as
+        # cancelling, which would read as a pending cancellation in the next session.
+        loops = {
+            asyncio.create_task(self._send_loop(client), name="mqtt-send"),
+            asyncio.create_task(self._receive_loop(client), name="mqtt-receive"),
+            asyncio.create_task(self._follow_loop(client), name="mqtt-follow"),
+        }
+        try:
+            done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+        for task in done:
+            task.result()  # the MqttError that ended the session
+
+    async def _set_up(self, client: aiomqtt.Client) -> None:
+        for topic_filter, qos, _ in self._handlers:
+            await _await_mqtt(client.subscribe(topic_filter, qos, timeout=10))
+        self._subscribed = set()
+        await self._follow_now(client)
+        # only now: an "online" status implies this client's subscriptions are in place
+        for outgoing in self.on_connect() if self.on_connect else []:
+            await _await_mqtt(
+                client.publish(
+                    outgoing.topic, outgoing.payload, outgoing.qos, outgoing.retain, timeout=10
+                )
+            )
 
     async def _follow_now(self, client: aiomqtt.Client) -> None:
         """Unsubscribe from the topics no longer followed, then subscribe to the followed
@@ -801,12 +917,13 @@ def link_from_config(
             problem = ConfigProblem("mqtt.password_file", f"{m.password_file}: {e.strerror}")
             raise ConfigError([problem]) from e
     tls = None
-    if m.tls:
+    if any(b.tls for b in m.brokers):
         tls = aiomqtt.TLSParameters(
             ca_certs=str(m.tls_ca_file),
             certfile=str(m.tls_cert_file) if m.tls_cert_file else None,
             keyfile=str(m.tls_key_file) if m.tls_key_file else None,
         )
+    brokers = [Broker(b.host, b.port, tls if b.tls else None, b.url) for b in m.brokers]
     will = None
     on_connect = None
     if status_node is not None:
@@ -816,19 +933,21 @@ def link_from_config(
             return [status_message(topics, status_node, "online", status_topic)]
 
     return MqttLink(
-        m.host,
-        m.port,
+        brokers[0].host,
+        brokers[0].port,
         m.client_id or client_id,
         will=will,
         on_connect=on_connect,
         outbox_size=m.outbox_size,
         spool_dir=spool_dir,
         gated=gated,
-        persistent_session=persistent_session,
+        persistent_session=(
+            persistent_session if m.persistent_session is None else m.persistent_session
+        ),
         username=m.username or (username if password is not None else None),
         password=password,
-        tls=tls,
         keepalive_s=m.keepalive_s,
         backoff_min_s=m.reconnect_min_s,
         backoff_max_s=m.reconnect_max_s,
+        brokers=brokers,
     )

@@ -104,6 +104,7 @@ _CORE: dict[str, str] = {
         " once because another call had hung past its timeout (reason busy)."
     ),
     "hyperagent_mqtt_connected": "1 while connected to the MQTT broker.",
+    "hyperagent_mqtt_broker_info": "The address of mqtt.url connected to (while connected).",
     "hyperagent_mqtt_dropped_total": "Outgoing MQTT messages dropped because the outbox was full.",
     "hyperagent_mqtt_queued_messages": "Outgoing MQTT messages waiting (telemetry and spooled).",
     "hyperagent_mqtt_invalid_payloads_total": "Incoming MQTT payloads that failed validation.",
@@ -113,6 +114,10 @@ _CORE: dict[str, str] = {
     ),
     "hyperagent_settings_rejected_total": "Settings messages the agent refused, by reason.",
     "hyperagent_settings_applied_total": "Settings versions the agent applied.",
+    "hyperagent_reports_resent_total": (
+        "Measurement reports sent again because the coordinator had not confirmed them."
+    ),
+    "hyperagent_reports_unconfirmed": "Measurement reports the coordinator has not confirmed yet.",
     # Coordinator
     "hyperagent_coordinator_invalid_payloads_total": "MQTT payloads the coordinator dropped.",
     "hyperagent_node_online": "1 while the node's retained MQTT status says online.",

@@ -10,14 +10,24 @@ import fnmatch
 import socket
 import tomllib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hyperagent.errors import ConfigError, ConfigProblem
+from hyperagent.names import check_name, name_problem, safe_name
 
 DEFAULT_METRICS_PORT = 10478
 """Outside 9100-9999, which the Prometheus exporter port registry has fully allocated."""
@@ -35,6 +45,9 @@ def load_quantum_coefficients() -> dict[str, float]:
 DEFAULT_QUANTUM_COEFFICIENTS: dict[str, float] = load_quantum_coefficients()
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+TopicName = Annotated[str, AfterValidator(check_name)]
+"""A cluster, node or job name: one MQTT topic level on every supported broker
+(:mod:`hyperagent.names`)."""
 PositiveSeconds = Annotated[float, Field(gt=0, le=3600)]
 
 
@@ -63,9 +76,34 @@ class AgentSection(_Model):
     _address = field_validator("metrics_address")(_check_address)
 
 
+@dataclass(frozen=True)
+class BrokerUrl:
+    """One broker address of ``mqtt.url``."""
+
+    url: str
+    host: str
+    port: int
+    tls: bool
+
+
+def _broker_url(value: str) -> BrokerUrl:
+    """``value`` parsed, or ValueError naming it."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("mqtt", "mqtts", "tcp") or not parts.hostname:
+        raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {value!r}")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"bad port in {value!r}") from e
+    tls = parts.scheme == "mqtts"
+    return BrokerUrl(value, parts.hostname, port or (8883 if tls else 1883), tls)
+
+
 class MqttSection(_Model):
     enabled: bool = True
-    url: str = "mqtt://127.0.0.1:1883"
+    url: str | tuple[str, ...] = "mqtt://127.0.0.1:1883"
+    """The broker, or several addresses of one (clustered) broker: the daemons connect to
+    them in turn, and to the next one at once when the connection drops."""
     client_id: str | None = None
     username: str | None = None
     password_file: Path | None = None
@@ -78,38 +116,58 @@ class MqttSection(_Model):
     outbox_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     reconnect_min_s: PositiveSeconds = 0.5
     reconnect_max_s: PositiveSeconds = 30.0
+    persistent_session: bool | None = None
+    """Keep the MQTT session (subscriptions, queued messages) across connections; default: the
+    coordinator does, an agent does not. On a RabbitMQ cluster set it on the agents too: a
+    session's queue is then a quorum queue (``mqtt.durable_queue_type = quorum``) that any node
+    serves after one dies, where a clean session's queue on the dead node keeps the agent from
+    subscribing anywhere until that node is back."""
 
     @field_validator("url")
     @classmethod
-    def _url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("mqtt", "mqtts", "tcp") or not parts.hostname:
-            raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {value!r}")
-        try:
-            parts.port  # noqa: B018 - validates the port
-        except ValueError as e:
-            raise ValueError(f"bad port in {value!r}") from e
+    def _url(cls, value: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        urls = (value,) if isinstance(value, str) else value
+        if not urls:
+            raise ValueError("lists no broker: give one URL or a list of them")
+        for index, url in enumerate(urls):
+            try:
+                _broker_url(url)
+            except ValueError as e:
+                where = "" if isinstance(value, str) else f"entry {index}: "
+                raise ValueError(f"{where}{e}") from None
+        if len(set(urls)) < len(urls):
+            raise ValueError("lists a URL twice")
         return value
 
     @model_validator(mode="after")
     def _tls(self) -> MqttSection:
-        if self.tls and self.tls_ca_file is None:
-            raise ValueError("an mqtts:// url needs tls_ca_file")
+        secured = [b.url for b in self.brokers if b.tls]
+        if secured and self.tls_ca_file is None:
+            raise ValueError(f"an mqtts:// url needs tls_ca_file ({', '.join(secured)})")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         return self
 
     @property
+    def brokers(self) -> tuple[BrokerUrl, ...]:
+        """Each address of ``url``, in the order given."""
+        urls = (self.url,) if isinstance(self.url, str) else self.url
+        return tuple(_broker_url(url) for url in urls)
+
+    @property
     def tls(self) -> bool:
-        return urlsplit(self.url).scheme == "mqtts"
+        """The first address uses TLS."""
+        return self.brokers[0].tls
 
     @property
     def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
+        """The first address's host."""
+        return self.brokers[0].host
 
     @property
     def port(self) -> int:
-        return urlsplit(self.url).port or (8883 if self.tls else 1883)
+        """The first address's port."""
+        return self.brokers[0].port
 
 
 class NvmlSection(_Model):
@@ -316,7 +374,7 @@ class ActuationSection(_Model):
     power_cap: bool = True
     min_power_w: Annotated[float, Field(gt=0)] | None = None
     max_power_w: Annotated[float, Field(gt=0)] | None = None
-    allowed_jobs: tuple[Name, ...] = ()
+    allowed_jobs: tuple[TopicName, ...] = ()
     """Jobs whose settings this node applies; empty means every job in its cluster."""
 
     @model_validator(mode="after")
@@ -402,10 +460,19 @@ class TrialPlanSection(_Model):
     """... or this many windows are done (0: four times ``windows``)."""
 
 
-JobPattern = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.*?\[\]-]+$")]
-"""A job id, or a shell-style pattern of ids (``slurm-*``, ``llama-?``)."""
-
 WILDCARDS = frozenset("*?[")
+
+
+def _check_pattern(pattern: str) -> str:
+    """A job name, where shell wildcards (``*``, ``?``, ``[!...]``) may stand."""
+    problem = name_problem(pattern, also="*?[]!")
+    if problem is not None:
+        raise ValueError(problem)
+    return pattern
+
+
+JobPattern = Annotated[str, AfterValidator(_check_pattern)]
+"""A job id, or a shell-style pattern of ids (``slurm-*``, ``llama-?``)."""
 
 
 class JobPolicy(_Model):
@@ -478,7 +545,7 @@ class JobRule(JobPolicy):
     first rule that matches applies), with what they override of the defaults."""
 
     id: JobPattern
-    nodes: tuple[Name, ...] = ()
+    nodes: tuple[TopicName, ...] = ()
     """A fixed node set (optional: a job's nodes are the agents that carry it)."""
 
     @property
@@ -494,8 +561,8 @@ class JobTuningSection(JobPolicy):
     """One job's tuning as resolved: the defaults, the rule that matches it, what its ranks
     said (:meth:`CoordinatorSection.tuning`)."""
 
-    id: Name
-    nodes: Annotated[tuple[Name, ...], Field(min_length=1)]
+    id: TopicName
+    nodes: Annotated[tuple[TopicName, ...], Field(min_length=1)]
     backend: Backend = "nccl"
 
     @model_validator(mode="after")
@@ -567,8 +634,8 @@ class CoordinatorSection(_Model):
 class Config(_Model):
     """The whole configuration. Unknown keys are errors."""
 
-    node: Name = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
-    cluster: Name = "default"
+    node: TopicName = Field(default_factory=lambda: safe_name(socket.gethostname().split(".")[0]))
+    cluster: TopicName = "default"
     agent: AgentSection = AgentSection()
     mqtt: MqttSection = MqttSection()
     sources: SourcesSection = SourcesSection()
@@ -586,6 +653,8 @@ def _problems(error: ValidationError) -> list[ConfigProblem]:
         reason = item["msg"]
         if item["type"] == "extra_forbidden":
             reason = "unknown key"
+        elif item["type"] == "value_error" and "error" in item.get("ctx", {}):
+            reason = str(item["ctx"]["error"])
         problems.append(ConfigProblem(key, reason))
     return problems
 

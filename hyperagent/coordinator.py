@@ -58,6 +58,11 @@ CLOCK_TICK_S = 0.5
 HOUSEKEEPING_S = 1.0
 """How often jobs are looked at again (ranks gone quiet, releases) and /metrics rebuilt."""
 
+ANNOUNCE_S = 30.0
+"""The coordinator says it is online again this often, and (within ``HOUSEKEEPING_S``) when a
+node says it is online: a broker that serves a retained message only from the cluster node
+that stored it would leave a node reconnected elsewhere waiting for it."""
+
 
 class ConnectedClock:
     """Seconds spent connected to the broker: it stops while the link is down."""
@@ -162,6 +167,9 @@ class Coordinator:
         """Jobs the config names: ``run(until_tuned=True)`` waits for them."""
         self._tasks: asyncio.TaskGroup | None = None
         self._settled = False
+        self._announce_due = False
+        self._announced_at = time.monotonic()
+        self._ending = False
         link.subscribe(self.topics.ack("+", "+"), 1, self._on_ack)
         link.subscribe(self.topics.report("+", "+"), 1, self._on_report)
         link.subscribe(self.topics.settings("+"), 1, self._on_settings)
@@ -192,13 +200,14 @@ class Coordinator:
                 try:
                     await self._until(until_tuned)
                     await self.link.flush(timeout_s=10)
-                except asyncio.CancelledError:
-                    # the link still runs: tell the agents, so they put power limits back
+                finally:
+                    # the link still runs: tell the agents (ended or cancelled), so they put
+                    # power limits back and hold what they would send
+                    self._ending = True
                     offline = bus.status_message(
                         self.topics, "coordinator", "offline", self.topics.coordinator_status()
                     )
                     await self.link.disconnect([offline])
-                    raise
                 for task in [*background, *(j.task for j in self.tuned.values() if j.task)]:
                     task.cancel()
         finally:
@@ -321,6 +330,16 @@ class Coordinator:
         if entry is not None:
             event = tuning.Ack if kind == "ack" else tuning.Report
             entry.tell(event(self.clock.now(), message))
+        if kind == "report" and message.get("partial") is not True:
+            self._confirm(message)
+
+    def _confirm(self, report: dict[str, Any]) -> None:
+        """Tell the node its report is here, so it stops sending it again. Every report gets
+        its receipt, a repeat too: a version the job's machine has not taken now it never
+        takes (the versions in play only rise), and the machine takes a repeat once."""
+        job, node = report["job"], report["node"]
+        receipt = bus.encode({"job": job, "node": node, "version": report["version"]})
+        self.link.publish(self.topics.receipt(job, node), receipt, 1)
 
     async def _on_settings(self, topic: str, payload: bytes) -> None:
         """Learn the last retained version so versions keep rising across restarts."""
@@ -353,6 +372,7 @@ class Coordinator:
         if self.nodes.get(node) == (online, float(message["ts"])):
             return  # the same status again (through a wildcard and its exact topic)
         self.nodes[node] = (online, float(message["ts"]))
+        self._announce_due = self._announce_due or online
         now = self.clock.now()
         if not online:
             for job in self.registry.forget_node(node):
@@ -492,7 +512,21 @@ class Coordinator:
                 elif now - entry.done_since >= entry.machine.config.release_after_s:
                     self._release(job)
             self._say_settled(now)
+            self._announce()
             self.update_metrics()
+
+    def _announce(self) -> None:
+        """Publish the online status again when a node came online, or ``ANNOUNCE_S`` passed."""
+        now = time.monotonic()
+        if self._ending or (not self._announce_due and now - self._announced_at < ANNOUNCE_S):
+            return
+        self._announce_due = False
+        self._announced_at = now
+        if self.link.connected.is_set():
+            online = bus.status_message(
+                self.topics, "coordinator", "online", self.topics.coordinator_status()
+            )
+            self.link.publish(online.topic, online.payload, online.qos, online.retain)
 
     def _say_settled(self, now: float) -> None:
         """The daemon's status line says so once every job it tunes is tuned (or over)."""
@@ -527,7 +561,7 @@ class Coordinator:
             ),
             Reading("hyperagent_coordinator_jobs_found_total", self.found, {}, Kind.COUNTER),
             Reading("hyperagent_coordinator_jobs_not_tuned", len(self.ignored), {}),
-            Reading("hyperagent_mqtt_connected", float(self.link.connected.is_set())),
+            *self.link.broker_readings(),
             *self.link.handler_error_readings(),
         ]
         counts = dict.fromkeys(lifecycle.STATES, 0)

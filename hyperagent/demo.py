@@ -256,7 +256,7 @@ class DemoResult:
 
 
 def cluster_config(
-    broker_url: str,
+    broker_url: str | list[str],
     nodes: int,
     trials: int,
     seed: int,
@@ -293,7 +293,7 @@ def cluster_config(
 
 @contextlib.asynccontextmanager
 async def simulated_cluster(
-    broker_url: str,
+    broker_url: str | list[str],
     nodes: int,
     trials: int,
     seed: int = 0,
@@ -309,13 +309,17 @@ async def simulated_cluster(
     job_knobs: tuple[str, ...] | None = JOB_KNOBS,
     capture_dir: Path | None = None,
     cluster: str = "demo",
+    spread_brokers: bool = False,
+    mqtt: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
     """Agents and simulated ranks running in the background, and a coordinator ready to run.
     The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say). The
     nodes' GPUs replay ``capture_dir`` (an AMD or Gaudi capture directory) where given, else
     the packaged V100S capture. ``cluster`` names the topic tree (clusters sharing a broker
-    keep apart). Settings are signed by ``key`` (default: a key made for this cluster only);
-    the agents trust ``trusted`` (default: that key)."""
+    keep apart). With several broker URLs and ``spread_brokers``, node ``i`` tries them from the
+    ``i``-th on (the agents spread across a clustered broker's nodes); ``mqtt``: more of the
+    ``[mqtt]`` section, for every daemon. Settings are signed by ``key`` (default: a key made
+    for this cluster only); the agents trust ``trusted`` (default: that key)."""
     key = key or SigningKey.generate()
     trusted = trusted or key.trusted()
     low, high = demo_power_limits_w(capture_dir)
@@ -324,6 +328,7 @@ async def simulated_cluster(
         workdir = Path(tmp)
         raw = cluster_config(broker_url, nodes, trials, seed, workdir, objective, (low, high))
         raw["cluster"] = cluster
+        raw["mqtt"].update(mqtt or {})
         raw["coordinator"]["jobs"][0].update(job_overrides or {})
         if coordinator_dir is not None:
             raw["coordinator"]["state_dir"] = str(coordinator_dir)
@@ -339,6 +344,9 @@ async def simulated_cluster(
             clock = VirtualClock()
             node_hw = demo_hardware(capture_dir, clock)
             node_raw = {**raw, "sources": {**raw["sources"], **node_hw.sources}}
+            if spread_brokers and not isinstance(broker_url, str):
+                turn = i % len(broker_url)
+                node_raw["mqtt"] = {**raw["mqtt"], "url": broker_url[turn:] + broker_url[:turn]}
             config = build_config(
                 node_raw,
                 {
@@ -386,7 +394,7 @@ async def simulated_cluster(
 
 
 async def run_demo(
-    broker_url: str,
+    broker_url: str | list[str],
     nodes: int,
     trials: int,
     seed: int,

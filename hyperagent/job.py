@@ -26,6 +26,7 @@ import orjson
 
 from hyperagent import scheduler
 from hyperagent.errors import PayloadError
+from hyperagent.names import name_problem
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +217,11 @@ def _integer(message: Mapping[str, Any], key: str) -> int:
 
 def _job_name(message: Mapping[str, Any]) -> str:
     job = message.get("job")
-    if not isinstance(job, str) or not 0 < len(job) <= 64:
-        raise PayloadError(f"job must be a non-empty string of at most 64 characters, got {job!r}")
+    if not isinstance(job, str):
+        raise PayloadError(f"job must be a string, got {job!r}")
+    problem = name_problem(job)
+    if problem is not None:
+        raise PayloadError(f"job: {problem}")
     return job
 
 
@@ -364,8 +368,9 @@ class JobReporter:
     ) -> None:
         env = os.environ if environ is None else environ
         job = scheduler.from_environment(env, job).id
-        if len(job) > 64:
-            raise ValueError("job must be a non-empty name of at most 64 characters")
+        problem = name_problem(job)
+        if problem is not None:
+            raise ValueError(f"job id {problem}")
         self.job = job
         self.rank = _environment_rank(env) if rank is None else rank
         self.knobs = None if knobs is None else tuple(knobs)

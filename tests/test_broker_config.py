@@ -140,6 +140,22 @@ async def test_only_the_coordinator_writes_settings(secure_broker: SecureBroker)
     assert message.payload == b"v1"
 
 
+async def test_receipts_reach_their_own_node_only(secure_broker: SecureBroker) -> None:
+    """The coordinator writes each node's receipts; a node reads its own, not another's, and
+    cannot forge one."""
+    t = bus.Topics("prod")
+    async with secure_broker.client("node-1") as one, secure_broker.client("node-2") as two:
+        await one.subscribe(t.receipt("+", "node-1"), qos=1)
+        await one.subscribe(t.receipt("+", "node-2"), qos=1)
+        await two.publish(t.receipt("llama", "node-1"), b"forged receipt", qos=1)
+        async with secure_broker.client("coordinator") as coordinator:
+            await coordinator.publish(t.receipt("llama", "node-2"), b"node-2's", qos=1)
+            await coordinator.publish(t.receipt("llama", "node-1"), b"node-1's", qos=1)
+        async with asyncio.timeout(10):
+            message = await anext(aiter(one.messages))
+    assert (message.topic.value, message.payload) == (t.receipt("llama", "node-1"), b"node-1's")
+
+
 async def test_the_agent_connects_with_its_config(
     secure_broker: SecureBroker, tmp_path: Path
 ) -> None:

@@ -87,6 +87,54 @@ def test_every_problem_names_its_key(tmp_path: Path) -> None:
     assert next(p for p in e.value.problems if p.key == "mqtt.bogus").reason == "unknown key"
 
 
+@pytest.mark.parametrize(
+    ("data", "key", "value", "separator"),
+    [
+        ({"node": "gpu-017.example"}, "node", "gpu-017.example", "."),
+        ({"cluster": "eu/west"}, "cluster", "eu/west", "/"),
+        ({"cluster": "all#"}, "cluster", "all#", "#"),
+        ({"actuation": {"allowed_jobs": ["ok", "llama.ft"]}}, "actuation.allowed_jobs.1",
+         "llama.ft", "."),
+        ({"coordinator": {"jobs": [{"id": "slurm.*"}]}}, "coordinator.jobs.0.id", "slurm.*", "."),
+        ({"coordinator": {"jobs": [{"id": "j", "nodes": ["a+b"]}]}}, "coordinator.jobs.0.nodes.0",
+         "a+b", "+"),
+    ],
+)
+def test_names_holding_a_topic_separator_name_the_key_and_the_value(
+    data: dict[str, object], key: str, value: str, separator: str
+) -> None:
+    """Cluster, node and job names are MQTT topic levels: ``/``, ``+``, ``#`` and (RabbitMQ's
+    separator) ``.`` are config errors that say which key, which value and why."""
+    with pytest.raises(ConfigError) as e:
+        build_config(data)
+    [problem] = e.value.problems
+    assert problem.key == key
+    assert repr(value) in problem.reason and repr(separator) in problem.reason
+    if separator == ".":
+        assert "RabbitMQ" in problem.reason
+
+
+def test_names_and_patterns_without_separators_are_taken() -> None:
+    config = build_config(
+        {
+            "node": "gpu-017_a",
+            "cluster": "EU-west",
+            "coordinator": {"jobs": [{"id": "slurm-*"}, {"id": "llama-[!0]?", "nodes": ["n_1"]}]},
+        }
+    )
+    assert config.node == "gpu-017_a" and config.coordinator.rule_for("slurm-42-0") is not None
+    # the PDU's own name is a label, not a topic level: a dotted one stays fine
+    target = {"name": "pdu-a.rack1", "host": "pdu-a.example", "outlets": ["1"]}
+    assert build_config({"sources": {"pdu": {"targets": [target]}}})
+
+
+def test_the_default_node_name_is_the_host_name_made_a_topic_level() -> None:
+    from hyperagent.names import name_problem, safe_name
+
+    assert safe_name("gpu+017") == "gpu-017" and safe_name("...") == "node"
+    assert name_problem(build_config({}).node) is None
+
+
 def test_syntax_error_and_missing_file(tmp_path: Path) -> None:
     broken = tmp_path / "broken.toml"
     broken.write_text("[agent\n")

@@ -59,6 +59,10 @@ def test_step_roundtrip_keeps_nonfinite_loss() -> None:
         b'{"v": 2, "type": "step", "job": "j"}',
         b'{"v": 1, "type": "bogus", "job": "j"}',
         b'{"v": 1, "type": "step", "job": ""}',
+        b'{"v": 1, "type": "step", "job": "llama.ft", "rank": 0, "samples": 1, "step_s": 1,'
+        b' "compute_s": 1, "comm_s": 0, "version": 0}',
+        b'{"v": 1, "type": "hello", "job": "a/b", "rank": 0}',
+        b'{"v": 1, "type": "hello", "job": "a+", "rank": 0}',
         b'{"v": 1, "type": "step", "job": "j", "rank": 0, "samples": -1, "step_s": 1,'
         b' "compute_s": 1, "comm_s": 0, "version": 0}',
         b'{"v": 1, "type": "step", "job": "j", "rank": 0, "samples": 1, "step_s": "1",'
@@ -145,6 +149,34 @@ async def test_garbage_is_counted_and_dropped(tmp_path: Path) -> None:
         reporter.report_step(samples=1, step_s=0.1, compute_s=0.1, comm_s=0.0)
         await _until(lambda: "ok" in source.jobs and source.jobs["ok"].steps == 1)
         reporter.close()
+    finally:
+        await source.close()
+
+
+@pytest.mark.parametrize("job", ["llama.ft", "a/b", "a#", "a+b", "x" * 65])
+def test_a_job_id_that_cannot_be_a_topic_level_is_refused_at_the_rank(
+    job: str, tmp_path: Path
+) -> None:
+    """A job id goes into MQTT topics: one holding a separator (or too long) fails at once,
+    saying which id and why, wherever it came from."""
+    with pytest.raises(ValueError, match="job id") as e:
+        JobReporter(job, socket_path=tmp_path / "job.sock")
+    assert repr(job) in str(e.value)
+    with pytest.raises(ValueError, match="RabbitMQ"):
+        JobReporter(environ={"HYPERAGENT_JOB_ID": "run.7"}, socket_path=tmp_path / "job.sock")
+
+
+async def test_a_hello_for_a_job_id_with_a_separator_is_dropped_and_counted(
+    tmp_path: Path,
+) -> None:
+    source = JobSource(tmp_path / "job.sock")
+    await source.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(str(tmp_path / "job.sock"))
+            s.send(b'{"v": 1, "type": "hello", "job": "gpu.job", "rank": 0}')
+            await _until(lambda: source.invalid == 1)
+        assert "gpu.job" not in source.jobs
     finally:
         await source.close()
 

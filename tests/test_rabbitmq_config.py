@@ -209,12 +209,19 @@ async def test_a_node_writes_only_its_own_topics(shipped_rabbitmq: ShippedRabbit
 
 
 @pytest.mark.long(25)
-async def test_a_node_reads_only_settings_and_the_coordinator_status(
+async def test_a_node_reads_only_settings_the_coordinator_status_and_its_receipts(
     shipped_rabbitmq: ShippedRabbitMq,
 ) -> None:
     t = bus.Topics(CLUSTER)
-    allowed = [t.settings("+"), t.settings("llama"), t.coordinator_status()]
+    allowed = [
+        t.settings("+"),
+        t.settings("llama"),
+        t.coordinator_status(),
+        t.receipt("+", "node-1"),
+    ]
     denied = [
+        t.receipt("+", "+"),
+        t.receipt("llama", "node-2"),
         t.report("+", "+"),
         t.report("llama", "node-2"),
         t.ack("llama", "+"),
@@ -258,6 +265,18 @@ async def test_only_the_coordinator_writes_settings(shipped_rabbitmq: ShippedRab
         async with asyncio.timeout(10):
             message = await anext(aiter(node.messages))
     assert message.payload == b"v1"
+
+
+async def test_the_coordinator_writes_a_nodes_receipts(shipped_rabbitmq: ShippedRabbitMq) -> None:
+    """A refused publish would end the coordinator's connection on RabbitMQ."""
+    t = bus.Topics(CLUSTER)
+    async with client(shipped_rabbitmq, "node-1") as node:
+        await node.subscribe(t.receipt("+", "node-1"), qos=1)
+        async with client(shipped_rabbitmq, "coordinator") as coordinator:
+            await coordinator.publish(t.receipt("llama", "node-1"), b"receipt", qos=1)
+        async with asyncio.timeout(10):
+            message = await anext(aiter(node.messages))
+    assert message.payload == b"receipt"
 
 
 async def test_a_node_cannot_take_the_coordinator_s_session(
