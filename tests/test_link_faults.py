@@ -19,6 +19,7 @@ from hyperagent import bus
 from hyperagent.config import build_config
 from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import simulated_cluster
+from hyperagent.signing import SigningKey
 
 from conftest import Mosquitto
 
@@ -110,7 +111,7 @@ async def test_the_coordinator_says_online_again_when_a_node_comes_online(
         },
         {"node": "coordinator"},
     )
-    coordinator = Coordinator(config, coordinator_link(config), b"k" * 32)
+    coordinator = Coordinator(config, coordinator_link(config), SigningKey.generate())
     topics = coordinator.topics
     running = asyncio.create_task(coordinator.run())
     try:
