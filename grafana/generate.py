@@ -1009,10 +1009,11 @@ def job_dashboard() -> dash.Dashboard:
         .with_panel(
             single(
                 "GPU-hours",
-                "GPUs held times hours held, over the dashboard's time range.",
+                "GPUs held times hours held over the time range (counted every 15 s).",
                 "none",
                 Query(
-                    f"sum(sum_over_time(job_id:hyperagent_job_gpus:sum{{{j}}}[$__range:1m])) / 60"
+                    f"sum(sum_over_time(job_id:hyperagent_job_gpus:sum{{{j}}}[$__range:15s]))"
+                    " * 15 / 3600"
                 ),
             )
         )
