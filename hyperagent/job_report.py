@@ -5,8 +5,9 @@ Every job holding GPUs has the agent's per-job series (``hyperagent_job_gpus``,
 ``hyperagent_job_gpu_*``, labelled ``job_id``, ``user``, ``slurm_job``, ``slurm_step``) and
 ``hyperagent_gpu_job_info`` per GPU it holds, whether it reports steps or was found from the
 scheduler. The report finds the job's first and last sample of ``hyperagent_job_gpus`` in the
-range (raw samples, so a job is found however short), then reads every series with
-``query_range`` over that span, each point the last raw sample of the step before it
+range (coarsely, then from the raw samples at both ends: a job is found however short), then
+reads every series with ``query_range`` over that span, each point the last raw sample of the
+step before it
 (``last_over_time(x[step])``): no point outlives the job by Prometheus' five-minute lookback,
 and a counter's points telescope to its exact increase. The step is the scrape interval, or
 coarser so that no series has more than :data:`MAX_POINTS` points.
@@ -49,6 +50,10 @@ LOW_UTILIZATION = 0.10
 MAX_POINTS = 10_000
 """Points per series at most (Prometheus refuses more than 11 000)."""
 DEFAULT_SINCE_S = 7 * 86400.0
+FIND_POINTS = 1000
+"""Points at most of the first look for a job's span."""
+DEFAULT_INTERVAL_S = 15.0
+"""The scrape interval assumed for a job seen once (rules/prometheus.yml's)."""
 TIMEOUT_S = 30.0
 GIB = 1024**3
 JOULES_PER_KWH = 3.6e6
@@ -370,6 +375,33 @@ def _gpu_sort(key: tuple[str, str, str]) -> tuple[str, int, str, str]:
     return (instance, int(gpu) if gpu.isdigit() else -1, gpu, uuid)
 
 
+def _span(
+    api: PrometheusApi, selector: str, start: float, end: float
+) -> tuple[list[Series], float, float, float]:
+    """The series of ``selector`` in (start, end], its first and last raw sample and its
+    scrape interval: where it is, from at most :data:`FIND_POINTS` points, then exactly, from
+    the raw samples around the first and the last."""
+    coarse = float(max(60, math.ceil((end - start) / FIND_POINTS)))
+    n = math.floor((end - start) / coarse)  # the first window reaches back before start
+    found = [
+        s
+        for s in api.query_range(
+            f"last_over_time({selector}[{coarse:.0f}s])", end - n * coarse, end, coarse
+        )
+        if s.times
+    ]
+    if not found:
+        return [], 0.0, 0.0, 0.0
+    first_point = min(s.times[0] for s in found)
+    last_point = max(s.times[-1] for s in found)
+    head = api.raw(selector, first_point, max(0.0, min(coarse, first_point - start)))
+    tail = api.raw(selector, last_point, coarse)
+    first = min((s.times[0] for s in head if s.times), default=first_point)
+    last = max((s.times[-1] for s in tail if s.times), default=last_point)
+    diffs = [b - a for s in (*head, *tail) for a, b in itertools.pairwise(s.times)]
+    return found, first, last, statistics.median(diffs) if diffs else DEFAULT_INTERVAL_S
+
+
 def job_report(
     api: PrometheusApi,
     job_id: str,
@@ -384,7 +416,7 @@ def job_report(
     if start >= end:
         raise JobReportError(f"empty range: start {_when(start)} is not before end {_when(end)}")
     selector = _selector(job_id, cluster)
-    held = [s for s in api.raw(f"hyperagent_job_gpus{selector}", end, end - start) if s.times]
+    held, first, last, interval = _span(api, f"hyperagent_job_gpus{selector}", start, end)
     if not held:
         if api.series_exist(f"hyperagent_job_gpus{selector}"):
             raise JobReportError(
@@ -396,10 +428,6 @@ def job_report(
             f"unknown job {job_id!r}: Prometheus at {api.url} has no hyperagent_job_gpus"
             f"{selector} (the agent exports it for every job holding GPUs)"
         )
-    first = min(s.times[0] for s in held)
-    last = max(s.times[-1] for s in held)
-    diffs = [b - a for s in held for a, b in itertools.pairwise(s.times)]
-    interval = statistics.median(diffs) if diffs else 15.0
     step = max(interval, (last - first) / MAX_POINTS)
     step = math.ceil(step * 1000) / 1000
     count = math.ceil((last - first) / step - 1e-9)

@@ -83,6 +83,8 @@ class History:
     memory_peak: dict[str, float]
     gpu_memory_peak: dict[tuple[str, int], float]
     energy_j: dict[str, float]
+    energy: dict[str, list[float]]
+    """The job's energy counter at each of its samples."""
     samples: dict[str, float]
     seconds: dict[str, float]
 
@@ -122,7 +124,7 @@ def write_history(path: Path, start: float) -> History:
         lines = families.setdefault(f"# TYPE {family} {kind}", [])
         lines += [_line(sample, labels, v, times[k]) for k, v in sorted(values.items())]
 
-    history = History(start, {}, {}, {}, {}, {}, {}, {})
+    history = History(start, {}, {}, {}, {}, {}, {}, {}, {})
     for job in (ALICE, BOB):
         ks = [k for k in range(HOUR_SAMPLES) if held(job, k)]
         labels = {**node, **job.labels}
@@ -171,6 +173,7 @@ def write_history(path: Path, start: float) -> History:
         history.job_util[job.job_id] = job_util
         history.memory_peak[job.job_id] = max(job_memory)
         history.energy_j[job.job_id] = energy[-1]
+        history.energy[job.job_id] = energy
         history.seconds[job.job_id] = (ks[-1] - ks[0]) * STEP_S
     for g in range(GPUS):
         gpu = {**node, "gpu": str(g), "uuid": uuid(g)}
@@ -353,6 +356,21 @@ def test_the_report_finds_what_the_history_holds(setup: Setup, job: Job, tmp_pat
         assert g.mean == pytest.approx(statistics.fmean(values))
         assert g.p10 == pytest.approx(p10(values))
         assert g.memory_peak_bytes == history.gpu_memory_peak[job.job_id, int(g.gpu)]
+
+
+@pytest.mark.timeout(120)
+def test_a_range_inside_the_job_counts_only_its_part(setup: Setup) -> None:
+    history, api = setup.history, PrometheusApi(setup.prometheus.url)
+    start = history.start + 40 * STEP_S + 1  # after sample 40, up to sample 120 included
+    report = job_report(api, ALICE.job_id, start, history.start + 120 * STEP_S, cluster=CLUSTER)
+    assert (report.start, report.end) == (history.start + 41 * STEP_S, history.start + 1800)
+    assert report.gpu_hours == pytest.approx(4 * 79 * STEP_S / 3600, rel=1e-9)
+    assert report.mean_utilization == pytest.approx(
+        statistics.fmean(history.job_util[ALICE.job_id][41:121])
+    )
+    # the counter's increase over the range, not the energy before it
+    energy = history.energy[ALICE.job_id]
+    assert report.energy_joules == pytest.approx(energy[120] - energy[41], rel=1e-9)
 
 
 @pytest.mark.timeout(120)
