@@ -378,15 +378,16 @@ def _gpu_sort(key: tuple[str, str, str]) -> tuple[str, int, str, str]:
 def _span(
     api: PrometheusApi, selector: str, start: float, end: float
 ) -> tuple[list[Series], float, float, float]:
-    """The series of ``selector`` in (start, end], its first and last raw sample and its
-    scrape interval: where it is, from at most :data:`FIND_POINTS` points, then exactly, from
-    the raw samples around the first and the last."""
+    """The series of ``selector`` above 0 in (start, end], its first and last raw sample
+    above 0 and its scrape interval: where it is, from at most :data:`FIND_POINTS` points,
+    then exactly, from the raw samples around the first and the last. (An ended job's
+    ``hyperagent_job_gpus`` is 0 until its series are released.)"""
     coarse = float(max(60, math.ceil((end - start) / FIND_POINTS)))
     n = math.floor((end - start) / coarse)  # the first window reaches back before start
     found = [
         s
         for s in api.query_range(
-            f"last_over_time({selector}[{coarse:.0f}s])", end - n * coarse, end, coarse
+            f"max_over_time({selector}[{coarse:.0f}s]) > 0", end - n * coarse, end, coarse
         )
         if s.times
     ]
@@ -396,8 +397,14 @@ def _span(
     last_point = max(s.times[-1] for s in found)
     head = api.raw(selector, first_point, max(0.0, min(coarse, first_point - start)))
     tail = api.raw(selector, last_point, coarse)
-    first = min((s.times[0] for s in head if s.times), default=first_point)
-    last = max((s.times[-1] for s in tail if s.times), default=last_point)
+    first = min(
+        (t for s in head for t, v in zip(s.times, s.values, strict=True) if v > 0),
+        default=first_point,
+    )
+    last = max(
+        (t for s in tail for t, v in zip(s.times, s.values, strict=True) if v > 0),
+        default=last_point,
+    )
     diffs = [b - a for s in (*head, *tail) for a, b in itertools.pairwise(s.times)]
     return found, first, last, statistics.median(diffs) if diffs else DEFAULT_INTERVAL_S
 

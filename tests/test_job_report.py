@@ -64,8 +64,9 @@ ALICE = Job("slurm-1001-0", "alice", "1001", "0", (0, 1, 2, 3))
 BOB = Job("slurm-1002-batch", "bob", "1002", "batch", (4, 5, 6, 7))
 LIVE_ALICE = Job("slurm-2001-0", "alice", "2001", "0", (0, 1, 2, 3))
 LIVE_BOB = Job("slurm-2002-0", "bob", "2002", "0", (4, 5, 6, 7))
-BOB_FROM, BOB_TO = 40, 200
-"""Bob's job holds its GPUs from sample 40 to 200 (10 to 50 minutes in); alice's the hour."""
+BOB_FROM, BOB_TO, BOB_RELEASED = 40, 200, 220
+"""Bob's job holds its GPUs from sample 40 to 200 (10 to 50 minutes in), its series are
+released at sample 220; alice's job holds its GPUs the whole hour."""
 ALICE_SAMPLES_PER_S = 100.0
 
 
@@ -134,7 +135,10 @@ def write_history(path: Path, start: float) -> History:
         energy = [0.0]  # the counter starts with the job, counting its GPUs' energy while held
         for p in job_power[:-1]:
             energy.append(energy[-1] + p * STEP_S)
-        add("hyperagent_job_gpus", "gauge", "hyperagent_job_gpus", labels, dict.fromkeys(ks, 4))
+        # an ended job: 0 GPUs and its energy kept until the agent releases its series
+        tail = range(ks[-1] + 1, BOB_RELEASED) if job is BOB else range(0)
+        gpus = {**dict.fromkeys(ks, 4), **dict.fromkeys(tail, 0)}
+        add("hyperagent_job_gpus", "gauge", "hyperagent_job_gpus", labels, gpus)
         for name, values in (
             ("hyperagent_job_gpu_utilization_ratio", job_util),
             ("hyperagent_job_gpu_sm_active_ratio", [u * 0.9 for u in job_util]),
@@ -147,7 +151,7 @@ def write_history(path: Path, start: float) -> History:
             "counter",
             "hyperagent_job_gpu_energy_joules_total",
             labels,
-            dict(zip(ks, energy, strict=True)),
+            {**dict(zip(ks, energy, strict=True)), **dict.fromkeys(tail, energy[-1])},
         )
         if job is ALICE:
             samples = {k: (k - ks[0]) * STEP_S * ALICE_SAMPLES_PER_S for k in ks}
