@@ -78,6 +78,9 @@ sys.path[:0] = [str(REPO), str(HERE)]  # this tree's hyperagent, whatever is ins
 from mqttsim import Mosquitto, free_port  # noqa: E402
 
 CAPTURE = REPO / "fixtures" / "replay" / "full-node"
+SLURM_NODE = REPO / "fixtures" / "replay" / "slurm-2jobs-8gpu"
+"""Two Slurm jobs' processes (and their proc tree) put on the full node's GPUs (the same
+8 x V100S capture) for the attribution section."""
 WORKERS = HERE / "workers.py"
 SCRAPE_S = 15.0
 """Prometheus scrape interval used against the agent (a common production setting)."""
@@ -89,7 +92,16 @@ BROKER_OPTIONS = ("set_tcp_nodelay true",)
 """Besides the shipped config's settings: without it the broker's small packets (PUBACKs, a
 burst of acks) wait up to 40 ms for the peer's delayed ACK (Nagle's algorithm)."""
 RANKS = 8
-SECTIONS = ("agent", "tuner", "coordinator", "fanout", "scale", "replay", "powercap")
+SECTIONS = (
+    "agent",
+    "attribution",
+    "tuner",
+    "coordinator",
+    "fanout",
+    "scale",
+    "replay",
+    "powercap",
+)
 STEPS_PER_S = 5.0
 
 DONE_WHEN = {
@@ -98,6 +110,7 @@ DONE_WHEN = {
     "agent_cpu_percent_10hz": ("<=", 5.0),
     "agent_rss_mib": ("<=", 60.0),
     "agent_overhead_vs_floor": ("<=", 2.0),
+    "attribution_cpu_ratio": ("<=", 1.10),
     "coordinator_msgs_per_s": (">=", 10_000.0),
     "fanout_p99_s_1000": ("<", 1.0),
     "tuner_ask_tell_ms_100": ("<=", 100.0),
@@ -308,12 +321,22 @@ class Schedule:
     label: str
     hz: float
     every_cycle: bool = False
+    attribution: str = ""
+    """``attribution.mode`` with two Slurm jobs' processes on the GPUs (``SLURM_NODE``);
+    empty: the shipped mode on the capture alone (no process on any GPU)."""
 
 
 DEFAULT_1HZ = Schedule("1hz", 1.0)
 DEFAULT_10HZ = Schedule("10hz", 10.0)
 ALL_1HZ = Schedule("1hz_all", 1.0, every_cycle=True)
 ALL_10HZ = Schedule("10hz_all", 10.0, every_cycle=True)
+ATTRIBUTION = tuple(
+    Schedule(f"{hz:g}hz_slurm_{mode}", hz, attribution=mode)
+    for hz in (1.0, 10.0)
+    for mode in ("cgroup", "off")
+)
+"""The attribution section: the same two Slurm jobs on the GPUs, found from their cgroups or
+not looked for (``attribution.mode = "off"``), at 1 and 10 Hz."""
 KINDS = ("agent", "floor")
 """The agent, and the raw reads alone (``workers.py``)."""
 
@@ -343,6 +366,9 @@ def agents(
                 args += ["--every-cycle"] if schedule.every_cycle else []
                 args += ["--node", f"bench-{schedule.label}"]
                 args += ["--real-gpus"] if real_gpus else []
+                if schedule.attribution:
+                    args += ["--slurm-jobs", str(SLURM_NODE)]
+                    args += ["--attribution", schedule.attribution]
                 if kind == "agent":
                     args += ["--broker", broker.url, "--metrics-port", str(free_port())]
                 w = stack.enter_context(worker(*args))
@@ -609,6 +635,32 @@ def machine() -> dict[str, Any]:
     }
 
 
+def attribution_figures(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """CPU per cycle with the Slurm jobs found from their cgroups over that with attribution
+    off, per rate, and the worse of the two; printed."""
+    out: dict[str, Any] = {}
+    for hz in ("1", "10"):
+        on = runs.get(f"{hz}hz_slurm_cgroup", {}).get("agent")
+        off = runs.get(f"{hz}hz_slurm_off", {}).get("agent")
+        if not on or not off or not on["cpu_ms_per_cycle"] or not off["cpu_ms_per_cycle"]:
+            continue
+        ratio = on["cpu_ms_per_cycle"] / off["cpu_ms_per_cycle"]
+        out[f"{hz}hz"] = {
+            "on_ms_per_cycle": on["cpu_ms_per_cycle"],
+            "off_ms_per_cycle": off["cpu_ms_per_cycle"],
+            "ratio": ratio,
+        }
+        say(
+            f"attribution {hz} Hz, two Slurm jobs on the GPUs: cgroup "
+            f"{on['cpu_ms_per_cycle']:.2f} ms CPU per cycle ({on['cpu_percent']:.2f}% of a core,"
+            f" {on['cycles']} cycles), off {off['cpu_ms_per_cycle']:.2f} ms "
+            f"({off['cpu_percent']:.2f}%): {ratio:.3f}x"
+        )
+    ratios = [v["ratio"] for v in out.values()]
+    out["ratio"] = max(ratios) if ratios else None
+    return out
+
+
 def verdicts(figures: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, (op, bound) in DONE_WHEN.items():
@@ -644,6 +696,7 @@ def headline(details: dict[str, Any], plan: Plan) -> dict[str, Any]:
         "agent_overhead_vs_floor": max(
             (r["overhead_vs_floor"] for r in runs.values()), default=None
         ),
+        "attribution_cpu_ratio": details.get("attribution", {}).get("ratio"),
         "coordinator_msgs_per_s": limit.get("msgs_per_s"),
         "coordinator_msgs_per_cpu_s": limit.get("msgs_per_cpu_s"),
         "fanout_p99_s_1000": fan.get("1000", {}).get("p99_s"),
@@ -736,6 +789,22 @@ def main(argv: list[str] | None = None) -> int:
                     for label, result in measured.items():
                         details["agent"].setdefault(label, {}).update(result)
                 compare_with_floor(details["agent"], tuple(s for s, _ in timed))
+            if "attribution" in sections:
+                pairs: list[tuple[tuple[Schedule, ...], float]] = [
+                    ((s,), plan.agent_1hz_s if s.hz == 1.0 else plan.agent_10hz_s)
+                    for s in ATTRIBUTION
+                ]
+                if plan.agents_together:
+                    pairs = [(ATTRIBUTION, plan.agent_1hz_s)]
+                attributed: dict[str, dict[str, Any]] = {}
+                for schedules, seconds in pairs:
+                    measured = agents(
+                        schedules, seconds, plan.warmup_s, broker, work, args.real_gpus, ("agent",)
+                    )
+                    for label, result in measured.items():
+                        attributed.setdefault(label, {}).update(result)
+                details["attribution_runs"] = attributed
+                details["attribution"] = attribution_figures(attributed)
             if "coordinator" in sections:
                 ladder = ingest(
                     broker, work, plan.ladder, plan.ladder_step_s, plan.ladder_connections

@@ -82,6 +82,11 @@ def _agent_config(args: argparse.Namespace) -> Any:
             "pdu": {"interval_s": every},
         }
         agent["telemetry_interval_s"] = every
+    attribution: dict[str, Any] = {}
+    if args.attribution:
+        attribution["mode"] = args.attribution
+    if args.slurm_jobs:
+        attribution["proc_root"] = str(args.slurm_jobs / "proc")
     return build_config(
         {
             "node": args.node,
@@ -94,6 +99,7 @@ def _agent_config(args: argparse.Namespace) -> Any:
                 **agent,
             },
             "sources": sources,
+            "attribution": attribution,
         }
     )
 
@@ -105,6 +111,11 @@ def _node_sources(args: argparse.Namespace, config: Any) -> tuple[list[Any], Any
     from hyperagent.sources.job import JobSource
 
     sources, hardware = capture_sources(args.capture, config)
+    if args.slurm_jobs and hardware.nvml is not None:  # the Slurm node's processes on its GPUs
+        from hyperagent.capture.directory import replay_processes
+        from hyperagent.capture.nvidia_smi import COMPUTE_APPS_FILE
+
+        replay_processes(hardware.nvml, args.slurm_jobs / COMPUTE_APPS_FILE)
     if args.real_gpus:  # this machine's GPUs through NVML instead of the capture's FakeNvml
         import pynvml
 
@@ -226,12 +237,22 @@ async def agent_worker(args: argparse.Namespace) -> None:
             if agent.link is not None:
                 await agent.link.connected.wait()
         readings = len(agent.snapshot.readings) if agent.snapshot else 0
+        jobs = sorted(
+            r.labels["job_id"]
+            for r in (agent.snapshot.readings if agent.snapshot else ())
+            if r.name == "hyperagent_job_gpus"
+        )
         up = {f"{s.name}": h for s, h in zip(agent.runner.sources, _up(agent), strict=True)}
         gpus = len(agent.nvml_source.gpus) if agent.nvml_source else 0
         await _measure(
             args,
             lambda: agent.collections,
-            {"readings": readings, "sources_up": up, "metrics_port": args.metrics_port},
+            {
+                "readings": readings,
+                "sources_up": up,
+                "metrics_port": args.metrics_port,
+                "jobs_on_gpus": jobs,
+            },
             nvml_read_calls(hardware.nvml),
             gpus,
         )
@@ -407,8 +428,9 @@ async def fanout_worker(args: argparse.Namespace) -> None:
                 "plan": None,
                 "issued_at": time.time(),
             }
-            link.publish(topics.settings(job_id), bus.encode(bus.sign(message, SETTINGS_KEY)),
-                         1, True)
+            link.publish(
+                topics.settings(job_id), bus.encode(bus.sign(message, SETTINGS_KEY)), 1, True
+            )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(args.timeout):
                     await complete[version].wait()
@@ -796,6 +818,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--metrics-port", type=int, default=0)
         p.add_argument("--node", default="bench-node", help="node name (and MQTT client id)")
         p.add_argument("--real-gpus", action="store_true", help="NVML of this machine's GPUs")
+        p.add_argument(
+            "--slurm-jobs",
+            type=Path,
+            default=None,
+            help="a capture directory's GPU processes and proc/ tree (Slurm jobs) on the GPUs",
+        )
+        p.add_argument(
+            "--attribution", default="", help="attribution.mode (default: the shipped one)"
+        )
         p.add_argument(
             "--every-cycle",
             action="store_true",

@@ -17,6 +17,7 @@ import orjson
 
 from hyperagent import bus, durable
 from hyperagent.actuators import PowerCapActuator
+from hyperagent.attribution import Attribution, ChannelJobs, JobLedger, passwd_file
 from hyperagent.config import Config
 from hyperagent.devices.metrics import ENERGY as GPU_ENERGY
 from hyperagent.devices.nvml_telemetry import running_pids
@@ -38,9 +39,6 @@ from hyperagent.sources.smi_text import SmiTextSource
 from hyperagent.tuner.trial import Measurement, MeasurementPlan, Phase, TrialMeasurement
 
 log = logging.getLogger(__name__)
-
-GPU_PROCESSES_INTERVAL_S = 5.0
-"""How often NVML's running processes are matched against the job channel's peers."""
 
 STALL_STEPS = 8
 """A job whose steps stop for this many times its median step interval has stalled ..."""
@@ -176,6 +174,7 @@ class Agent:
         self._gpu_pids: dict[str, list[int]] = {}
         self._gpu_pids_at = -math.inf
         self._job_gpus: dict[str, set[int]] = {}
+        self.attribution = _attribution(config, hardware)
         """job -> the GPU indices its ranks run on (their processes, or what they declared)."""
         self._capped: dict[str, set[int] | None] = {}
         """job -> the GPUs its settings capped (None: every GPU of the node)."""
@@ -456,46 +455,40 @@ class Agent:
         }
 
     async def _gpu_job_readings(self, readings: list[Reading]) -> list[Reading]:
-        """``hyperagent_gpu_job_info{gpu,uuid,job_id}``: which job runs on which GPU, from
-        NVML's running processes matched against the job channel's peer pids (checked every
-        few seconds), else from the GPU a rank declared in its hello."""
-        if self.job_source is None or not self.job_source.peers:
+        """Which job holds which GPU and each job's GPUs, power and energy
+        (:mod:`hyperagent.attribution`): NVML's running processes (looked at every
+        ``attribution.interval_s``) matched against the job channel's peer pids and, as
+        ``attribution.mode`` says, against their Slurm cgroups or a job-mapping directory;
+        the GPU a rank declared in its hello where NVML shows none."""
+        attribution = self.attribution
+        peers = self.job_source is not None and bool(self.job_source.peers)
+        if not peers and attribution.idle:
             self._job_gpus = {}
             return []
+        channel = ChannelJobs()
+        if self.job_source is not None and peers:
+            channel.pids = self.job_source.job_pids()
+            channel.declared = self.job_source.declared_gpus()
+            channel.owners = {j: t.owner for j, t in self.job_source.jobs.items() if t.ranks}
+        owner_uids = [uid for uid in channel.owners.values() if uid is not None]
         now = time.monotonic()
-        if now - self._gpu_pids_at >= GPU_PROCESSES_INTERVAL_S and self.hardware.nvml is not None:
-            self._gpu_pids_at = now
-            found = await self._device_call(
-                self.hardware.nvml, self._running_pids, "running processes"
-            )
-            self._gpu_pids = found or {}
-        pids = self.job_source.job_pids()
-        owners: dict[str, str] = {}
-        job_gpus: dict[str, set[int]] = {}
-        for gpu, running in self._gpu_pids.items():
-            for pid in running:
-                if pid in pids:
-                    owners[gpu] = pids[pid]
-                    job_gpus.setdefault(pids[pid], set()).add(int(gpu))
-        for index, job in self.job_source.declared_gpus().items():
-            owners.setdefault(str(index), job)
-            job_gpus.setdefault(job, set()).add(index)
-        self._job_gpus = job_gpus
-        uuids = {
-            r.labels.get("gpu"): r.labels.get("uuid", "")
-            for r in readings
-            if r.name == "hyperagent_gpu_info"
+        due = now - self._gpu_pids_at >= self.config.attribution.interval_s
+        if due or attribution.unnamed(owner_uids):
+            if due and self.hardware.nvml is not None:
+                found = await self._device_call(
+                    self.hardware.nvml, self._running_pids, "running processes"
+                )
+                self._gpu_pids = found or {}
+            self._gpu_pids_at = now if due else self._gpu_pids_at
+            await attribution.poll(self._gpu_pids, owner_uids)
+        out, held = attribution.collect(readings, channel)
+        channel_jobs = set(channel.pids.values()) | set(channel.declared.values())
+        self._job_gpus = {
+            job: {int(g) for g in gpus if g.isdigit()}
+            for job, gpus in held.items()
+            if job in channel_jobs
         }
-        return [
-            Reading(
-                "hyperagent_gpu_job_info",
-                1.0,
-                {"gpu": gpu, "uuid": uuids.get(gpu, ""), "job_id": job},
-                Kind.INFO,
-            )
-            for gpu, job in sorted(owners.items())
-            if gpu in uuids
-        ]
+        return out
 
     async def _device_call(self, library: Any, call: Callable[[], _T], what: str) -> _T | None:
         """``call`` through ``library``'s device gate, bounded by ``sources.timeout_s``; None
@@ -939,6 +932,30 @@ class Agent:
         self.link.publish(self.topics.report(trial.job, self.node), payload, qos=1)
         if not partial and not stalled:
             self.stats.reports_sent += 1
+
+
+def _attribution(config: Config, hardware: Hardware) -> Attribution:
+    """The job attribution ``config.attribution`` asks for; a replayed capture's ``proc/``
+    and ``etc/passwd`` stand for the node's unless ``attribution.proc_root`` is set."""
+    settings = config.attribution
+    proc_root = settings.proc_root
+    users = None
+    capture = hardware.capture_dir
+    if capture is not None:
+        if "proc_root" not in settings.model_fields_set and (capture / "proc").is_dir():
+            proc_root = capture / "proc"
+        if (capture / "etc" / "passwd").is_file():
+            users = passwd_file(capture / "etc" / "passwd")
+    ledger = JobLedger(config.sources.job.release_after_s, config.sources.job.max_jobs)
+    extra = {} if users is None else {"users": users}
+    return Attribution(
+        settings.mode,
+        ledger,
+        proc_root=proc_root,
+        mapping_dir=settings.mapping_dir,
+        timeout_s=config.sources.timeout_s,
+        **extra,
+    )
 
 
 def _job_settings(message: dict[str, Any]) -> JobSettings:

@@ -6,6 +6,7 @@ merges them with the agent's and coordinator's own.
 
 from __future__ import annotations
 
+from hyperagent import attribution
 from hyperagent.devices import metrics as gpu
 from hyperagent.sources import ipmi, pdu, rdma
 
@@ -15,7 +16,6 @@ _CORE: dict[str, str] = {
         'Compute quanta one fully busy GPU of this model is worth (A100 = 1); known="false"'
         " marks a model indicators.quantum_coefficients does not name, counted as 1."
     ),
-    "hyperagent_gpu_job_info": "1 while a process of the job runs on the GPU (NVML, job peers).",
     # Host (procfs)
     "hyperagent_host_cpu_utilization_ratio": "Fraction of CPU time not idle, all cores.",
     "hyperagent_host_memory_total_bytes": "Physical memory installed.",
@@ -171,7 +171,14 @@ _CORE: dict[str, str] = {
 }
 
 
-HELP: dict[str, str] = {**_CORE, **gpu.HELP, **ipmi.HELP, **rdma.HELP, **pdu.HELP}
+HELP: dict[str, str] = {
+    **_CORE,
+    **attribution.HELP,
+    **gpu.HELP,
+    **ipmi.HELP,
+    **rdma.HELP,
+    **pdu.HELP,
+}
 
 
 def help_text(name: str) -> str:

@@ -326,6 +326,33 @@ class ActuationSection(_Model):
         return self
 
 
+class AttributionSection(_Model):
+    """Which scheduler job holds each GPU, for jobs that never report through the job channel
+    (README: Slurm job attribution)."""
+
+    mode: Literal["cgroup", "mapping", "off"] = "cgroup"
+    """``cgroup``: the Slurm cgroup of the processes NVML shows on each GPU (under
+    ``proc_root``); ``mapping``: a dcgm-exporter ``--hpc-job-mapping-dir`` directory
+    (``mapping_dir``); ``off``: only the jobs that report through the job channel."""
+    proc_root: Path = Path("/proc")
+    """Where the processes' ``cgroup``, ``status`` and ``environ`` files are (a replay with a
+    ``proc/`` folder reads that one unless this is set)."""
+    mapping_dir: Path | None = None
+    """The job-mapping directory: one file per GPU index (or ``GPU.MIG`` index) holding the ids
+    of the jobs on that GPU, one per line, as the scheduler's prolog writes them."""
+    interval_s: PositiveSeconds = 5.0
+    """How often the GPUs' processes (or the mapping directory) are looked at again."""
+
+    @model_validator(mode="after")
+    def _mapping(self) -> AttributionSection:
+        if self.mode == "mapping" and self.mapping_dir is None:
+            raise ValueError('mode = "mapping" needs mapping_dir (the job-mapping directory)')
+        if self.mode == "mapping" and self.mapping_dir is not None:
+            if self.mapping_dir.exists() and not self.mapping_dir.is_dir():
+                raise ValueError(f"mapping_dir {self.mapping_dir} is not a directory")
+        return self
+
+
 class SecuritySection(_Model):
     settings_key_file: Path | None = None
     """Shared HMAC key for settings messages; without it an agent refuses every setting."""
@@ -533,6 +560,7 @@ class Config(_Model):
     sources: SourcesSection = SourcesSection()
     indicators: IndicatorsSection = IndicatorsSection()
     actuation: ActuationSection = ActuationSection()
+    attribution: AttributionSection = AttributionSection()
     security: SecuritySection = SecuritySection()
     coordinator: CoordinatorSection = CoordinatorSection()
 

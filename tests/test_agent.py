@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -397,7 +398,15 @@ async def test_which_job_runs_on_which_gpu(harness: Harness) -> None:
         for r in harness.agent.snapshot.readings  # type: ignore[union-attr]
         if r.name == "hyperagent_gpu_info" and r.labels["gpu"] == "3"
     )
-    assert info.labels == {"gpu": "3", "uuid": uuid, "job_id": "j"}
+    user = pwd.getpwuid(os.getuid()).pw_name
+    assert info.labels == {
+        "gpu": "3",
+        "uuid": uuid,
+        "job_id": "j",
+        "user": user,
+        "slurm_job": "",
+        "slurm_step": "",
+    }
     reporter.close()
     await until(lambda: not attributed())
 

@@ -18,7 +18,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_agent import Harness, limits_w, node_config, running_agent, until
 
-from hyperagent import agent as agent_module
 from hyperagent import bus
 from hyperagent.agent import Agent
 from hyperagent.capture.fake_nvml import FakeNvml
@@ -51,13 +50,12 @@ def value(agent: Agent, name: str, **labels: str) -> float | None:
 
 
 async def test_a_hung_nvml_call_leaves_the_collection_going_and_metrics_show_it_stale(
-    tmp_path: Path, nvidia_smi_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, nvidia_smi_dir: Path
 ) -> None:
     """``sources.timeout_s = 0.3``, NVML calls on GPU 0 hang for 3 s each (the source's field
     values and the agent's GPU attribution, checked every 0.3 s here): collections go on, host
     readings stay fresh, nvml is up 0 with its last success frozen, and /metrics says so,
     without a thread per hung call."""
-    monkeypatch.setattr(agent_module, "GPU_PROCESSES_INTERVAL_S", 0.3)
     faults = tmp_path / "nvml-faults.json"
     port = free_port()
     config = build_config(
@@ -65,6 +63,7 @@ async def test_a_hung_nvml_call_leaves_the_collection_going_and_metrics_show_it_
             "node": "n1",
             "cluster": "c",
             "mqtt": {"enabled": False},
+            "attribution": {"interval_s": 0.3},
             "agent": {
                 "interval_s": 0.1,
                 "metrics_address": f"127.0.0.1:{port}",

@@ -35,6 +35,7 @@ KEYS = (
     "agent_cpu_percent_10hz",
     "agent_rss_mib",
     "agent_overhead_vs_floor",
+    "attribution_cpu_ratio",
     "coordinator_msgs_per_s",
     "fanout_p99_s_1000",
     "tuner_ask_tell_ms_100",
@@ -64,6 +65,12 @@ def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) ->
     assert set(details["agent"]) == {"1hz", "1hz_all", "10hz", "10hz_all"}
     assert all(run["agent"]["cycles"] >= 1 for run in details["agent"].values())
     assert all(details["agent"]["1hz"]["agent"]["ready"]["sources_up"].values())
+    attributed = details["attribution_runs"]
+    assert attributed["1hz_slurm_cgroup"]["agent"]["ready"]["jobs_on_gpus"] == [
+        "slurm-4242-0",
+        "slurm-4243-0",
+    ]
+    assert attributed["1hz_slurm_off"]["agent"]["ready"]["jobs_on_gpus"] == []
     assert details["fanout"]["5"]["missing_acks"] == 0
     ladder = details["coordinator_ladder"][-1]
     assert ladder["invalid"] == 0 and ladder["ingested"] > 0

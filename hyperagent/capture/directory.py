@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hyperagent.capture import amd_smi, hl_smi, xpu_smi
+from hyperagent.capture import amd_smi, hl_smi, nvidia_smi, xpu_smi
 from hyperagent.capture.accelerators import CaptureFormatError
 from hyperagent.capture.fake_amdsmi import FakeAmdsmi
 from hyperagent.capture.fake_hlml import FakeHlml
@@ -83,15 +83,17 @@ def capture_sources(
     """Sources replaying what a capture directory holds (see README: capture directories), the
     ones ``config`` enables, built as a live agent builds them where the capture allows:
 
-    - ``nvml``: ``nvidia-smi.xml``, else the recording's GPU readings, which go through
-      NvmlSource over a fake NVML taking power caps when ``actuation.power_cap`` is on;
+    - ``nvml``: ``nvidia-smi.xml`` (its GPUs' processes from ``nvidia-smi-compute-apps.csv``,
+      ``--query-compute-apps=gpu_uuid,pid,...``), else the recording's GPU readings, which go
+      through NvmlSource over a fake NVML taking power caps when ``actuation.power_cap`` is on;
     - ``rdma``: ``sys/class/infiniband`` with the ``rdma``/``ethtool`` outputs beside it;
     - ``ipmi``: ``ipmitool-sdr.txt`` or ``ipmiutil-sensor.txt`` (one table, or a day file of
       timestamped tables played as a time series) and ``ipmitool-dcmi.txt``;
     - ``pdu``: ``[[sources.pdu.targets]]`` with their outlets, each reading ``pdu/NAME.snmprec``
       (no targets configured: every recording in ``pdu/``);
-    - ``host``: ``proc/``, else this machine's when the config names ``[sources.host]``, else
-      the recording's;
+    - ``host``: ``proc/`` (with a ``stat``), else this machine's when the config names
+      ``[sources.host]``, else the recording's; a ``proc/`` of processes (and ``etc/passwd``)
+      is what job attribution reads (``[attribution]``);
     - ``job``: the live job socket when the config names ``[sources.job]`` (a replayed node
       still serves its training job), else the recording's;
     - any other source the recording holds, as recorded.
@@ -109,6 +111,7 @@ def capture_sources(
     smi = directory / "nvidia-smi.xml"
     if enabled.nvml.enabled and smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
+        replay_processes(nvml, directory / nvidia_smi.COMPUTE_APPS_FILE)
         sources.append(
             NvmlSource(
                 nvml,
@@ -138,7 +141,7 @@ def capture_sources(
     ):
         runner = ipmi_capture.capture_runner(directory, clock, speed)
         sources.append(ipmi.IpmiSource(ipmi.IpmitoolBackend(runner, target=directory.name)))
-    if enabled.host.enabled and (directory / "proc").is_dir():
+    if enabled.host.enabled and (directory / "proc" / "stat").is_file():
         sources.append(HostSource(directory / "proc"))
     elif enabled.host.enabled and "host" in named:
         sources.append(HostSource())
@@ -169,6 +172,22 @@ def capture_sources(
         )
     library = getattr(accelerators, "library", None)
     return sources, replace(hardware, nvml=nvml, accelerators=library)
+
+
+def replay_processes(nvml: FakeNvml, capture: Path) -> None:
+    """Put the processes of a ``--query-compute-apps`` capture on the fake's GPUs (by uuid);
+    raises ConfigError naming ``--replay`` for a malformed file or a uuid no GPU has."""
+    if not capture.is_file():
+        return
+    try:
+        apps = nvidia_smi.parse_compute_apps(capture.read_text())
+        pids: dict[int, list[int]] = {}
+        for uuid, pid in apps:
+            pids.setdefault(nvml.index_of(uuid), []).append(pid)
+    except ValueError as e:
+        raise ConfigError([ConfigProblem("--replay", f"{capture}: {e}")]) from e
+    for index, running in pids.items():
+        nvml.set_processes(index, running)
 
 
 def replayed_library(directory: Path, clock: Callable[[], float]) -> tuple[Any, Any, str] | None:

@@ -631,6 +631,13 @@ class FakeNvml:
             found = from_file.get(name) or from_file.get("*")
         return found if found is not None and found.applies(args) else None
 
+    def index_of(self, uuid: str) -> int:
+        """The index of the GPU with ``uuid`` (no NVML init needed); ValueError for none."""
+        for device in self._devices:
+            if device.record.uuid == uuid:
+                return device.record.index
+        raise ValueError(f"no GPU has uuid {uuid}")
+
     def set_processes(self, index: int, pids: Iterable[int]) -> None:
         """Make ``pids`` the compute processes running on device ``index``."""
         with self._lock:

@@ -761,3 +761,26 @@ def parse_capture(text: str) -> list[GpuRecord]:
     if not records:
         raise ValueError(f"{kind} holds no GPU")
     return records
+
+
+COMPUTE_APPS_FILE = "nvidia-smi-compute-apps.csv"
+"""A capture directory's GPU processes:
+``nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_gpu_memory --format=csv``."""
+
+
+def parse_compute_apps(text: str) -> list[tuple[str, int]]:
+    """(GPU uuid, pid) of each process a ``--query-compute-apps`` CSV lists (its header names
+    ``gpu_uuid`` and ``pid``); raises ValueError naming the line that is malformed."""
+    rows = [r for r in csv.reader(text.splitlines(), skipinitialspace=True) if r]
+    if not rows:
+        return []
+    header = [cell.strip().split(" [")[0] for cell in rows[0]]
+    if "gpu_uuid" not in header or "pid" not in header:
+        raise ValueError(f"line 1: header {rows[0]!r} names no gpu_uuid and pid")
+    uuid_at, pid_at = header.index("gpu_uuid"), header.index("pid")
+    out = []
+    for number, row in enumerate(rows[1:], 2):
+        if len(row) != len(header) or not row[pid_at].strip().isdigit():
+            raise ValueError(f"line {number}: {row!r} is not {len(header)} cells with a pid")
+        out.append((row[uuid_at].strip(), int(row[pid_at])))
+    return out

@@ -1,0 +1,484 @@
+"""Jobs found from the scheduler: the Slurm cgroups of the GPUs' processes, or a dcgm-exporter
+job-mapping directory, give each job's GPUs, power and energy under its own id and user.
+
+The parsers are checked on the lines Slurm writes; the agent runs in-process over the replay
+of two Slurm jobs on one 8-GPU node (``fixtures/replay/slurm-2jobs-8gpu``, copied so a test
+can end a job), and /metrics is read over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pwd
+import shutil
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hyperagent.agent import Agent
+from hyperagent.attribution import JobIdentity, JobLedger, _Gpu
+from hyperagent.capture.directory import capture_sources
+from hyperagent.config import build_config
+from hyperagent.errors import ConfigError
+from hyperagent.job import JobReporter
+from hyperagent.sources.job_mapping import MappingFormatError, parse_mapping_file, read_mapping_dir
+from hyperagent.sources.slurm_cgroup import (
+    CgroupFormatError,
+    parse_cgroup,
+    parse_environ_gpus,
+    parse_status_uid,
+)
+
+from conftest import FIXTURES, ManualClock, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+NODE = FIXTURES / "replay" / "slurm-2jobs-8gpu"
+ALICE = {"job_id": "slurm-4242-0", "user": "alice", "slurm_job": "4242", "slurm_step": "0"}
+BOB = {"job_id": "slurm-4243-0", "user": "bob", "slurm_job": "4243", "slurm_step": "0"}
+RELEASE_AFTER_S = 1.5
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def test_cgroup_v2_lines_name_the_job_step() -> None:
+    job = parse_cgroup("0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n")
+    assert job is not None and job.job.id == "slurm-4242-0" and job.uid is None
+    assert job.job.scheduler_id == "4242" and job.job.step == "0"
+    batch = parse_cgroup("0::/system.slice/gpu01_slurmstepd.scope/job_7/step_batch/user/task_0")
+    assert batch is not None and batch.job.id == "slurm-7-batch"
+    job_level = parse_cgroup("0::/system.slice/slurmstepd.scope/job_9")
+    assert job_level is not None and job_level.job.id == "slurm-9" and job_level.job.step == ""
+
+
+def test_cgroup_v1_lines_name_the_job_step_and_its_owner() -> None:
+    text = (
+        "12:pids:/system.slice/slurmd.service\n"
+        "11:devices:/slurm/uid_1001/job_4242/step_0/task_1\n"
+        "4:memory:/slurm/uid_1001/job_4242/step_0/task_1\n"
+        "1:name=systemd:/system.slice/slurmd.service\n"
+    )
+    job = parse_cgroup(text)
+    assert job is not None and job.job.id == "slurm-4242-0" and job.uid == 1001
+    extern = parse_cgroup("3:cpuset:/slurm_gpu01/uid_5/job_8/step_extern")
+    assert extern is not None and extern.job.id == "slurm-8-extern" and extern.uid == 5
+
+
+def test_processes_outside_slurm_have_no_job() -> None:
+    assert parse_cgroup("0::/user.slice/user-1000.slice/session-3.scope\n") is None
+    assert parse_cgroup("0::/system.slice/docker-0123abcd.scope\n") is None
+    assert parse_cgroup("") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("garbage without colons\n", "line 1 'garbage without colons'"),
+        ("0::/ok\nx:y\n", "line 2"),
+        ("0::/system.slice/slurmstepd.scope/job_abc/step_0", "job_abc is not a Slurm job id"),
+        ("0::/system.slice/slurmstepd.scope/job_1/step_a-b", "step_a-b is not a Slurm step"),
+        ("4:memory:/slurm/uid_x/job_1/step_0", "uid_x is not a uid"),
+    ],
+)
+def test_malformed_cgroup_files_say_which_line(text: str, problem: str) -> None:
+    with pytest.raises(CgroupFormatError, match=problem.replace("(", r"\(")):
+        parse_cgroup(text)
+
+
+def test_status_and_environment() -> None:
+    assert parse_status_uid("Name:\tpython\nUid:\t1001\t1001\t1001\t1001\n") == 1001
+    assert parse_status_uid("Name:\tpython\n") is None
+    env = b"CUDA_VISIBLE_DEVICES=0,1\0SLURM_JOB_GPUS=4,5,6,7\0SLURM_STEP_GPUS=4,5\0"
+    assert parse_environ_gpus(env) == ("4", "5")
+    assert parse_environ_gpus(b"SLURM_JOB_GPUS=4,5,6,7\0CUDA_VISIBLE_DEVICES=0\0") == (
+        "4",
+        "5",
+        "6",
+        "7",
+    )
+    assert parse_environ_gpus(b"CUDA_VISIBLE_DEVICES=GPU-a1,GPU-b2\0") == ("GPU-a1", "GPU-b2")
+    assert parse_environ_gpus(b"HOME=/root\0") is None
+
+
+def test_mapping_files_as_dcgm_exporter_reads_them(tmp_path: Path) -> None:
+    assert parse_mapping_file("3", "4242\n\n4243\n4242\n") == (
+        "3",
+        (parse_mapping_file("0", "4242")[1][0], parse_mapping_file("0", "4243")[1][0]),
+    )
+    gpu, jobs = parse_mapping_file("3.1", "my.job-7\n")
+    assert gpu == "3" and jobs[0].id == "my-job-7" and jobs[0].scheduler == "given"
+    with pytest.raises(MappingFormatError, match="notes: not a GPU index"):
+        parse_mapping_file("notes", "4242")
+    with pytest.raises(MappingFormatError, match="2 line 2: 'job 1' is not a job id"):
+        parse_mapping_file("2", "4242\njob 1\n")
+    (tmp_path / "0").write_text("4242\n")
+    (tmp_path / "1.0").write_text("4243\n")
+    (tmp_path / "README").write_text("prolog writes here\n")
+    (tmp_path / "2").write_text("")
+    read = read_mapping_dir(tmp_path)
+    assert {g: [j.id for j in jobs] for g, jobs in read.gpus.items()} == {
+        "0": ["slurm-4242"],
+        "1": ["slurm-4243"],
+        "2": [],
+    }
+    assert read.problems == (f"{tmp_path}/README: not a GPU index or GPU.MIG index",)
+    assert read_mapping_dir(tmp_path / "absent").gpus == {}
+
+
+def test_config_names_the_attribution_key() -> None:
+    with pytest.raises(ConfigError, match="mapping_dir"):
+        build_config({"attribution": {"mode": "mapping"}})
+    with pytest.raises(ConfigError, match=r"attribution\.mode"):
+        build_config({"attribution": {"mode": "slurm"}})
+    assert build_config({}).attribution.mode == "cgroup"
+
+
+# -- the ledger ------------------------------------------------------------------------------
+
+
+def _gpus(energy: dict[str, float]) -> dict[str, _Gpu]:
+    return {g: _Gpu(uuid=f"GPU-{g}", power=100.0, energy=e) for g, e in energy.items()}
+
+
+def test_a_shared_gpu_gives_each_job_its_share_and_the_energies_add_up() -> None:
+    clock = ManualClock()
+    ledger = JobLedger(release_after_s=10.0, max_jobs=4, clock=clock)
+    a, b = JobIdentity("a", "alice"), JobIdentity("b", "bob")
+    ledger.hold({"a": (a, frozenset({"0", "1"})), "b": (b, frozenset({"1"}))})
+    ledger.readings(_gpus({"0": 1000.0, "1": 5000.0}), None)
+    out = ledger.readings(_gpus({"0": 1100.0, "1": 5200.0}), None)
+    energy = {r.labels["job_id"]: r.value for r in out if r.name.endswith("energy_joules_total")}
+    assert energy == {"a": 100.0 + 100.0, "b": 100.0}
+    assert sum(energy.values()) == 300.0
+
+
+def test_an_ended_job_keeps_its_counter_until_released_and_a_job_back_in_time_resumes() -> None:
+    clock = ManualClock()
+    ledger = JobLedger(release_after_s=10.0, max_jobs=2, clock=clock)
+    a = JobIdentity("a")
+    ledger.hold({"a": (a, frozenset({"0"}))})
+    ledger.readings(_gpus({"0": 0.0}), None)
+    ledger.readings(_gpus({"0": 50.0}), None)
+    ledger.hold({})
+    clock.now = 9.0
+    out = {r.name: r.value for r in ledger.readings(_gpus({"0": 80.0}), None)}
+    assert out == {"hyperagent_job_gpus": 0.0, "hyperagent_job_gpu_energy_joules_total": 50.0}
+    ledger.hold({"a": (a, frozenset({"0"}))})  # back before its release: the same counter
+    ledger.readings(_gpus({"0": 90.0}), None)
+    ledger.hold({})
+    clock.now = 18.9
+    assert [r.value for r in ledger.readings(_gpus({"0": 95.0}), None)] == [0.0, 60.0]
+    clock.now = 19.0
+    assert ledger.readings(_gpus({"0": 95.0}), None) == []
+
+
+def test_jobs_are_bounded_and_an_ended_one_makes_room(caplog: pytest.LogCaptureFixture) -> None:
+    clock = ManualClock()
+    ledger = JobLedger(release_after_s=600.0, max_jobs=2, clock=clock)
+    held = {j: (JobIdentity(j), frozenset({str(i)})) for i, j in enumerate("abc")}
+    ledger.hold({"a": held["a"], "b": held["b"]})
+    with caplog.at_level(logging.WARNING):
+        ledger.hold(held)
+        ledger.hold(held)
+    assert set(ledger.jobs) == {"a", "b"}
+    assert caplog.text.count("not attributing c") == 1
+    ledger.hold({"b": held["b"], "c": held["c"]})  # a ended: c takes its slot at once
+    assert set(ledger.jobs) == {"b", "c"}
+
+
+# -- the agent over the replay ---------------------------------------------------------------
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def per_job(samples: Samples, name: str) -> dict[str, float]:
+    return {dict(k)["job_id"]: v for (n, k), v in samples.items() if n == name}
+
+
+def per_gpu(samples: Samples, name: str) -> dict[str, float]:
+    return {dict(k)["gpu"]: v for (n, k), v in samples.items() if n == name}
+
+
+async def until(predicate: Any, timeout_s: float = 15.0, every_s: float = 0.1) -> Any:
+    async with asyncio.timeout(timeout_s):
+        while not (found := predicate()):
+            await asyncio.sleep(every_s)
+    return found
+
+
+@contextlib.asynccontextmanager
+async def replayed(
+    tmp_path: Path, attribution: dict[str, Any], **sources: Any
+) -> AsyncIterator[tuple[Agent, int, Path]]:
+    """The agent over a copy of the two-job node (its ``proc/`` and ``job-mapping/`` may be
+    changed by the test), serving /metrics on a free port; yields the agent, its port and
+    the copy."""
+    node = tmp_path / "node"
+    shutil.copytree(NODE, node)
+    port = free_port()
+    config = build_config(
+        {
+            "node": "gpu01",
+            "mqtt": {"enabled": False},
+            "agent": {
+                "interval_s": 0.2,
+                "metrics_address": f"127.0.0.1:{port}",
+                "state_dir": str(tmp_path / "state"),
+            },
+            "attribution": {"interval_s": 0.2, **attribution},
+            "sources": {
+                "job": {"release_after_s": RELEASE_AFTER_S, "socket": str(tmp_path / "job.sock")},
+                **sources,
+            },
+        }
+    )
+    found, hardware = capture_sources(node, config)
+    agent = Agent.from_config(config, hardware, sources=found)
+    task = asyncio.create_task(agent.run(), name="replayed-slurm-node")
+    try:
+        await asyncio.wait_for(agent.ready.wait(), timeout=20)
+        yield agent, port, node
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def labels_of(samples: Samples, job: str) -> dict[str, str]:
+    (labels,) = {
+        k
+        for (n, k), _ in samples.items()
+        if n == "hyperagent_job_gpus" and dict(k)["job_id"] == job
+    }
+    return dict(labels)
+
+
+async def check_two_jobs(port: int, alice: dict[str, str], bob: dict[str, str]) -> Samples:
+    """Both jobs on /metrics with their 4 GPUs, power and energy; the energies add up."""
+
+    def both() -> Samples | None:
+        samples = scrape(port)
+        return samples if len(per_job(samples, "hyperagent_job_gpus")) == 2 else None
+
+    first = await until(both)
+    await asyncio.sleep(2.0)  # energy accumulates
+    samples = scrape(port)
+    assert labels_of(samples, alice["job_id"]) == alice
+    assert labels_of(samples, bob["job_id"]) == bob
+    owners = {
+        dict(k)["gpu"]: dict(k)["job_id"]
+        for (n, k), _ in samples.items()
+        if n == "hyperagent_gpu_job_info"
+    }
+    assert owners == {str(g): alice["job_id"] if g < 4 else bob["job_id"] for g in range(8)}
+    gpus = per_job(samples, "hyperagent_job_gpus")
+    assert gpus == {alice["job_id"]: 4.0, bob["job_id"]: 4.0}
+    power = per_gpu(samples, "hyperagent_gpu_power_watts")
+    job_power = per_job(samples, "hyperagent_job_gpu_power_watts")
+    assert job_power[alice["job_id"]] == pytest.approx(sum(power[str(g)] for g in range(4)))
+    assert job_power[bob["job_id"]] == pytest.approx(sum(power[str(g)] for g in range(4, 8)))
+    utilization = per_gpu(samples, "hyperagent_gpu_utilization_ratio")
+    job_utilization = per_job(samples, "hyperagent_job_gpu_utilization_ratio")
+    assert job_utilization[bob["job_id"]] == pytest.approx(
+        sum(utilization[str(g)] for g in range(4, 8)) / 4
+    )
+    memory = per_gpu(samples, "hyperagent_gpu_memory_used_bytes")
+    assert per_job(samples, "hyperagent_job_gpu_memory_used_bytes")[alice["job_id"]] == (
+        pytest.approx(sum(memory[str(g)] for g in range(4)))
+    )
+    energy = per_job(samples, "hyperagent_job_gpu_energy_joules_total")
+    total = sum(per_gpu(samples, "hyperagent_gpu_energy_joules_total").values())
+    assert energy[alice["job_id"]] > 0 and energy[bob["job_id"]] > 0
+    # the GPUs' counters count from the driver's start, the jobs' from when they were found:
+    # what the GPUs used since then is what the jobs used
+    jobs_before = sum(per_job(first, "hyperagent_job_gpu_energy_joules_total").values())
+    total_before = sum(per_gpu(first, "hyperagent_gpu_energy_joules_total").values())
+    assert total - total_before > 1000.0
+    assert sum(energy.values()) - jobs_before == pytest.approx(total - total_before, rel=0.01)
+    assert sum(energy.values()) <= total
+    assert energy[alice["job_id"]] > energy[bob["job_id"]]  # GPUs 0-3 draw 651 W, 4-7 333 W
+    assert "hyperagent_job_node_power_watts" not in {n for n, _ in samples}
+    return samples
+
+
+async def check_released(port: int, ended: str, live: str) -> None:
+    """``ended`` shows 0 GPUs and its final energy for ``release_after_s``, then its series
+    go; ``live`` goes on."""
+    ended_gpus = await until(lambda: per_job(scrape(port), "hyperagent_job_gpus").get(ended) == 0.0)
+    assert ended_gpus
+    loop = asyncio.get_running_loop()
+    ended_at = loop.time()
+    final = per_job(scrape(port), "hyperagent_job_gpu_energy_joules_total")[ended]
+    gone_at = None
+    while loop.time() - ended_at < RELEASE_AFTER_S + 5:
+        samples = scrape(port)
+        energy = per_job(samples, "hyperagent_job_gpu_energy_joules_total")
+        if ended not in energy:
+            gone_at = loop.time()
+            break
+        assert energy[ended] == final
+        assert not any(
+            dict(k)["job_id"] == ended
+            for (n, k), _ in samples.items()
+            if n != "hyperagent_job_gpus"
+            and n != "hyperagent_job_gpu_energy_joules_total"
+            and "job_id" in dict(k)
+        )
+        await asyncio.sleep(0.1)
+    assert gone_at is not None, f"{ended} was never released"
+    assert RELEASE_AFTER_S - 0.5 <= gone_at - ended_at <= RELEASE_AFTER_S + 1.0
+    samples = scrape(port)
+    assert not any(dict(k).get("job_id") == ended for _, k in samples)
+    assert per_job(samples, "hyperagent_job_gpus") == {live: 4.0}
+
+
+async def test_two_slurm_jobs_from_their_cgroups(tmp_path: Path) -> None:
+    async with replayed(tmp_path, {"mode": "cgroup"}) as (agent, port, node):
+        await check_two_jobs(port, ALICE, BOB)
+        for pid in range(52101, 52105):  # bob's job ends: its processes go
+            shutil.rmtree(node / "proc" / str(pid))
+        for gpu in range(4, 8):
+            agent.hardware.nvml.set_processes(gpu, [])
+        await check_released(port, "slurm-4243-0", "slurm-4242-0")
+
+
+async def test_the_same_from_a_job_mapping_directory(tmp_path: Path) -> None:
+    alice = {"job_id": "slurm-4242", "user": "alice", "slurm_job": "4242", "slurm_step": ""}
+    bob = {"job_id": "slurm-4243", "user": "bob", "slurm_job": "4243", "slurm_step": ""}
+    mapping = tmp_path / "node" / "job-mapping"
+    async with replayed(tmp_path, {"mode": "mapping", "mapping_dir": str(mapping)}) as (
+        _,
+        port,
+        _node,
+    ):
+        await check_two_jobs(port, alice, bob)
+        for gpu in range(4, 8):  # the epilog empties bob's files
+            (mapping / str(gpu)).write_text("")
+        await check_released(port, "slurm-4243", "slurm-4242")
+
+
+async def test_a_job_alone_on_the_node_gets_the_node_s_power(tmp_path: Path) -> None:
+    async with replayed(tmp_path, {"mode": "cgroup"}) as (agent, port, node):
+        for pid in range(52101, 52105):
+            shutil.rmtree(node / "proc" / str(pid))
+        for gpu in range(4, 8):
+            agent.hardware.nvml.set_processes(gpu, [51005])  # alice's step takes every GPU
+        shutil.copytree(node / "proc" / "51001", node / "proc" / "51005")
+        env = (node / "proc" / "51005" / "environ").read_bytes()
+        env = env.replace(b"SLURM_STEP_GPUS=0,1,2,3", b"SLURM_STEP_GPUS=0,1,2,3,4,5,6,7")
+        (node / "proc" / "51005" / "environ").write_bytes(env)
+        await until(lambda: per_job(scrape(port), "hyperagent_job_gpus") == {"slurm-4242-0": 8})
+        # no BMC or PDU in this capture: the node's power is unknown, so it is absent
+        assert "hyperagent_job_node_power_watts" not in {n for n, _ in scrape(port)}
+    ledger = JobLedger(600.0, 4)
+    ledger.hold({"a": (JobIdentity("a"), frozenset({"0", "1"}))})
+    names = {r.name: r.value for r in ledger.readings(_gpus({"0": 1.0, "1": 1.0}), 812.0)}
+    assert names["hyperagent_job_node_power_watts"] == 812.0
+    ledger.hold(
+        {
+            "a": (JobIdentity("a"), frozenset({"0"})),
+            "b": (JobIdentity("b"), frozenset({"1"})),
+        }
+    )
+    names = {r.name for r in ledger.readings(_gpus({"0": 1.0, "1": 1.0}), 812.0)}
+    assert "hyperagent_job_node_power_watts" not in names
+
+
+@pytest.mark.parametrize("mode", ["cgroup", "mapping"])
+async def test_a_job_reporter_job_in_a_slurm_cgroup_is_one_job(tmp_path: Path, mode: str) -> None:
+    """This test process is a rank of Slurm job 4244 step 0 (its id from SLURM_JOB_ID and
+    SLURM_STEP_ID), on GPU 4 in NVML, in job 4244's cgroup in the proc tree (and GPU 4's
+    mapping file): one job, under the rank's id, with its user and Slurm labels."""
+    pid, uid = os.getpid(), os.getuid()
+    user = pwd.getpwuid(uid).pw_name
+    attribution: dict[str, Any] = {"mode": mode}
+    if mode == "mapping":
+        attribution["mapping_dir"] = str(tmp_path / "node" / "job-mapping")
+    async with replayed(tmp_path, attribution) as (agent, port, node):
+        for gpu in range(4, 8):
+            agent.hardware.nvml.set_processes(gpu, [pid] if gpu == 4 else [])
+            (node / "job-mapping" / str(gpu)).write_text("4244\n" if gpu == 4 else "")
+        mine = node / "proc" / str(pid)
+        mine.mkdir()
+        (mine / "cgroup").write_text(
+            "0::/system.slice/slurmstepd.scope/job_4244/step_0/user/task_0\n"
+        )
+        (mine / "status").write_text(
+            f"Name:\tpython\nPid:\t{pid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
+        )
+        env = {"SLURM_JOB_ID": "4244", "SLURM_STEP_ID": "0"}
+        reporter = JobReporter(socket_path=tmp_path / "job.sock", environ=env)
+        try:
+            reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+            expected = {"slurm-4242" + ("-0" if mode == "cgroup" else ""), "slurm-4244-0"}
+            await until(lambda: set(per_job(scrape(port), "hyperagent_job_gpus")) == expected)
+            await asyncio.sleep(0.6)  # a few attribution rounds: still one job
+            samples = scrape(port)
+            assert set(per_job(samples, "hyperagent_job_gpus")) == expected
+            assert per_job(samples, "hyperagent_job_gpus")["slurm-4244-0"] == 1.0
+            labels = labels_of(samples, "slurm-4244-0")
+            assert labels["slurm_job"] == "4244" and labels["slurm_step"] == "0"
+            assert labels["user"] in (user, str(uid))
+            info = [dict(k) for (n, k), _ in samples.items() if n == "hyperagent_gpu_job_info"]
+            assert [i["job_id"] for i in info if i["gpu"] == "4"] == ["slurm-4244-0"]
+            assert ("hyperagent_job_steps_total", frozenset({("job_id", "slurm-4244-0")})) in (
+                samples
+            )
+        finally:
+            reporter.close()
+
+
+async def test_malformed_cgroups_and_mapping_files_are_logged_and_the_agent_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="hyperagent.attribution")
+    node_copy = tmp_path / "cgroup"
+    node_copy.mkdir()
+    async with replayed(node_copy, {"mode": "cgroup"}) as (agent, port, node):
+        await until(lambda: len(per_job(scrape(port), "hyperagent_job_gpus")) == 2)
+        agent.hardware.nvml.set_processes(7, [52104, 52105])  # a pid seen anew: read again
+        (node / "proc" / "52105").mkdir()
+        (node / "proc" / "52105" / "cgroup").write_text("also garbage\n")
+        await until(lambda: "52105/cgroup" in caplog.text)
+        collections = agent.collections
+        await until(lambda: agent.collections > collections + 3)
+        assert per_job(scrape(port), "hyperagent_job_gpus") == {
+            "slurm-4242-0": 4.0,
+            "slurm-4243-0": 4.0,  # bob's other ranks still say GPU 7 is his
+        }
+    assert "also garbage" in caplog.text and "is not hierarchy-ID:controllers:path" in caplog.text
+    assert caplog.text.count("52105/cgroup") == 1
+    caplog.clear()
+    mapped = tmp_path / "mapping"
+    mapped.mkdir()
+    mapping = mapped / "node" / "job-mapping"
+    async with replayed(mapped, {"mode": "mapping", "mapping_dir": str(mapping)}) as (
+        agent,
+        port,
+        node,
+    ):
+        await until(lambda: len(per_job(scrape(port), "hyperagent_job_gpus")) == 2)
+        (mapping / "7").write_text("4243\nnot a job\n")
+        (mapping / "gpu-eight").write_text("4243\n")
+        await until(lambda: "7 line 2" in caplog.text and "gpu-eight" in caplog.text)
+        await until(lambda: per_job(scrape(port), "hyperagent_job_gpus").get("slurm-4243") == 3)
+        collections = agent.collections
+        await until(lambda: agent.collections > collections + 3)
+    assert caplog.text.count("gpu-eight") == 1
