@@ -58,19 +58,6 @@ _CORE: dict[str, str] = {
     "hyperagent_job_rank_step_seconds": (
         "Step time of one rank: the mean over the connected ranks of their last step."
     ),
-    # Per-job series of every job holding GPUs (reporting or found from the scheduler), labelled
-    # job_id, user, slurm_job, slurm_step
-    "hyperagent_job_gpus": "GPUs the job holds on this node.",
-    "hyperagent_job_gpu_utilization_ratio": "Mean utilisation of the job's GPUs on this node.",
-    "hyperagent_job_gpu_sm_active_ratio": "Mean SM activity of the job's GPUs on this node.",
-    "hyperagent_job_gpu_memory_used_bytes": "Memory used on the job's GPUs, summed.",
-    "hyperagent_job_gpu_power_watts": "Power of the job's GPUs on this node, summed.",
-    "hyperagent_job_gpu_energy_joules_total": (
-        "Energy of the job's GPUs on this node while the job holds them."
-    ),
-    "hyperagent_job_node_power_watts": (
-        "The node's BMC or PDU power while the job holds every GPU of the node."
-    ),
     # Job allocator reports (memory pressure, method="reported")
     "hyperagent_job_gpu_memory_allocated_ratio": (
         "Allocated over total bytes of the fullest GPU among the job's ranks on this node."
