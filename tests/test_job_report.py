@@ -1,6 +1,11 @@
 """Per-job series in a real Prometheus with the shipped config and rules, and
 ``hyperagent report --job``: two Slurm jobs of two users on one 8-GPU node, 4 GPUs each.
 
+At the end, the real agent over the replay of two Slurm jobs
+(``fixtures/replay/slurm-2jobs-8gpu``, attributed from their cgroups) is scraped by Prometheus:
+the job dashboard's GPU panels fill for both jobs, and the report gives the replay's
+utilisation and memory per GPU and its GPUs' recorded power integrated over time.
+
 The history (an hour, every 15 s) goes into Prometheus' TSDB as blocks written by
 ``promtool tsdb create-blocks-from openmetrics`` from an OpenMetrics file this test writes with
 known values in the agent's per-job schema; the report's figures are checked against what
@@ -11,9 +16,11 @@ evaluates the rules, and every query of the job dashboard's GPU panels returns d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
+import shutil
 import statistics
 import struct
 import subprocess
@@ -21,6 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -28,9 +36,19 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 from test_prometheus_e2e import CLUSTER, DASHBOARDS, Prometheus
+from test_slurm_attribution import ALICE as REPLAY_ALICE
+from test_slurm_attribution import BOB as REPLAY_BOB
+from test_slurm_attribution import NODE as REPLAY
+from test_slurm_attribution import replayed
 
 from hyperagent import cli
-from hyperagent.job_report import JobReportError, PrometheusApi, job_report, parse_duration
+from hyperagent.job_report import (
+    JobReportError,
+    PrometheusApi,
+    job_report,
+    parse_duration,
+    write_picture,
+)
 
 from conftest import REPO, free_port, require_binary
 
@@ -470,6 +488,8 @@ def filled(expr: str, job: Job) -> str:
 
 NODE_ONLY = "hyperagent_job_node_power_watts"
 """The node's power per job: only while one job holds every GPU of the node (neither here)."""
+SM_ACTIVE = "hyperagent_job_gpu_sm_active_ratio"
+"""SM activity: only where the GPUs measure it (not the replayed node's V100S)."""
 
 
 @pytest.mark.timeout(120)
@@ -530,3 +550,112 @@ def test_the_report_on_a_live_job(setup: Setup) -> None:
     assert report.energy_joules == pytest.approx(1000.0 * (report.end - live.started), rel=0.01)
     assert report.joules_per_sample == pytest.approx(1000.0 / 120.0, rel=0.02)
     assert [g.mean for g in report.per_gpu] == pytest.approx([0.8] * 4)
+
+
+# -- a real agent over the replay of two Slurm jobs, scraped by Prometheus --------------------
+
+
+def replay_gpus() -> dict[int, tuple[float, float, float]]:
+    """Per GPU of the replayed node's nvidia-smi capture: utilisation, memory used (bytes) and
+    power (W)."""
+    root = ElementTree.parse(REPLAY / "nvidia-smi.xml").getroot()
+    out = {}
+    for gpu in root.findall("gpu"):
+        util = float(gpu.findtext("utilization/gpu_util", "").removesuffix(" %")) / 100
+        memory = float(gpu.findtext("fb_memory_usage/used", "").removesuffix(" MiB")) * 2**20
+        power = float(gpu.findtext("power_readings/power_draw", "").removesuffix(" W"))
+        out[int(gpu.findtext("minor_number", ""))] = (util, memory, power)
+    return out
+
+
+ENERGY_RULE = "job_id:hyperagent_gpu_energy_joules:rate5m"
+
+
+async def query(prometheus: Prometheus, expr: str) -> dict[str, float]:
+    """job_id -> value of an instant query."""
+    data = await asyncio.to_thread(prometheus.get, "/api/v1/query", query=expr)
+    return {s["metric"].get("job_id", ""): float(s["value"][1]) for s in data["result"]}
+
+
+@pytest.mark.timeout(120)
+async def test_the_two_job_replay_through_prometheus_the_dashboard_and_the_report(
+    tmp_path: Path,
+) -> None:
+    gpus = replay_gpus()
+    expected = {
+        REPLAY_ALICE["job_id"]: (0, 1, 2, 3),
+        REPLAY_BOB["job_id"]: (4, 5, 6, 7),
+    }
+    async with replayed(tmp_path, {"mode": "cgroup"}) as (agent, port, node):
+        prometheus = Prometheus(tmp_path, [f"127.0.0.1:{port}"], [])
+        prometheus.start()
+        try:
+            async with asyncio.timeout(30):
+                while (
+                    len(await query(prometheus, "job_id:hyperagent_gpu_energy_joules:rate5m")) < 2
+                ):
+                    await asyncio.sleep(0.5)
+            for job_id in expected:
+                job = Job(job_id, "", "", "", ())
+                for title, queries in job_panels():
+                    for expr in queries:
+                        if NODE_ONLY not in expr and SM_ACTIVE not in expr:
+                            found = await asyncio.to_thread(
+                                wait_for, prometheus, filled(expr, job), 15
+                            )
+                            assert found, (job_id, title, expr)
+            held = await query(prometheus, "job_id:hyperagent_job_gpus:sum")
+            assert held == {job_id: 4.0 for job_id in expected}
+            mean = await query(prometheus, "job_id:hyperagent_job_gpu_utilization_ratio:avg")
+            power = await query(prometheus, "job_id:hyperagent_gpu_power_watts:sum")
+            for job_id, ids in expected.items():
+                assert mean[job_id] == pytest.approx(statistics.fmean(gpus[g][0] for g in ids))
+                assert power[job_id] == pytest.approx(sum(gpus[g][2] for g in ids))
+            await asyncio.sleep(10)  # ten more scrapes of both jobs
+
+            # bob's job ends: its processes go, its GPUs fall to 0 on /metrics
+            for pid in range(52101, 52105):
+                shutil.rmtree(node / "proc" / str(pid))
+            for gpu in range(4, 8):
+                agent.hardware.nvml.set_processes(gpu, [])
+            bob_gpus = f'hyperagent_job_gpus{{job_id="{REPLAY_BOB["job_id"]}"}} == 0'
+            async with asyncio.timeout(20):
+                while not await query(prometheus, bob_gpus):
+                    await asyncio.sleep(0.5)
+
+            api = PrometheusApi(prometheus.url)
+            for labels in (REPLAY_ALICE, REPLAY_BOB):
+                ids = expected[labels["job_id"]]
+                report = await asyncio.to_thread(job_report, api, labels["job_id"])
+                assert (report.user, report.slurm_job, report.slurm_step) == (
+                    labels["user"],
+                    labels["slurm_job"],
+                    labels["slurm_step"],
+                )
+                assert report.gpus == 4 and report.seconds >= 10
+                assert report.gpu_hours == pytest.approx(4 * report.seconds / 3600, rel=0.02)
+                assert [int(g.gpu) for g in report.per_gpu] == list(ids)
+                for g in report.per_gpu:
+                    util, memory, _ = gpus[int(g.gpu)]
+                    assert (g.mean, g.p10) == (pytest.approx(util), pytest.approx(util))
+                    assert g.memory_peak_bytes == memory
+                assert report.mean_utilization == pytest.approx(
+                    statistics.fmean(gpus[g][0] for g in ids)
+                )
+                assert report.low_seconds == 0
+                assert report.memory_peak_bytes == sum(gpus[g][1] for g in ids)
+                assert report.samples is None and report.joules_per_sample is None
+                # the energy since the first sample: the GPUs' recorded draw, integrated
+                after_first = await asyncio.to_thread(
+                    job_report, api, labels["job_id"], report.start + 0.01, report.end + 0.01
+                )
+                watts = sum(gpus[g][2] for g in ids)
+                assert after_first.energy_joules == pytest.approx(
+                    watts * after_first.seconds, rel=0.01
+                )
+                assert report.energy_kwh == pytest.approx(report.energy_joules / 3.6e6)
+                out = tmp_path / f"{labels['job_id']}.png"
+                await asyncio.to_thread(write_picture, report, out)
+                assert out.read_bytes().startswith(PNG_MAGIC) and out.stat().st_size > 30_000
+        finally:
+            prometheus.stop()
