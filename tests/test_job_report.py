@@ -578,6 +578,7 @@ async def query(prometheus: Prometheus, expr: str) -> dict[str, float]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.long(30)
 async def test_the_two_job_replay_through_prometheus_the_dashboard_and_the_report(
     tmp_path: Path,
 ) -> None:
