@@ -6,11 +6,11 @@ Every job holding GPUs has the agent's per-job series (``hyperagent_job_gpus``,
 ``hyperagent_gpu_job_info`` per GPU it holds, whether it reports steps or was found from the
 scheduler. The report finds the job's first and last sample of ``hyperagent_job_gpus`` in the
 range (coarsely, then from the raw samples at both ends: a job is found however short), then
-reads every series with ``query_range`` over that span, each point the last raw sample of the
-step before it
-(``last_over_time(x[step])``): no point outlives the job by Prometheus' five-minute lookback,
-and a counter's points telescope to its exact increase. The step is the scrape interval, or
-coarser so that no series has more than :data:`MAX_POINTS` points.
+reads every series with ``query_range`` over that span, each point half a step after a sample
+and the last raw sample of the step before it (``last_over_time(x[step])``): no point outlives
+the job by Prometheus' five-minute lookback, a sample is neither missed nor counted twice for
+the scrapes' jitter, and a counter's points telescope to its exact increase. The step is the
+scrape interval, or coarser so that no series has more than :data:`MAX_POINTS` points.
 
 Figures: the user and Slurm job, nodes, GPUs held and GPU-hours (the count integrated over
 time), utilisation mean and 10th percentile for the job (GPUs weighted by node) and for each
@@ -362,6 +362,18 @@ def _trapezoid(times: Sequence[float], values: Sequence[float | None], gap_s: fl
     return total
 
 
+def _since(series: Series, first: float) -> Series:
+    """``series`` without its points before ``first``."""
+    keep = [i for i, t in enumerate(series.times) if t >= first]
+    if len(keep) == len(series.times):
+        return series
+    return Series(
+        series.labels,
+        tuple(series.times[i] for i in keep),
+        tuple(series.values[i] for i in keep),
+    )
+
+
 def _node(series: Series) -> str:
     return series.labels.get("instance", "")
 
@@ -373,6 +385,42 @@ def _gpu_key(labels: Mapping[str, str]) -> tuple[str, str, str]:
 def _gpu_sort(key: tuple[str, str, str]) -> tuple[str, int, str, str]:
     instance, gpu, uuid = key
     return (instance, int(gpu) if gpu.isdigit() else -1, gpu, uuid)
+
+
+def _weighted_utilization(
+    gpus: Sequence[Series],
+    gpus_rows: Sequence[Sequence[float | None]],
+    utilization: Sequence[Series],
+    grid: Sequence[float],
+) -> list[float | None]:
+    """The job's mean utilisation at each grid point: each node's mean weighted by the GPUs
+    the job holds there."""
+    rows = dict(zip((_node(s) for s in utilization), _on_grid(utilization, grid), strict=True))
+    out: list[float | None] = []
+    for i in range(len(grid)):
+        num = den = 0.0
+        for g_series, g_row in zip(gpus, gpus_rows, strict=True):
+            u_row, held_here = rows.get(_node(g_series)), g_row[i]
+            if u_row is not None and held_here is not None and (u := u_row[i]) is not None:
+                num, den = num + u * held_here, den + held_here
+        out.append(num / den if den > 0 else None)
+    return out
+
+
+def _gpu_stats(
+    key: tuple[str, str, str], utilization: Series | None, memory: Series | None
+) -> GpuStats:
+    values = list(utilization.values) if utilization is not None else []
+    used = memory.values if memory is not None else ()
+    return GpuStats(
+        instance=key[0],
+        gpu=key[1],
+        uuid=key[2],
+        mean=statistics.fmean(values) if values else None,
+        p10=_p10(values),
+        low_fraction=sum(v < LOW_UTILIZATION for v in values) / len(values) if values else None,
+        memory_peak_bytes=max(used) if used else None,
+    )
 
 
 def _span(
@@ -437,15 +485,21 @@ def job_report(
         )
     step = max(interval, (last - first) / MAX_POINTS)
     step = math.ceil(step * 1000) / 1000
-    count = math.ceil((last - first) / step - 1e-9)
-    q_start, q_end = last - count * step, last
+    # each point half a step after a sample: its window (one step) holds that sample alone,
+    # whatever the scrapes' jitter; the first holds the job's first sample
+    count = math.floor((last - first) / step + 0.5)
+    q_end = last + step / 2
+    q_start = q_end - count * step
     window = f"{max(1, round(step * 1000))}ms"
     nodes = sorted({_node(s) for s in held})
     began_inside = first >= start + 2 * interval
 
+    def points(expr: str) -> list[Series]:
+        # the first point's window may reach back before the job's first sample: left out
+        return [_since(s, first) for s in api.query_range(expr, q_start, q_end, step)]
+
     def per_job(metric: str) -> list[Series]:
-        expr = f"last_over_time({metric}{selector}[{window}])"
-        return api.query_range(expr, q_start, q_end, step)
+        return points(f"last_over_time({metric}{selector}[{window}])")
 
     on_gpu = "on (cluster, instance, gpu, uuid) group_right ()"
     instances = "|".join(re.escape(n) for n in nodes)
@@ -455,7 +509,7 @@ def job_report(
             f"last_over_time({metric}{{instance=~{json.dumps(instances)}}}[{window}])"
             f" * {on_gpu} last_over_time(hyperagent_gpu_job_info{selector}[{window}])"
         )
-        return api.query_range(expr, q_start, q_end, step)
+        return points(expr)
 
     gpus_s = per_job("hyperagent_job_gpus")
     grid = sorted({t for s in gpus_s for t in s.times})
@@ -463,15 +517,7 @@ def job_report(
     gpus_total = _sum_points(gpus_rows, len(grid))
 
     util_s = per_job("hyperagent_job_gpu_utilization_ratio")
-    util_rows = dict(zip((_node(s) for s in util_s), _on_grid(util_s, grid), strict=True))
-    weighted: list[float | None] = []
-    for i in range(len(grid)):
-        num = den = 0.0
-        for g_series, g_row in zip(gpus_s, gpus_rows, strict=True):
-            u_row, held_here = util_rows.get(_node(g_series)), g_row[i]
-            if u_row is not None and held_here is not None and (u := u_row[i]) is not None:
-                num, den = num + u * held_here, den + held_here
-        weighted.append(num / den if den > 0 else None)
+    weighted = _weighted_utilization(gpus_s, gpus_rows, util_s, grid)
     job_util = [u for u in weighted if u is not None]
 
     memory = _sum_points(_on_grid(per_job("hyperagent_job_gpu_memory_used_bytes"), grid), len(grid))
@@ -496,23 +542,10 @@ def job_report(
 
     util_gpu = {_gpu_key(s.labels): s for s in per_gpu("hyperagent_gpu_utilization_ratio")}
     mem_gpu = {_gpu_key(s.labels): s for s in per_gpu("hyperagent_gpu_memory_used_bytes")}
-    gpu_stats = []
-    for key in sorted(set(util_gpu) | set(mem_gpu), key=_gpu_sort):
-        values = list(util_gpu[key].values) if key in util_gpu else []
-        mem_values = mem_gpu[key].values if key in mem_gpu else ()
-        gpu_stats.append(
-            GpuStats(
-                instance=key[0],
-                gpu=key[1],
-                uuid=key[2],
-                mean=statistics.fmean(values) if values else None,
-                p10=_p10(values),
-                low_fraction=(
-                    sum(v < LOW_UTILIZATION for v in values) / len(values) if values else None
-                ),
-                memory_peak_bytes=max(mem_values) if mem_values else None,
-            )
-        )
+    gpu_stats = [
+        _gpu_stats(key, util_gpu.get(key), mem_gpu.get(key))
+        for key in sorted(set(util_gpu) | set(mem_gpu), key=_gpu_sort)
+    ]
     seconds = last - first
     labels = held[0].labels
     present_memory = [m for m in memory if m is not None]
