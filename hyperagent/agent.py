@@ -478,7 +478,8 @@ class Agent:
                 found = await self._device_call(
                     self.hardware.nvml, self._running_pids, "running processes"
                 )
-                self._gpu_pids = found or {}
+                if found is not None:  # NVML timed out: the last processes stand
+                    self._gpu_pids = found
             self._gpu_pids_at = now if due else self._gpu_pids_at
             await attribution.poll(self._gpu_pids, owner_uids)
         out, held = attribution.collect(readings, channel)

@@ -148,7 +148,9 @@ class _Held:
 
 
 @dataclass
-class _Gpu:
+class GpuValues:
+    """One GPU's values in one cycle (None: not measured)."""
+
     uuid: str = ""
     utilization: float | None = None
     sm_active: float | None = None
@@ -157,9 +159,9 @@ class _Gpu:
     energy: float | None = None
 
 
-def gpu_values(readings: Iterable[Reading]) -> dict[str, _Gpu]:
+def gpu_values(readings: Iterable[Reading]) -> dict[str, GpuValues]:
     """GPU index -> its values among one cycle's readings (every GPU with an info series)."""
-    gpus: dict[str, _Gpu] = {}
+    gpus: dict[str, GpuValues] = {}
     for r in readings:
         name = r.name
         if not name.startswith("hyperagent_gpu_"):
@@ -168,17 +170,17 @@ def gpu_values(readings: Iterable[Reading]) -> dict[str, _Gpu]:
         if index is None:
             continue
         if name == gpu_metrics.GPU_INFO:
-            gpus.setdefault(index, _Gpu()).uuid = r.labels.get("uuid", "")
+            gpus.setdefault(index, GpuValues()).uuid = r.labels.get("uuid", "")
         elif name == gpu_metrics.UTILIZATION:
-            gpus.setdefault(index, _Gpu()).utilization = r.value
+            gpus.setdefault(index, GpuValues()).utilization = r.value
         elif name == gpu_metrics.SM_ACTIVE:
-            gpus.setdefault(index, _Gpu()).sm_active = r.value
+            gpus.setdefault(index, GpuValues()).sm_active = r.value
         elif name == gpu_metrics.MEMORY_USED:
-            gpus.setdefault(index, _Gpu()).memory_used = r.value
+            gpus.setdefault(index, GpuValues()).memory_used = r.value
         elif name == gpu_metrics.POWER:
-            gpus.setdefault(index, _Gpu()).power = r.value
+            gpus.setdefault(index, GpuValues()).power = r.value
         elif name == gpu_metrics.ENERGY:
-            gpus.setdefault(index, _Gpu()).energy = r.value
+            gpus.setdefault(index, GpuValues()).energy = r.value
     return gpus
 
 
@@ -263,7 +265,7 @@ class JobLedger:
     def live(self) -> list[_Held]:
         return [h for h in self.jobs.values() if h.ended_at is None]
 
-    def readings(self, gpus: Mapping[str, _Gpu], node_power: float | None) -> list[Reading]:
+    def readings(self, gpus: Mapping[str, GpuValues], node_power: float | None) -> list[Reading]:
         """Advance the jobs' energy by the GPUs' counters since the last cycle and return the
         per-job series of this cycle."""
         self.release_due()
@@ -311,7 +313,7 @@ def _index_order(index: str) -> tuple[int, str]:
     return (int(index), "") if index.isdigit() else (1 << 30, index)
 
 
-def _means_and_sums(gpus: Sequence[_Gpu], labels: dict[str, str]) -> list[Reading]:
+def _means_and_sums(gpus: Sequence[GpuValues], labels: dict[str, str]) -> list[Reading]:
     out: list[Reading] = []
     util = [g.utilization for g in gpus if g.utilization is not None]
     if util:
@@ -369,6 +371,13 @@ class Attribution:
         self._mapped: dict[str, tuple[SchedulerJob, ...]] = {}
         self._gpu_pids: dict[str, list[int]] = {}
         self._logged: set[str] = set()
+        self._warned_hidden = False
+        self._pending: (
+            asyncio.Future[
+                tuple[dict[int, ProcessJob | None], MappingRead | None, dict[int, str | None]]
+            ]
+            | None
+        ) = None
 
     @property
     def scheduler(self) -> bool:
@@ -399,9 +408,12 @@ class Attribution:
         self._processes = {p: j for p, j in self._processes.items() if p in pids}
         new = sorted(pids - self._processes.keys())
         uids = {u for u in owner_uids if u not in self._names}
+        if self._pending is not None and not self._pending.done():
+            return  # the last read still hangs in its thread: no second one beside it
+        self._pending = pending = asyncio.ensure_future(asyncio.to_thread(self._read, new, uids))
         try:
             async with asyncio.timeout(self.timeout_s):
-                found, mapped, names = await asyncio.to_thread(self._read, new, uids)
+                found, mapped, names = await asyncio.shield(pending)
         except TimeoutError:
             self._error_once(f"reading the scheduler's view took over {self.timeout_s} s")
             return
@@ -425,6 +437,17 @@ class Attribution:
                 except CgroupFormatError as e:
                     self._error_once(f"{self.proc_root}/{pid}/cgroup: {e}")
                     found[pid] = None
+            hidden = [p for p, job in found.items() if job is None and not self._visible(p)]
+            if hidden and not self._warned_hidden:
+                self._warned_hidden = True
+                log.warning(
+                    "job attribution: %d process(es) NVML shows on the GPUs are not under %s"
+                    " (pid %d first): gone already, or hidden from this user (hidepid,"
+                    " systemd ProtectProc=invisible)",
+                    len(hidden),
+                    self.proc_root,
+                    hidden[0],
+                )
         mapped = None
         if self.mode == "mapping" and self.mapping_dir is not None:
             mapped = read_mapping_dir(self.mapping_dir)
@@ -433,6 +456,9 @@ class Attribution:
                 uids.add(process.uid)
         names = {uid: self.users(uid) for uid in uids if uid not in self._names}
         return found, mapped, names
+
+    def _visible(self, pid: int) -> bool:
+        return (self.proc_root / str(pid)).exists()
 
     def user(self, uid: int | None) -> str:
         """The user name of ``uid`` as looked up (the uid itself for one the database does

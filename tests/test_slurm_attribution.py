@@ -13,16 +13,18 @@ import logging
 import os
 import pwd
 import shutil
-import urllib.request
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from test_agent_device_calls import scrape
 
 from hyperagent.agent import Agent
-from hyperagent.attribution import JobIdentity, JobLedger, _Gpu
+from hyperagent.attribution import GpuValues, JobIdentity, JobLedger
 from hyperagent.capture.directory import capture_sources
 from hyperagent.config import build_config
 from hyperagent.errors import ConfigError
@@ -35,7 +37,7 @@ from hyperagent.sources.slurm_cgroup import (
     parse_status_uid,
 )
 
-from conftest import FIXTURES, ManualClock, free_port
+from conftest import FIXTURES, REPO, ManualClock, free_port, wait_for_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,8 +147,8 @@ def test_config_names_the_attribution_key() -> None:
 # -- the ledger ------------------------------------------------------------------------------
 
 
-def _gpus(energy: dict[str, float]) -> dict[str, _Gpu]:
-    return {g: _Gpu(uuid=f"GPU-{g}", power=100.0, energy=e) for g, e in energy.items()}
+def _gpus(energy: dict[str, float]) -> dict[str, GpuValues]:
+    return {g: GpuValues(uuid=f"GPU-{g}", power=100.0, energy=e) for g, e in energy.items()}
 
 
 def test_a_shared_gpu_gives_each_job_its_share_and_the_energies_add_up() -> None:
@@ -195,17 +197,32 @@ def test_jobs_are_bounded_and_an_ended_one_makes_room(caplog: pytest.LogCaptureF
     assert set(ledger.jobs) == {"b", "c"}
 
 
+def test_a_stream_of_short_jobs_stays_bounded_and_every_joule_goes_to_one_job() -> None:
+    """Churn: 200 short jobs one after another on GPU 0 (each seen for 3 cycles, then gone)
+    under max_jobs 4: never more than 4 kept, each job's energy what GPU 0 used while it
+    held it, their sum the GPU's."""
+    clock = ManualClock()
+    ledger = JobLedger(release_after_s=5.0, max_jobs=4, clock=clock)
+    energy, most = 0.0, 0
+    finals: dict[str, float] = {}
+    for generation in range(200):
+        job = f"slurm-{1000 + generation}-0"
+        for _ in range(3):
+            ledger.hold({job: (JobIdentity(job), frozenset({"0"}))})
+            clock.now += 1.0
+            energy += 250.0
+            out = ledger.readings({"0": GpuValues("GPU-0", energy=energy)}, None)
+            most = max(most, len(ledger.jobs))
+            finals.update(
+                {r.labels["job_id"]: r.value for r in out if r.name.endswith("_joules_total")}
+            )
+    assert most <= 4
+    assert finals["slurm-1000-0"] == 500.0  # first cycle is its baseline
+    assert all(finals[f"slurm-{1000 + g}-0"] == 750.0 for g in range(1, 200))
+    assert sum(finals.values()) == energy - 250.0
+
+
 # -- the agent over the replay ---------------------------------------------------------------
-
-
-def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def per_job(samples: Samples, name: str) -> dict[str, float]:
@@ -482,3 +499,31 @@ async def test_malformed_cgroups_and_mapping_files_are_logged_and_the_agent_goes
         collections = agent.collections
         await until(lambda: agent.collections > collections + 3)
     assert caplog.text.count("gpu-eight") == 1
+
+
+@pytest.mark.parametrize("config", [None, NODE / "mapping.toml"], ids=["cgroup", "mapping"])
+def test_the_readme_commands_replay_both_jobs(config: Path | None) -> None:
+    """``hyperagent agent --replay fixtures/replay/slurm-2jobs-8gpu --no-broker`` (and with
+    its ``mapping.toml``), run from the checkout as the README says."""
+    port = free_port()
+    command = [sys.executable, "-m", "hyperagent.cli", "agent", "--replay", str(NODE)]
+    command += ["--no-broker", "--metrics-address", f"127.0.0.1:{port}", "--interval", "0.2"]
+    command += ["--config", str(config)] if config else []
+    agent = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE)
+    try:
+        wait_for_port(port, 30)
+        deadline = time.monotonic() + 20
+        jobs: dict[str, float] = {}
+        while time.monotonic() < deadline and len(jobs) < 2:
+            jobs = per_job(scrape(port), "hyperagent_job_gpus")
+            time.sleep(0.1)
+        step = "-0" if config is None else ""
+        assert jobs == {f"slurm-4242{step}": 4.0, f"slurm-4243{step}": 4.0}
+        users = {
+            dict(k)["user"] for (n, k), _ in scrape(port).items() if n == "hyperagent_job_gpus"
+        }
+        assert users == {"alice", "bob"}
+    finally:
+        agent.terminate()
+        _, stderr = agent.communicate(timeout=20)
+    assert b"Traceback" not in stderr, stderr.decode()[-2000:]
