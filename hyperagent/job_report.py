@@ -47,6 +47,8 @@ from hyperagent.errors import HyperagentError
 
 LOW_UTILIZATION = 0.10
 """Below this mean utilisation the job's GPUs count as idle (as HyperagentJobGpusIdle)."""
+LEGEND_GPUS = 16
+"""GPUs named in the picture's legend at most (more: the job's mean alone)."""
 MAX_POINTS = 10_000
 """Points per series at most (Prometheus refuses more than 11 000)."""
 DEFAULT_SINCE_S = 7 * 86400.0
@@ -604,7 +606,8 @@ def draw(report: JobReport) -> Figure:
     figure = Figure(figsize=(10, 9), dpi=100, layout="constrained")
     util_ax, mem_ax, power_ax = figure.subplots(3, 1, sharex=True)
     for name, s in sorted(line.gpu_utilization.items()):
-        _plot(util_ax, s.times, [v * 100 for v in s.values], linewidth=0.8, alpha=0.6, label=name)
+        label = name if len(line.gpu_utilization) <= LEGEND_GPUS else "_nolegend_"
+        _plot(util_ax, s.times, [v * 100 for v in s.values], linewidth=0.8, alpha=0.6, label=label)
     _plot(
         util_ax,
         line.times,
@@ -616,7 +619,9 @@ def draw(report: JobReport) -> Figure:
     util_ax.axhline(LOW_UTILIZATION * 100, color="tab:red", linestyle="--", linewidth=1)
     util_ax.set_ylim(0, 105)
     util_ax.set_ylabel("GPU utilisation (%)")
-    util_ax.legend(loc="lower left", fontsize="x-small", ncol=4)
+    util_ax.legend(
+        loc="lower left", bbox_to_anchor=(0, 1), ncol=5, fontsize="x-small", frameon=False
+    )
     for name, s in sorted(line.gpu_memory_bytes.items()):
         _plot(mem_ax, s.times, [v / GIB for v in s.values], linewidth=0.8, label=name)
     mem_ax.set_ylabel("GPU memory used (GiB)")
