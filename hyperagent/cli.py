@@ -635,8 +635,15 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="draw a tuning from its journal (PNG or HTML), or summarise a job from Prometheus",
     )
-    report.add_argument("journal", type=Path, metavar="JOURNAL", nargs="?")
-    report.add_argument("--out", type=Path, metavar="FILE.png|FILE.html")
+    report.add_argument(
+        "journal", type=Path, metavar="JOURNAL", nargs="?", help="a tuning's journal to draw"
+    )
+    report.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE.png|FILE.html",
+        help="the picture (default: the journal's name as .png; with --job job-ID.png)",
+    )
     report.add_argument(
         "--job", metavar="ID", help="a job's GPUs, utilisation, memory and energy (job_id label)"
     )
