@@ -45,8 +45,11 @@ from hyperagent import cli
 from hyperagent.job_report import (
     JobReportError,
     PrometheusApi,
+    counter_increase,
+    counter_so_far,
     job_report,
     parse_duration,
+    parse_time,
     write_picture,
 )
 
@@ -461,11 +464,29 @@ def test_report_errors_say_what_is_wrong(
         PrometheusApi(url).raw("hyperagent_job_gpus{", time.time(), 60)
 
 
-def test_durations() -> None:
+def test_durations_and_times() -> None:
     assert parse_duration("1h30m") == 5400
     assert parse_duration("7d") == 7 * 86400
     with pytest.raises(ValueError):
         parse_duration("7 days")
+    assert parse_time("1796400000") == 1796400000
+    assert parse_time("2026-12-04T18:00:00Z") == parse_time("2026-12-04T19:00:00+01:00")
+    assert parse_time("2026-12-04T18:00:00") == 1796407200  # UTC unless it says
+    with pytest.raises(ValueError):
+        parse_time("yesterday")
+
+
+def test_a_counter_reset_counts_as_a_restart_from_zero() -> None:
+    # an agent restarted at the fourth point: its counter starts again from 0
+    assert counter_so_far([100.0, 150.0, 200.0, 30.0, 80.0], from_zero=False) == [
+        0.0,
+        50.0,
+        100.0,
+        130.0,
+        180.0,
+    ]
+    assert counter_increase([100.0, 150.0], from_zero=True) == 150.0
+    assert counter_increase([], from_zero=True) == 0.0
 
 
 def job_panels() -> list[tuple[str, list[str]]]:
