@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 import numpy as np
@@ -142,7 +143,9 @@ def write_history(path: Path, start: float) -> History:
                 memory[g][k] = float(rng.randrange(4, 12) * 2**30)
     families: dict[str, list[str]] = {}
 
-    def add(family: str, kind: str, sample: str, labels: dict[str, str], values: dict[int, float]):  # type: ignore[no-untyped-def]
+    def add(
+        family: str, kind: str, sample: str, labels: dict[str, str], values: dict[int, float]
+    ) -> None:
         lines = families.setdefault(f"# TYPE {family} {kind}", [])
         lines += [_line(sample, labels, v, times[k]) for k, v in sorted(values.items())]
 
@@ -331,7 +334,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             prometheus.stop()
 
 
-def wait_for(prometheus: Prometheus, expr: str, timeout_s: float = 30.0) -> list[dict]:  # type: ignore[type-arg]
+def wait_for(prometheus: Prometheus, expr: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while True:
         result = prometheus.get("/api/v1/query", query=expr)["result"]
