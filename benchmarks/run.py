@@ -24,6 +24,11 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   them; the XID watcher's event waits left out), per GPU and cycle, as shipped at 1 Hz; by
   function in ``details.agent.<schedule>.agent.nvml_calls_by_function``. With ``--real-gpus``
   the calls to the real pynvml are counted the same way (``workers.CountingNvml``).
+- attribution: the same agent with two Slurm jobs' processes on the capture's GPUs (the pids
+  and ``proc/`` tree of ``fixtures/replay/slurm-2jobs-8gpu``), found from their cgroups
+  (``attribution.mode = "cgroup"``) against not looked for (``"off"``), the two side by side
+  at 1 Hz and at 10 Hz in three rounds; ``attribution_cpu_ratio`` is on/off CPU per cycle,
+  the worse rate.
 - floor: the same sources' ``read()`` alone on the same schedule in a process that imports
   nothing else; ``agent_overhead_vs_floor`` is agent CPU / floor CPU (the worst schedule).
 - coordinator: a real ``Coordinator`` with no job list behind mosquitto (every simulated node
@@ -337,6 +342,8 @@ ATTRIBUTION = tuple(
 )
 """The attribution section: the same two Slurm jobs on the GPUs, found from their cgroups or
 not looked for (``attribution.mode = "off"``), at 1 and 10 Hz."""
+ATTRIBUTION_ROUNDS = 3
+"""Rounds of the attribution section per rate (their figures summed)."""
 KINDS = ("agent", "floor")
 """The agent, and the raw reads alone (``workers.py``)."""
 
@@ -635,6 +642,42 @@ def machine() -> dict[str, Any]:
     }
 
 
+def attribution_rounds(
+    plan: Plan, broker: Mosquitto, work: Path, real_gpus: bool
+) -> dict[str, dict[str, Any]]:
+    """The attribution section: per rate, the agent with attribution on and the one with it
+    off run side by side (the machine's other load falls on both alike), in ``ROUNDS`` rounds
+    whose CPU time and cycles are summed per mode."""
+    rounds = 1 if plan.agents_together else ATTRIBUTION_ROUNDS
+    out: dict[str, dict[str, Any]] = {}
+    for hz, seconds in ((1.0, plan.agent_1hz_s), (10.0, plan.agent_10hz_s)):
+        for number in range(rounds):
+            schedules = tuple(
+                Schedule(f"{s.label}_r{number}", s.hz, attribution=s.attribution)
+                for s in ATTRIBUTION
+                if s.hz == hz
+            )
+            measured = agents(
+                schedules, seconds / rounds, plan.warmup_s, broker, work, real_gpus, ("agent",)
+            )
+            for label, result in measured.items():
+                run = result["agent"]
+                total = out.setdefault(label.rsplit("_r", 1)[0], {"agent": {"rounds": []}})
+                total["agent"]["rounds"].append(run)
+    for total in out.values():
+        runs = total["agent"]["rounds"]
+        cpu_s, wall_s = sum(r["cpu_s"] for r in runs), sum(r["wall_s"] for r in runs)
+        cycles = sum(r["cycles"] for r in runs)
+        total["agent"].update(
+            cpu_s=cpu_s,
+            cycles=cycles,
+            cpu_percent=100 * cpu_s / wall_s,
+            cpu_ms_per_cycle=1000 * cpu_s / cycles if cycles else None,
+            ready=runs[0]["ready"],
+        )
+    return out
+
+
 def attribution_figures(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """CPU per cycle with the Slurm jobs found from their cgroups over that with attribution
     off, per rate, and the worse of the two; printed."""
@@ -790,19 +833,7 @@ def main(argv: list[str] | None = None) -> int:
                         details["agent"].setdefault(label, {}).update(result)
                 compare_with_floor(details["agent"], tuple(s for s, _ in timed))
             if "attribution" in sections:
-                pairs: list[tuple[tuple[Schedule, ...], float]] = [
-                    ((s,), plan.agent_1hz_s if s.hz == 1.0 else plan.agent_10hz_s)
-                    for s in ATTRIBUTION
-                ]
-                if plan.agents_together:
-                    pairs = [(ATTRIBUTION, plan.agent_1hz_s)]
-                attributed: dict[str, dict[str, Any]] = {}
-                for schedules, seconds in pairs:
-                    measured = agents(
-                        schedules, seconds, plan.warmup_s, broker, work, args.real_gpus, ("agent",)
-                    )
-                    for label, result in measured.items():
-                        attributed.setdefault(label, {}).update(result)
+                attributed = attribution_rounds(plan, broker, work, args.real_gpus)
                 details["attribution_runs"] = attributed
                 details["attribution"] = attribution_figures(attributed)
             if "coordinator" in sections:

@@ -174,8 +174,9 @@ class Agent:
         self._gpu_pids: dict[str, list[int]] = {}
         self._gpu_pids_at = -math.inf
         self._job_gpus: dict[str, set[int]] = {}
-        self.attribution = _attribution(config, hardware)
         """job -> the GPU indices its ranks run on (their processes, or what they declared)."""
+        self.attribution = _attribution(config, hardware)
+        """Which job holds each GPU, and the per-job GPU series (``[attribution]``)."""
         self._capped: dict[str, set[int] | None] = {}
         """job -> the GPUs its settings capped (None: every GPU of the node)."""
         self._limits_w: tuple[float, float] | None = None

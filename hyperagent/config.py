@@ -328,7 +328,7 @@ class ActuationSection(_Model):
 
 class AttributionSection(_Model):
     """Which scheduler job holds each GPU, for jobs that never report through the job channel
-    (README: Slurm job attribution)."""
+    (README: "Slurm jobs that never report")."""
 
     mode: Literal["cgroup", "mapping", "off"] = "cgroup"
     """``cgroup``: the Slurm cgroup of the processes NVML shows on each GPU (under

@@ -295,7 +295,7 @@ async def check_two_jobs(port: int, alice: dict[str, str], bob: dict[str, str]) 
         return samples if len(per_job(samples, "hyperagent_job_gpus")) == 2 else None
 
     first = await until(both)
-    await asyncio.sleep(2.0)  # energy accumulates
+    await asyncio.sleep(1.0)  # energy accumulates
     samples = scrape(port)
     assert labels_of(samples, alice["job_id"]) == alice
     assert labels_of(samples, bob["job_id"]) == bob
@@ -327,7 +327,7 @@ async def check_two_jobs(port: int, alice: dict[str, str], bob: dict[str, str]) 
     # what the GPUs used since then is what the jobs used
     jobs_before = sum(per_job(first, "hyperagent_job_gpu_energy_joules_total").values())
     total_before = sum(per_gpu(first, "hyperagent_gpu_energy_joules_total").values())
-    assert total - total_before > 1000.0
+    assert total - total_before > 500.0  # 984 W on the 8 GPUs
     assert sum(energy.values()) - jobs_before == pytest.approx(total - total_before, rel=0.01)
     assert sum(energy.values()) <= total
     assert energy[alice["job_id"]] > energy[bob["job_id"]]  # GPUs 0-3 draw 651 W, 4-7 333 W
@@ -374,6 +374,29 @@ async def test_two_slurm_jobs_from_their_cgroups(tmp_path: Path) -> None:
         for gpu in range(4, 8):
             agent.hardware.nvml.set_processes(gpu, [])
         await check_released(port, "slurm-4243-0", "slurm-4242-0")
+
+
+async def test_a_cgroup_v1_node_names_the_owner_in_the_path(tmp_path: Path) -> None:
+    """The same node under Slurm's cgroup/v1 plugin, and an agent that may not read the
+    processes' status (the uid comes from ``uid_<uid>`` in the path)."""
+    node = tmp_path / "v1"
+    shutil.copytree(NODE, node)
+    for folder in (node / "proc").iterdir():
+        parts = (folder / "cgroup").read_text().strip().split("/")
+        job, step, task = parts[3], parts[4], parts[6]
+        uid = "1001" if job == "job_4242" else "1002"
+        lines = [
+            f"{n}:{controller}:/slurm/uid_{uid}/{job}/{step}/{task}"
+            for n, controller in ((11, "devices"), (7, "memory"), (3, "cpuset"), (2, "freezer"))
+        ]
+        (folder / "cgroup").write_text("\n".join(lines) + "\n1:name=systemd:/system.slice\n")
+        (folder / "status").unlink()
+    async with replayed(tmp_path, {"mode": "cgroup", "proc_root": str(node / "proc")}) as (
+        _,
+        port,
+        _node,
+    ):
+        await check_two_jobs(port, ALICE, BOB)
 
 
 async def test_the_same_from_a_job_mapping_directory(tmp_path: Path) -> None:
