@@ -37,6 +37,8 @@ CLUSTER = 'cluster=~"$cluster"'
 NODE = f'{CLUSTER}, instance=~"$instance"'
 JOB = f'{CLUSTER}, job_id=~"$job_id"'
 RATE = "$__rate_interval"
+JOB_LISTS = "hyperagent_tuner_done|hyperagent_job_gpus"
+"""The series whose job_id labels the job dashboard lists: tuned jobs and jobs holding GPUs."""
 
 GREEN, YELLOW, ORANGE, RED, BLUE = "green", "yellow", "orange", "red", "blue"
 
@@ -946,18 +948,159 @@ def node_dashboard() -> dash.Dashboard:
 def job_dashboard() -> dash.Dashboard:
     j = JOB
     job = query_variable(
-        "job_id", "Job", f"label_values(hyperagent_tuner_done{{{CLUSTER}}}, job_id)"
+        "job_id",
+        "Job",
+        f'label_values({{__name__=~"{JOB_LISTS}", {CLUSTER}}}, job_id)',
     )
+    per_gpu = "on (cluster, instance, gpu, uuid) group_right ()"
     return (
         new_dashboard(
             "hyperagent-job",
-            "hyperagent / Job tuning",
-            "One training job: the coordinator's trials, scores and settings, and how the job "
-            "runs with them.",
+            "hyperagent / Job",
+            "One job: the GPUs it holds, their utilisation, memory, power and energy (every job, "
+            "also a batch job that never reports), and for a tuned job the coordinator's trials, "
+            "scores and settings and how the job runs with them.",
         )
         .with_variable(datasource_variable())
         .with_variable(cluster_variable())
         .with_variable(job)
+        .with_row(dash.Row("GPUs, power and energy"))
+        .with_panel(
+            single(
+                "GPUs held",
+                "GPUs the job holds now, all its nodes.",
+                "none",
+                Query(f"job_id:hyperagent_job_gpus:sum{{{j}}}"),
+            )
+        )
+        .with_panel(
+            single(
+                "GPU utilisation",
+                "Mean utilisation of the job's GPUs now (alert below 10% for an hour).",
+                "percentunit",
+                Query(f"job_id:hyperagent_job_gpu_utilization_ratio:avg{{{j}}}"),
+                _thresholds((None, RED), (0.1, YELLOW), (0.5, GREEN)),
+            )
+        )
+        .with_panel(
+            single(
+                "GPU memory used",
+                "Memory used on the job's GPUs now, all its nodes.",
+                "bytes",
+                Query(f"sum(hyperagent_job_gpu_memory_used_bytes{{{j}}})"),
+            )
+        )
+        .with_panel(
+            single(
+                "GPU power",
+                "Power of the job's GPUs now, all its nodes.",
+                "watt",
+                Query(f"job_id:hyperagent_gpu_power_watts:sum{{{j}}}"),
+            )
+        )
+        .with_panel(
+            single(
+                "GPU energy",
+                "Energy of the job's GPUs since it started holding them (kWh).",
+                "kwatth",
+                Query(f"sum(hyperagent_job_gpu_energy_joules_total{{{j}}}) / 3.6e6"),
+            )
+        )
+        .with_panel(
+            single(
+                "GPU-hours",
+                "GPUs held times hours held over the time range (counted every 15 s).",
+                "none",
+                Query(
+                    f"sum(sum_over_time(job_id:hyperagent_job_gpus:sum{{{j}}}[$__range:15s]))"
+                    " * 15 / 3600"
+                ),
+            )
+        )
+        .with_panel(
+            listing(
+                "Who and where",
+                "The job's user, Slurm job and step, and the GPUs it holds on each node.",
+                Query(
+                    "max by (job_id, user, slurm_job, slurm_step, instance)"
+                    f" (hyperagent_job_gpus{{{j}}})"
+                ),
+                width=24,
+            )
+        )
+        .with_panel(
+            graph(
+                "GPUs held over time",
+                "GPUs the job holds on each node.",
+                "none",
+                Query(f"sum by (instance) (hyperagent_job_gpus{{{j}}})", "{{instance}}"),
+            )
+        )
+        .with_panel(
+            graph(
+                "Utilisation of the job's GPUs",
+                "Mean GPU utilisation of the job (all nodes, weighted by GPUs) and per node, and "
+                "the SM activity per node where the GPUs measure it.",
+                "percentunit",
+                Query(f"job_id:hyperagent_job_gpu_utilization_ratio:avg{{{j}}}", "job"),
+                Query(f"hyperagent_job_gpu_utilization_ratio{{{j}}}", "{{instance}}"),
+                Query(f"hyperagent_job_gpu_sm_active_ratio{{{j}}}", "{{instance}} SM active"),
+                ratio=True,
+            )
+        )
+        .with_panel(
+            graph(
+                "Utilisation per GPU",
+                "Utilisation of each GPU while the job holds it.",
+                "percentunit",
+                Query(
+                    f"hyperagent_gpu_utilization_ratio{{{CLUSTER}}}"
+                    f" * {per_gpu} hyperagent_gpu_job_info{{{j}}}",
+                    "{{instance}} GPU {{gpu}}",
+                ),
+                ratio=True,
+            )
+        )
+        .with_panel(
+            graph(
+                "GPU memory used by the job",
+                "Memory used on the job's GPUs, per node, and on each of its GPUs.",
+                "bytes",
+                Query(
+                    f"sum by (instance) (hyperagent_job_gpu_memory_used_bytes{{{j}}})",
+                    "{{instance}}",
+                ),
+                Query(
+                    f"hyperagent_gpu_memory_used_bytes{{{CLUSTER}}}"
+                    f" * {per_gpu} hyperagent_gpu_job_info{{{j}}}",
+                    "{{instance}} GPU {{gpu}}",
+                ),
+            )
+        )
+        .with_panel(
+            graph(
+                "Power of the job",
+                "Power of the job's GPUs per node, and the node's BMC or PDU power where the "
+                "job holds the whole node.",
+                "watt",
+                Query(
+                    f"sum by (instance) (hyperagent_job_gpu_power_watts{{{j}}})",
+                    "{{instance}} GPUs",
+                ),
+                Query(f"hyperagent_job_node_power_watts{{{j}}}", "{{instance}} node"),
+            )
+        )
+        .with_panel(
+            graph(
+                "Energy of the job",
+                "Energy of the job's GPUs since it started holding them, per node (kWh).",
+                "kwatth",
+                Query(
+                    f"sum by (instance) (hyperagent_job_gpu_energy_joules_total{{{j}}}) / 3.6e6",
+                    "{{instance}}",
+                ),
+            )
+        )
         .with_row(dash.Row("Tuning"))
         .with_panel(
             single(

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -314,6 +315,11 @@ def recommend(section: Any, job: str) -> tuple[dict[str, Any], str]:
 def cmd_report(args: argparse.Namespace) -> int:
     if not _require_extra("report", "report"):
         return 2
+    if args.job is not None:
+        return _job_report(args)
+    if args.journal is None:
+        print("hyperagent report: give a JOURNAL, or --job ID --prometheus URL", file=sys.stderr)
+        return 2
     from hyperagent.report import ReportError, render_report
 
     out = args.out or args.journal.with_suffix(".png")
@@ -323,6 +329,36 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"hyperagent report: {e}", file=sys.stderr)
         return 1
     print(f"{out}: {summary.trials} trials, {summary.outcome()}")
+    return 0
+
+
+def _job_report(args: argparse.Namespace) -> int:
+    """``hyperagent report --job ID --prometheus URL``: the job's summary on stdout, its
+    picture in ``--out``."""
+    from hyperagent import job_report
+
+    if args.journal is not None or args.prometheus is None:
+        print("hyperagent report: --job needs --prometheus URL and no JOURNAL", file=sys.stderr)
+        return 2
+    try:
+        end = job_report.parse_time(args.end) if args.end else None
+        start = job_report.parse_time(args.start) if args.start else None
+        if args.since:
+            since = job_report.parse_duration(args.since)
+            start = (end if end is not None else time.time()) - since
+    except ValueError as e:
+        print(f"hyperagent report: {e}", file=sys.stderr)
+        return 2
+    out = args.out or job_report.default_out(args.job)
+    try:
+        api = job_report.PrometheusApi(args.prometheus)
+        report = job_report.job_report(api, args.job, start, end, cluster=args.cluster)
+        job_report.write_picture(report, out)
+    except job_report.JobReportError as e:
+        print(f"hyperagent report: {e}", file=sys.stderr)
+        return 1
+    print(report.text())
+    print(f"  picture:       {out}")
     return 0
 
 
@@ -645,9 +681,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--broker", metavar="URL", help="use this broker instead of an embedded one")
     demo.set_defaults(func=cmd_demo)
 
-    report = sub.add_parser("report", help="draw a tuning from its journal (PNG or HTML)")
-    report.add_argument("journal", type=Path, metavar="JOURNAL")
-    report.add_argument("--out", type=Path, metavar="FILE.png|FILE.html")
+    report = sub.add_parser(
+        "report",
+        help="draw a tuning from its journal (PNG or HTML), or summarise a job from Prometheus",
+    )
+    report.add_argument(
+        "journal", type=Path, metavar="JOURNAL", nargs="?", help="a tuning's journal to draw"
+    )
+    report.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE.png|FILE.html",
+        help="the picture (default: the journal's name as .png; with --job job-ID.png)",
+    )
+    report.add_argument(
+        "--job", metavar="ID", help="a job's GPUs, utilisation, memory and energy (job_id label)"
+    )
+    report.add_argument("--prometheus", metavar="URL", help="with --job: Prometheus' base URL")
+    report.add_argument("--cluster", help="with --job: only this cluster label")
+    when = report.add_mutually_exclusive_group()
+    when.add_argument("--since", metavar="DURATION", help="with --job: the last 6h, 7d, ... (7d)")
+    when.add_argument("--start", metavar="TIME", help="with --job: Unix seconds or RFC 3339")
+    report.add_argument("--end", metavar="TIME", help="with --job: Unix seconds or RFC 3339 (now)")
     report.set_defaults(func=cmd_report)
 
     metrics = sub.add_parser("metrics", help="list every metric hyperagent exposes")

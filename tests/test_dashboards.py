@@ -47,7 +47,7 @@ def load_generator() -> ModuleType:
 
 
 def substitute(expr: str) -> str:
-    expr = expr.replace("$__rate_interval", "1m")
+    expr = expr.replace("$__rate_interval", "1m").replace("$__range", "1h")
     return re.sub(r"\$\{?(\w+)\}?", ".*", expr)
 
 
@@ -100,7 +100,8 @@ def test_dashboard_queries_parse_and_use_known_metrics(path: Path) -> None:
             promql_parser.parse(substitute(expr))
             for needed in FILTERS[dashboard["uid"]]:
                 assert needed in expr, f"{panel['title']}: {expr} ignores {needed}"
-            for token in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", re.sub(r'"[^"]*"', "", expr)):
+            names = re.sub(r'"[^"]*"|\[[^]]*\]', "", expr)  # not label values nor ranges
+            for token in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", names):
                 if ":" in token:
                     assert token in RECORDED, f"{panel['title']}: {token} is no recording rule"
                 elif token.startswith("hyperagent_"):

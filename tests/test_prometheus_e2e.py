@@ -38,10 +38,13 @@ H200 = FIXTURES / "replay" / "h200-bf16-matmul"
 """A real H200 recorded under load: its GPU remaps rows, where full-node's V100S retire pages."""
 RUNBOOK_BASE = "https://runbooks.e2e.test/hyperagent/rules"
 ATTRIBUTION = re.compile(
-    r"hyperagent_gpu_job_info|(node_job_id|job_id):hyperagent_gpu_power_watts:sum"
+    r"hyperagent_gpu_job_info|hyperagent_job_gpus|hyperagent_job_node_power"
+    r"|hyperagent_job_gpu_(utilization|sm_active|memory_used|power|energy)"
+    r"|(node_job_id|job_id):hyperagent_gpu_power_watts:sum"
 )
-"""Queries of the per-GPU job attribution (hyperagent_gpu_job_info, exported by the agent for
-jobs on the job channel): they need data only once an agent exports it."""
+"""Queries of the job attribution (hyperagent_gpu_job_info and the per-job series
+hyperagent_job_gpu*, exported by the agent for the jobs holding GPUs): they need data only
+once an agent exports it (tests/test_job_report.py serves them to Prometheus)."""
 RULES = REPO / "rules" / "hyperagent.rules.yml"
 DASHBOARDS = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
 CLUSTER = "e2e"
@@ -228,6 +231,7 @@ def panel_queries(
         "instance": "|".join(instances),
         "job_id": job_id,
         "__rate_interval": RATE_INTERVAL,
+        "__range": "5m",
     }
     out = []
     for path in DASHBOARDS:
