@@ -666,7 +666,8 @@ class Agent:
         return None
 
     async def _on_coordinator_status(self, topic: str, payload: bytes) -> None:
-        """When the coordinator is lost, its power caps are not left behind."""
+        """When the coordinator is lost while a trial's power cap is applied, the cap is not
+        left behind; a tuned job's final settings (no trial) stay, as its tuning chose them."""
         try:
             state = bus.decode(payload, "status")["state"] if payload else None
         except PayloadError:
@@ -674,7 +675,11 @@ class Agent:
             return
         if self.link is not None:
             self.link.open_gate(state == "online")
-        if state == "offline" and self.actuator is not None and self.actuator.original_mw:
+        trial_capped = any(
+            m["settings"].get("power_cap_w") and m.get("trial") is not None
+            for m in self.applied_messages.values()
+        )
+        if state == "offline" and trial_capped and self.actuator and self.actuator.original_mw:
             restored = await asyncio.to_thread(self.actuator.restore)
             log.warning(
                 "coordinator offline: restored the original power limit of %d GPU(s)", restored

@@ -55,11 +55,12 @@ class Harness:
         key: SigningKey = KEY,
         nodes: list[str] | None = None,
         issued_at: float | None = None,
+        trial: int | None = None,
     ) -> None:
         message = {
             "job": "j",
             "version": version,
-            "trial": None,
+            "trial": trial,
             "nodes": nodes or ["n1"],
             "settings": settings,
             "backend": {},
@@ -291,7 +292,7 @@ def test_metrics_port_in_use_is_a_clear_error() -> None:
 
 
 async def test_coordinator_loss_puts_the_power_limits_back(harness: Harness) -> None:
-    await harness.send(1, {"power_cap_w": 150})
+    await harness.send(1, {"power_cap_w": 150}, trial=3)
     await until(lambda: limits_w(harness.nvml) == {150.0})
     offline = bus.status_message(
         harness.topics, "coordinator", "offline", harness.topics.coordinator_status()
@@ -307,6 +308,22 @@ async def test_coordinator_loss_puts_the_power_limits_back(harness: Harness) -> 
         await client.publish(online.topic, online.payload, qos=1, retain=True)
     await until(lambda: limits_w(harness.nvml) == {150.0})
     assert harness.agent.applied_versions == {"j": 1}
+
+
+async def test_a_tuned_jobs_final_power_cap_stays_when_the_coordinator_goes(
+    harness: Harness,
+) -> None:
+    """The final settings of a tuning (no trial) are what the job runs on: a coordinator that
+    ends or is lost after it leaves them in place."""
+    await harness.send(1, {"power_cap_w": 150})
+    await until(lambda: limits_w(harness.nvml) == {150.0})
+    offline = bus.status_message(
+        harness.topics, "coordinator", "offline", harness.topics.coordinator_status()
+    )
+    async with aiomqtt.Client("127.0.0.1", harness.port) as client:
+        await client.publish(offline.topic, offline.payload, qos=1, retain=True)
+    await asyncio.sleep(2)  # a trial's cap is put back within a few ms of the message
+    assert limits_w(harness.nvml) == {150.0}
 
 
 async def test_the_applied_version_survives_a_restart(
