@@ -349,16 +349,18 @@ PATIENCE = 10
 CONFIRM_ORDER = ("start", "best", "best", "start")
 COST_TRIALS = 30
 """The coordinator's default budget of search trials."""
-ARMS = {
-    "full": None,
-    "early": EarlyStop(),
-    "early-worse": EarlyStop(stop_better=False),
-    "early-2": EarlyStop(min_windows=2),
+ARMS: dict[str, Callable[[str], EarlyStop | None]] = {
+    "full": lambda objective: None,
+    "early": EarlyStop.for_objective,
+    "early-both": lambda objective: EarlyStop(),
+    "early-worse": lambda objective: EarlyStop(stop_better=False),
+    "early-2": lambda objective: EarlyStop(min_windows=2),
 }
-"""``full``: every trial measured to the plan's end (the guardrail's abort alone ends one
-early); ``early``: :class:`hyperagent.tuner.early.EarlyStop` stops a search trial once it is
-clearly worse or clearly better than the incumbent; ``early-worse``: only when worse;
-``early-2``: both, judged from the second window on."""
+"""Each arm's rule for an objective. ``full``: every trial measured to the plan's end (the
+guardrail's abort alone ends one early); ``early``: :meth:`hyperagent.tuner.early.EarlyStop.
+for_objective`, which stops a search trial once it is clearly worse than the incumbent, or for
+throughput also clearly better; ``early-both``: both cuts whatever the objective;
+``early-worse``: only when worse; ``early-2``: both, judged from the second window on."""
 
 
 @dataclass
@@ -491,7 +493,7 @@ def _cost_task(task: CostTask) -> tuple[CostTask, dict[str, Any]]:
     family = next(f for f in FAMILIES if f.name == name)
     problem = family_problem(Landscape(family, index, seed), noise)
     with threadpool_limits(limits=1, user_api="blas"):
-        return task, simulate_tuning(problem, index, ARMS[arm])
+        return task, simulate_tuning(problem, index, ARMS[arm](family.objective))
 
 
 def _median_break_even(values: list[float | None]) -> float | None:

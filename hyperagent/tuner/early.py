@@ -50,6 +50,15 @@ class EarlyStop:
         if self.min_windows < 2:
             raise ValueError(f"min_windows must be >= 2 (a spread), got {self.min_windows}")
 
+    @classmethod
+    def for_objective(cls, objective: str) -> EarlyStop:
+        """The rule for a tuning of ``objective``: both cuts for throughput, only the worse for
+        energy. An energy trial tells the tuner no standard error (one energy reading per
+        trial), so a short measurement stopped as better would enter the model as if it had run
+        in full: on three energy families (20 landscapes each, ``benchmarks/tuner_families.py
+        --cost``) stopping the better too cost up to 2.1 points of the final value."""
+        return cls(stop_better=objective != "energy")
+
     def judge(self, windows: Sequence[float], incumbent: Sequence[float]) -> Verdict:
         """The verdict on a trial's windows so far (its job-level window scores, as
         :func:`hyperagent.tuner.trial.trial_samples` gives them) against the incumbent's;

@@ -68,3 +68,12 @@ def test_the_tuner_is_told_the_mean_and_its_standard_error() -> None:
 def test_a_rule_needs_a_spread() -> None:
     with pytest.raises(ValueError, match="min_windows"):
         EarlyStop(min_windows=1)
+
+
+def test_an_energy_trial_stops_early_only_when_worse() -> None:
+    incumbent = [100.0, 101.0, 99.0, 100.0]
+    better, worse = [130.0, 131.0, 129.0], [70.0, 71.0, 69.0]
+    throughput, energy = EarlyStop.for_objective("throughput"), EarlyStop.for_objective("energy")
+    assert throughput.judge(better, incumbent) is Verdict.BETTER
+    assert energy.judge(better, incumbent) is Verdict.MEASURE_ON
+    assert energy.judge(worse, incumbent) is Verdict.WORSE

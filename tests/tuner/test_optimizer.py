@@ -330,3 +330,42 @@ def test_the_tuner_api_imports_from_the_package_and_skopt_only_with_the_tuner() 
     lines = done.stdout.splitlines()
     assert lines[0] == "True"
     assert "cannot import name 'Tunr' from 'hyperagent.tuner'" in lines[1]
+
+
+def _predicted_best_cap(monkeypatch: pytest.MonkeyPatch, power_terms: bool) -> int:
+    """An energy tuner told a bucket sweep at 250 W and a power sweep at a poor bucket of a
+    landscape that is their product: the cap its model predicts best at the best bucket."""
+    monkeypatch.setattr(optimizer, "POWER_TERMS", power_terms)
+    space = SearchSpace.default("gloo", 4, (100, 250))
+    tuner = Tuner(space, seed=0, objective="energy")
+    base = {**space.defaults(), "chunk_kb": 1024}
+    comm = {1: 0.6, 2: 0.7, 4: 0.8, 8: 0.9, 16: 0.97, 32: 1.0, 64: 0.95, 128: 0.85, 256: 0.75}
+    power = {100: 0.8, 125: 0.92, 150: 1.0, 175: 0.97, 200: 0.93, 225: 0.9, 250: 0.87}
+    for bucket, factor in comm.items():
+        tuner.tell({**base, "bucket_mb": bucket, "power_cap_w": 250}, 3.0 * factor * power[250])
+    for watts, factor in power.items():
+        if watts != 250:
+            tuner.tell({**base, "bucket_mb": 2, "power_cap_w": watts}, 3.0 * comm[2] * factor)
+    tuner._fit()
+    assert tuner._optimizer is not None and tuner._grid_x is not None
+    rows = [i for i, s in enumerate(tuner._grid) if s["chunk_kb"] == 1024 and s["bucket_mb"] == 32]
+    mean = tuner._optimizer.models[-1].predict(tuner._grid_x[rows])
+    return int(tuner._grid[rows[int(np.argmin(mean))]]["power_cap_w"])
+
+
+def test_a_power_cap_measured_with_other_settings_informs_the_best_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert abs(_predicted_best_cap(monkeypatch, power_terms=True) - 150) <= 25
+    assert _predicted_best_cap(monkeypatch, power_terms=False) >= 200
+
+
+def test_an_energy_score_of_zero_is_told_below_every_measured_one() -> None:
+    space = SearchSpace.default("gloo", 4, (100, 250))
+    tuner = Tuner(space, seed=0, objective="energy", n_initial_points=2)
+    first, second = tuner.ask(), None
+    tuner.tell(first, 2.0, noise=0.1)
+    second = tuner.ask()
+    tuner.tell(second, 0.0)
+    assert tuner.best is not None and tuner.best[0] == first
+    assert tuner.space.contains(tuner.ask())
