@@ -68,6 +68,10 @@ def test_killing_a_broker_node_mid_trial_loses_no_report(victim: str) -> None:
         c.start()
         clients = ["ctl", *c.node_keys]
         until(lambda: all(c.mqtt_peer(k) for k in clients), 60, "every daemon connected")
+        queues = c.rabbitmqctl("b0", "-s", "list_queues", "-p", "hyperagent", "name", "type")
+        sessions = dict(line.split("\t")[:2] for line in queues.splitlines() if "\t" in line)
+        durable = {q: t for q, t in sessions.items() if q.endswith("qos1")}  # QoS 0: classic
+        assert len(durable) == len(clients) and set(durable.values()) == {"quorum"}, sessions
         until(lambda: in_flight(c), 300, "a trial in flight after the first")
         time.sleep(0.5)
         held_by = {k: c.mqtt_peer(k) for k in clients}
@@ -76,14 +80,10 @@ def test_killing_a_broker_node_mid_trial_loses_no_report(victim: str) -> None:
         else:
             target = Counter(held_by[k] for k in c.node_keys).most_common(1)[0][0]
         assert target is not None, held_by
-        survivor = next(b for b in c.broker_keys if b != target)
-        queues = c.rabbitmqctl(survivor, "-s", "list_queues", "-p", "hyperagent", "name", "type")
-        sessions = dict(line.split("\t")[:2] for line in queues.splitlines() if "\t" in line)
-        durable = {q: t for q, t in sessions.items() if q.endswith("qos1")}  # QoS 0: classic
-        assert len(durable) == len(clients) and set(durable.values()) == {"quorum"}, sessions
         version = c.journal()[-1]["version"]
         c.kill(f"rabbitmq-{c.hosts[target].name}")
         killed = time.monotonic()
+        killed_at = time.time()
         held = [k for k in clients if held_by[k] == target]
         reconnected: dict[str, float] = {}
         while len(reconnected) < len(held) and time.monotonic() < killed + 3 * RECONNECT_MAX_S:
@@ -128,6 +128,8 @@ def test_killing_a_broker_node_mid_trial_loses_no_report(victim: str) -> None:
     statuses = [t["status"] for t in runs]
     assert set(statuses) <= COMPLETED, statuses
     assert max(took.values()) < TRIAL_TIMEOUT_S, took
+    interrupted = next(t for t in runs if t["version"] == version)
+    assert published[version] < killed_at < interrupted["ts"], "the kill fell between trials"
     accepted = Counter((t["version"], node) for t in runs for node in t["reports"])
     assert set(accepted.values()) == {1}, accepted
     assert sum(accepted.values()) == sent == len(c.node_keys) * len(runs), (accepted, sent)

@@ -649,17 +649,24 @@ class Cluster:
             self.rabbitmqctl(key, "stop_app")
             self.rabbitmqctl(key, "join_cluster", f"rabbit@{self.hosts[first].name}")
             self.rabbitmqctl(key, "start_app")
-        for key in others:
+        for key in self.broker_keys:
+            self.rabbitmqctl(key, "await_startup")
             self.wait_listening(key, 8883, 120)
         lines = "".join(f"{user} {password}\n" for user, password in self.passwords.items())
-        run(
-            *self.hosts[first].enter(),
-            "sh",
-            str(SYSTEMD / "rabbitmq" / "hyperagent-rabbitmq-users"),
-            str(SYSTEMD / "mosquitto" / "hyperagent.acl"),
+        users = subprocess.run(
+            [
+                *self.hosts[first].enter(),
+                "sh",
+                str(SYSTEMD / "rabbitmq" / "hyperagent-rabbitmq-users"),
+                str(SYSTEMD / "mosquitto" / "hyperagent.acl"),
+            ],
             input=lines,
+            text=True,
+            capture_output=True,
             timeout=120,
         )
+        if users.returncode:
+            raise RuntimeError(f"hyperagent-rabbitmq-users: {users.stdout}{users.stderr}")
         self.rabbitmqctl(first, "delete_user", "guest")
 
     def mqtt_peer(self, key: str) -> str | None:
