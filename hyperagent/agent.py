@@ -576,7 +576,8 @@ class Agent:
             )
         if self.link is not None:
             out += self.link.broker_readings()
-            resent = self.stats.reports_resent
+            sent, resent = self.stats.reports_sent, self.stats.reports_resent
+            out.append(Reading("hyperagent_reports_sent_total", sent, {}, Kind.COUNTER))
             out.append(Reading("hyperagent_reports_resent_total", resent, {}, Kind.COUNTER))
             out.append(Reading("hyperagent_reports_unconfirmed", len(self.unconfirmed)))
             out.append(

@@ -558,9 +558,11 @@ class MqttLink:
         return self.broker.port
 
     def broker_readings(self) -> list[Reading]:
-        """``hyperagent_mqtt_connected``, and ``hyperagent_mqtt_broker_info{url}`` while
-        connected: which of the brokers it is."""
+        """``hyperagent_mqtt_connected``, ``hyperagent_mqtt_gate_open`` on a gated link, and
+        ``hyperagent_mqtt_broker_info{url}`` while connected: which of the brokers it is."""
         out = [Reading("hyperagent_mqtt_connected", float(self.connected.is_set()))]
+        if self.gated:
+            out.append(Reading("hyperagent_mqtt_gate_open", float(self.gate_open)))
         if self.connected.is_set():
             out.append(
                 Reading("hyperagent_mqtt_broker_info", 1.0, {"url": self.broker.name}, Kind.INFO)

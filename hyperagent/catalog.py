@@ -105,6 +105,9 @@ _CORE: dict[str, str] = {
     ),
     "hyperagent_mqtt_connected": "1 while connected to the MQTT broker.",
     "hyperagent_mqtt_broker_info": "The address of mqtt.url connected to (while connected).",
+    "hyperagent_mqtt_gate_open": (
+        "1 while the agent's spooled reports and acks may go out (the coordinator online)."
+    ),
     "hyperagent_mqtt_dropped_total": "Outgoing MQTT messages dropped because the outbox was full.",
     "hyperagent_mqtt_queued_messages": "Outgoing MQTT messages waiting (telemetry and spooled).",
     "hyperagent_mqtt_invalid_payloads_total": "Incoming MQTT payloads that failed validation.",
@@ -114,6 +117,7 @@ _CORE: dict[str, str] = {
     ),
     "hyperagent_settings_rejected_total": "Settings messages the agent refused, by reason.",
     "hyperagent_settings_applied_total": "Settings versions the agent applied.",
+    "hyperagent_reports_sent_total": "Measurement reports sent (each once, resends aside).",
     "hyperagent_reports_resent_total": (
         "Measurement reports sent again because the coordinator had not confirmed them."
     ),

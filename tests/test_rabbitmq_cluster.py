@@ -1,9 +1,12 @@
-"""A tuning on a 3-node RabbitMQ cluster (MQTT plugin, durable sessions in quorum queues) on
-loopback, four agents spread across its nodes (two on the first, the coordinator on the
-second), the daemons given all three addresses: SIGKILL during a trial of the broker node
-holding the coordinator's connection, or of the one holding most agents, loses no report,
-every link is connected elsewhere (an agent's gate open again) within 2 x reconnect_max_s,
-and no trial waits for its time-out.
+"""The namespace cluster (tests/cluster/harness.py) on a 3-node RabbitMQ cluster installed from
+systemd/rabbitmq/ (MQTT over TLS on 8883, durable sessions in quorum queues, the users and topic
+permissions of hyperagent-rabbitmq-users), each broker node a host of its own, the agents spread
+over them (two on the first, one on the third), the coordinator on the second, every daemon
+given the three addresses and the agents persistent sessions. SIGKILL during a trial of the
+broker node holding the coordinator's connection, or in a second run of the one holding most
+agents: every report sent is accepted once, the agents' spools end empty, no trial waits for
+its time-out, every link is connected elsewhere (an agent's gate open again) within
+2 x reconnect_max_s, and the tuning ends with its final version applied on every node.
 
 Its own step of ``.ci/run`` (marker ``broker_cluster``: three RabbitMQ nodes take a minute to
 start and join on two cores); the default test command leaves it out.
@@ -11,196 +14,138 @@ start and join on two cores); the default test command leaves it out.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import subprocess
+import shutil
+import statistics
+import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
-import orjson
 import pytest
+from cluster.harness import Cluster, Unavailable, check_host, metric_values, new_root
+from test_cluster import COMPLETED, JOB, trials, until
 
-from hyperagent import bus
-from hyperagent.demo import JOB, simulated_cluster
-from hyperagent.tuner.tuning import JobTuning as JobState
-
-from conftest import RabbitMq, require_binary, wait_for_port
+from conftest import unavailable
 
 pytestmark = [pytest.mark.broker_cluster, pytest.mark.timeout(600), pytest.mark.long(240)]
 
-RABBITMQCTL = Path("/usr/lib/rabbitmq/bin/rabbitmqctl")
+RECONNECT_MAX_S = 30.0
+"""The shipped mqtt.reconnect_max_s (its default)."""
+TRIAL_TIMEOUT_S = 60
+DEFAULTS = {
+    "trials": "3",
+    "trial_timeout_s": str(TRIAL_TIMEOUT_S),
+    "abort_below": "0",
+    "plan.settle_s": "1.0",
+    "plan.measure_s": "2.0",
+    "plan.windows": "2",
+}
+"""A short tuning: 3 trials, then the confirmations."""
 
 
-class RabbitMqCluster:
-    """Three RabbitMQ nodes on loopback sharing one epmd and one Erlang cookie, joined into one
-    cluster, the MQTT plugin keeping durable sessions in quorum queues."""
-
-    def __init__(self, workdir: Path, size: int = 3) -> None:
-        self.nodes = [RabbitMq(workdir / f"node{i}") for i in range(size)]
-        self.ctl = str(RABBITMQCTL if RABBITMQCTL.exists() else require_binary(
-            "rabbitmqctl", "rabbitmq-server"
-        ))
-        first = self.nodes[0]
-        home = workdir / "home"
-        home.mkdir(parents=True, exist_ok=True)
-        for node in self.nodes:
-            node.epmd_port = first.epmd_port
-            node.env["ERL_EPMD_PORT"] = str(first.epmd_port)
-            node.env["HOME"] = str(home)  # one cookie
-            conf = node.workdir / "rabbitmq.conf"
-            conf.write_text(conf.read_text() + "mqtt.durable_queue_type = quorum\n")
-
-    def name(self, node: RabbitMq) -> str:
-        return node.env["RABBITMQ_NODENAME"]
-
-    def ctl_run(self, node: RabbitMq, *args: str) -> None:
-        subprocess.run(
-            [self.ctl, "-n", self.name(node), *args],
-            env=node.env,
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-
-    def start(self) -> None:
-        first, *others = self.nodes
-        first.start()  # its epmd too
-        for node in others:
-            node.process = subprocess.Popen(
-                [node.binary],
-                cwd=node.workdir,
-                env=node.env,
-                stdout=node.log.open("ab"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        for node in others:
-            wait_for_port(node.port, node.START_TIMEOUT_S)
-            self.ctl_run(node, "stop_app")
-            self.ctl_run(node, "join_cluster", self.name(first))
-            self.ctl_run(node, "start_app")
-            wait_for_port(node.port, node.START_TIMEOUT_S)
-
-    def kill(self, node: RabbitMq) -> None:
-        """SIGKILL the node (its script, VM and helpers)."""
-        assert node.process is not None
-        os.killpg(node.process.pid, signal.SIGKILL)
-        node.process.wait(10)
-        node.process = None
-
-    def stop(self) -> None:
-        first, *others = self.nodes
-        for node in others:
-            node.stop()
-        first.stop()  # and the epmd
+def agent_value(c: Cluster, key: str, name: str, **labels: str) -> float | None:
+    values = [
+        v
+        for lb, v in metric_values(c.metrics(key), name)
+        if all(lb.get(k) == want for k, want in labels.items())
+    ]
+    return values[0] if values else None
 
 
-@pytest.fixture
-def rabbitmq_cluster(tmp_path: Path) -> Iterator[RabbitMqCluster]:
-    cluster = RabbitMqCluster(tmp_path)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-NODES = 4
-RECONNECT_MAX_S = 2.0
-"""simulated_cluster's mqtt.reconnect_max_s."""
+def in_flight(c: Cluster) -> bool:
+    journal = c.journal()
+    done = [e for e in journal if e.get("type") == "trial"]
+    last = journal[-1] if journal else {}
+    return bool(done) and last.get("type") == "published" and last.get("trial") is not None
 
 
 @pytest.mark.parametrize("victim", ["coordinator", "most agents"])
-async def test_killing_a_broker_node_mid_trial_loses_no_report(
-    rabbitmq_cluster: RabbitMqCluster, tmp_path: Path, victim: str
-) -> None:
-    brokers = rabbitmq_cluster.nodes
-    urls = [b.url for b in brokers]
-    loop = asyncio.get_running_loop()
-    outage: dict[str, Any] = {}
-    coordinator_dir = tmp_path / "coordinator"
+def test_killing_a_broker_node_mid_trial_loses_no_report(victim: str) -> None:
+    try:
+        check_host("rabbitmq")
+    except Unavailable as e:
+        unavailable(str(e))
+    root = new_root()
+    with Cluster(root, broker="rabbitmq", defaults=DEFAULTS) as c:
+        c.start()
+        clients = ["ctl", *c.node_keys]
+        until(lambda: all(c.mqtt_peer(k) for k in clients), 60, "every daemon connected")
+        queues = c.rabbitmqctl("b0", "-s", "list_queues", "-p", "hyperagent", "name", "type")
+        sessions = dict(line.split("\t")[:2] for line in queues.splitlines() if "\t" in line)
+        durable = {q: t for q, t in sessions.items() if q.endswith("qos1")}  # QoS 0: classic
+        assert len(durable) == len(clients) and set(durable.values()) == {"quorum"}, sessions
+        until(lambda: in_flight(c), 300, "a trial in flight after the first")
+        time.sleep(0.5)
+        held_by = {k: c.mqtt_peer(k) for k in clients}
+        if victim == "coordinator":
+            target = held_by["ctl"]
+        else:
+            target = Counter(held_by[k] for k in c.node_keys).most_common(1)[0][0]
+        assert target is not None, held_by
+        version = c.journal()[-1]["version"]
+        c.kill(f"rabbitmq-{c.hosts[target].name}")
+        killed = time.monotonic()
+        killed_at = time.time()
+        held = [k for k in clients if held_by[k] == target]
+        reconnected: dict[str, float] = {}
+        while len(reconnected) < len(held) and time.monotonic() < killed + 3 * RECONNECT_MAX_S:
+            for key in held:
+                if key in reconnected:
+                    continue
+                peer = c.mqtt_peer(key)
+                if peer not in (None, target) and (
+                    key == "ctl" or agent_value(c, key, "hyperagent_mqtt_gate_open") == 1
+                ):
+                    reconnected[key] = time.monotonic() - killed
+            time.sleep(0.1)
 
-    def kill_during_the_second_trial(state: JobState, record: Any) -> None:
-        if record.index == 0 and "killed" not in outage:
-            def kill() -> None:
-                if victim == "coordinator":
-                    port = outage["coordinator"].link.port
-                else:
-                    ports = Counter(a.link.port for a in outage["agents"])
-                    port = ports.most_common(1)[0][0]
-                outage["held"] = [link.port == port for link in outage["links"]]
-                rabbitmq_cluster.kill(next(b for b in brokers if b.port == port))
-                outage["port"] = port
-                outage["killed"] = loop.time()
+        final = until(
+            lambda: next((e for e in c.journal() if e.get("type") == "final"), None),
+            300,
+            "the tuning's final version",
+        )
+        for key in c.node_keys:
+            until(
+                lambda key=key: agent_value(c, key, "hyperagent_job_settings_version", job_id=JOB)
+                == final["version"],
+                30,
+                f"{key} applying the final version",
+            )
+            until(
+                lambda key=key: agent_value(c, key, "hyperagent_mqtt_queued_messages") == 0
+                and agent_value(c, key, "hyperagent_reports_unconfirmed") == 0,
+                30,
+                f"{key}'s spool empty",
+            )
+        sent = sum(agent_value(c, k, "hyperagent_reports_sent_total") or 0 for k in c.node_keys)
+        resent = sum(
+            agent_value(c, k, "hyperagent_reports_resent_total") or 0 for k in c.node_keys
+        )
+        journal = c.journal()
+        runs = trials(c)
+        logs = c.logs
 
-            loop.call_later(0.5, kill)
-
-    async with simulated_cluster(
-        urls,
-        nodes=NODES,
-        trials=3,
-        seed=4,
-        speedup=10,
-        coordinator_dir=coordinator_dir,
-        on_trial=kill_during_the_second_trial,
-        job_overrides={"abort_below": 0},
-        cluster="rabbitmq-cluster",
-        spread_brokers=True,
-        mqtt={"persistent_session": True},  # the agents' sessions in quorum queues too
-    ) as (coordinator, nodes, _):
-        agents = [n.agent for n in nodes]
-        links: list[bus.MqttLink] = [coordinator.link, *(a.link for a in agents if a.link)]
-        turned = coordinator.link.brokers
-        coordinator.link.brokers = turned[1:] + turned[:1]  # the coordinator on the second
-        outage.update(coordinator=coordinator, agents=agents, links=links)
-        reconnected: dict[int, float] = {}
-
-        async def watch(index: int, link: bus.MqttLink) -> None:
-            while "killed" not in outage:
-                await asyncio.sleep(0.005)
-            if not outage["held"][index]:
-                return
-            while not (
-                link.connected.is_set() and link.port != outage["port"] and link.gate_open
-            ):
-                await asyncio.sleep(0.005)
-            reconnected[index] = loop.time() - outage["killed"]
-
-        watchers = [asyncio.create_task(watch(i, link)) for i, link in enumerate(links)]
-        started = loop.time()
-        await asyncio.wait_for(coordinator.run(until_tuned=True), 300)
-        took = loop.time() - started
-        await asyncio.wait_for(asyncio.gather(*watchers), 30)
-        state = coordinator.jobs[JOB]
-        sent = sum(a.stats.reports_sent for a in agents)
-        resent = sum(a.stats.reports_resent for a in agents)
-        async with asyncio.timeout(20):
-            while any(a.unconfirmed for a in agents):
-                await asyncio.sleep(0.05)
-        spooled_left = sum(len(a.link.spool) for a in agents if a.link is not None)
-    runs = [*state.trials, *state.confirmations]
-    assert "killed" in outage
-    assert [t.status for t in runs] == ["ok"] * 7
-    journal = [
-        orjson.loads(line)
-        for line in (coordinator_dir / f"{JOB}.jsonl").read_bytes().splitlines()
-        if line.strip()
-    ]
-    trials = [e for e in journal if e.get("type") == "trial"]
-    accepted = Counter((e["version"], node) for e in trials for node in e["reports"])
-    assert len(trials) == 7 and set(accepted.values()) == {1}
-    assert sum(accepted.values()) == sent == NODES * 7
-    assert spooled_left == 0
-    held = outage["held"]
-    assert held[0] == (victim == "coordinator") and sum(held[1:]) == (1 if held[0] else 2)
-    assert set(reconnected) == {i for i, h in enumerate(held) if h}
+    published = {e["version"]: e["ts"] for e in journal if e.get("type") == "published"}
+    took = {t["version"]: t["ts"] - published[t["version"]] for t in runs}
+    statuses = [t["status"] for t in runs]
+    assert set(statuses) <= COMPLETED, statuses
+    assert max(took.values()) < TRIAL_TIMEOUT_S, took
+    interrupted = next(t for t in runs if t["version"] == version)
+    assert published[version] < killed_at < interrupted["ts"], "the kill fell between trials"
+    accepted = Counter((t["version"], node) for t in runs for node in t["reports"])
+    assert set(accepted.values()) == {1}, accepted
+    assert sum(accepted.values()) == sent == len(c.node_keys) * len(runs), (accepted, sent)
+    assert victim != "coordinator" or "ctl" in held
+    assert victim == "coordinator" or sum(k != "ctl" for k in held) == 2, held_by
+    assert set(reconnected) == set(held), (held_by, reconnected, logs)
     assert max(reconnected.values()) < 2 * RECONNECT_MAX_S, reconnected
-    assert took < 60, took  # trial_timeout_s is 60: no trial waited for it
+    others = [d for v, d in took.items() if v != version]
+    lost = took.get(version, 0.0) - statistics.median(others)
     print(
-        f"RabbitMQ cluster, the node of the {victim} killed: {sum(held)} links connected "
-        f"elsewhere within {max(reconnected.values()):.2f} s, reports sent {sent}, sent again "
-        f"{resent}, the tuning {took:.1f} s"
+        f"\nRabbitMQ namespace cluster, the node of the {victim} killed: {len(held)} links "
+        f"connected elsewhere within {max(reconnected.values()):.2f} s "
+        f"({', '.join(f'{k} {s:.2f} s' for k, s in reconnected.items())}), the trial in flight "
+        f"{took.get(version, 0.0):.1f} s ({lost:+.1f} s over the others' median "
+        f"{statistics.median(others):.1f} s), "
+        f"{len(runs)} runs {dict(Counter(statuses))}, reports sent {sent:.0f}, sent again "
+        f"{resent:.0f}, final version {final['version']} on every node"
     )
+    shutil.rmtree(root)

@@ -78,6 +78,9 @@ NODES = ("gpu-017", "gpu-018", "gpu-019")
 BROKER_HOST = "mqtt.cluster.internal"
 """The broker's host name in the shipped hyperagent.toml."""
 COORDINATOR_HOST = "hyperagent-coordinator"
+RABBITMQ_NODES = ("rabbit-0", "rabbit-1", "rabbit-2")
+"""The host names of a RabbitMQ cluster's broker nodes (Erlang node rabbit@HOST each)."""
+RABBITMQ = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 PROMETHEUS_HOST = "prometheus"
 RANKS_PER_NODE = 8
 """Ranks of the simulated job on each node, one JobReporter connection each (one per GPU, as
@@ -114,10 +117,11 @@ class Unavailable(Exception):
     """This machine cannot host the cluster (not root, or a tool is missing)."""
 
 
-def check_host() -> None:
+def check_host(broker: str = "mosquitto") -> None:
     if os.geteuid() != 0:
         raise Unavailable("the namespace cluster needs root (network and mount namespaces)")
-    missing = [t for t in TOOLS if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+    tools = (*TOOLS, "rabbitmqctl", "ss") if broker == "rabbitmq" else TOOLS
+    missing = [t for t in tools if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
     if missing:
         raise Unavailable(f"missing tools: {', '.join(missing)} (bash .ci/run installs them)")
 
@@ -146,6 +150,12 @@ class Cluster:
     """The cluster; use as a context manager (``with Cluster(root) as c: c.start()``)."""
 
     root: Path
+    broker: str = "mosquitto"
+    """``mosquitto`` (on the coordinator's host) or ``rabbitmq``: a 3-node RabbitMQ cluster, each
+    node a host of its own, the daemons given all three addresses (the agents spread over
+    them, the coordinator on the second) and the agents persistent sessions."""
+    defaults: dict[str, str] = field(default_factory=dict)
+    """``[coordinator.defaults]`` keys set over the shipped ones (TOML values as text)."""
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     hosts: dict[str, Host] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -160,6 +170,8 @@ class Cluster:
         self.bridge_ns = f"hac{self.tag}-br"
         names = [("ctl", COORDINATOR_HOST, 2), ("prom", PROMETHEUS_HOST, 3)]
         names += [(f"n{i}", node, 11 + i) for i, node in enumerate(NODES)]
+        if self.broker == "rabbitmq":
+            names += [(f"b{i}", node, 4 + i) for i, node in enumerate(RABBITMQ_NODES)]
         for key, name, last in names:
             self.hosts[key] = Host(name, f"hac{self.tag}-{key}", f"10.231.{subnet}.{last}")
         self.logs = self.root / "logs"
@@ -168,7 +180,7 @@ class Cluster:
     # -- the whole cluster ---------------------------------------------------------------
 
     def __enter__(self) -> Cluster:
-        check_host()
+        check_host(self.broker)
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
         self.logs.mkdir(exist_ok=True)
@@ -212,6 +224,10 @@ class Cluster:
     def node_keys(self) -> list[str]:
         return [k for k in self.hosts if k.startswith("n")]
 
+    @property
+    def broker_keys(self) -> list[str]:
+        return [k for k in self.hosts if k.startswith("b")]
+
     def stop(self) -> None:
         for name in reversed(list(self.processes)):
             self.kill(name, signal.SIGTERM)
@@ -219,6 +235,13 @@ class Cluster:
             if host.holder is not None:
                 host.holder.kill()
                 host.holder.wait()
+        for key in self.broker_keys:  # the epmd each RabbitMQ node started as a daemon
+            pids = subprocess.run(
+                ["ip", "netns", "pids", self.hosts[key].netns], capture_output=True, text=True
+            ).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
         for host in self.hosts.values():
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.bridge_ns], capture_output=True)
@@ -273,7 +296,10 @@ class Cluster:
         pki = self.root / "pki"
         pki.mkdir()
         ctl = self.hosts["ctl"]
-        make_certificates(pki, BROKER_HOST, f"DNS:{BROKER_HOST},IP:{ctl.address}")
+        names = [f"DNS:{BROKER_HOST}", f"IP:{ctl.address}"]
+        for key in self.broker_keys:
+            names += [f"DNS:{self.hosts[key].name}", f"IP:{self.hosts[key].address}"]
+        make_certificates(pki, BROKER_HOST, ",".join(names))
         self.ca = pki / "ca.crt"
 
     def _hosts_file(self) -> Path:
@@ -321,7 +347,7 @@ class Cluster:
                 etc = host.root / "etc" / "hyperagent"
                 user = "coordinator" if key_name == "ctl" else host.name
                 for name, content in (
-                    ("hyperagent.toml", toml),
+                    ("hyperagent.toml", self._toml(toml, key_name)),
                     ("mqtt.password", self.passwords[user] + "\n"),
                     ("mqtt-ca.crt", self.ca.read_text()),
                 ):
@@ -342,7 +368,10 @@ class Cluster:
                 jobs = host.root / "jobs"
                 jobs.mkdir()
                 os.chmod(jobs, 0o1777)
-        self._install_broker()
+        if self.broker == "rabbitmq":
+            self._install_rabbitmq()
+        else:
+            self._install_broker()
         self._install_prometheus()
         state = self.hosts["ctl"].root / "var/lib/hyperagent-coordinator"
         state.mkdir(parents=True)
@@ -373,6 +402,55 @@ class Cluster:
         data = self.hosts["ctl"].root / "var/lib/mosquitto"
         data.mkdir(parents=True)
         os.chown(data, mosquitto.pw_uid, mosquitto.pw_gid)
+
+    def _toml(self, toml: str, key: str) -> str:
+        """The shipped hyperagent.toml for host ``key``: on RabbitMQ, ``mqtt.url`` the three
+        broker nodes (the agents' first choice spread over them, the coordinator's the
+        second) and the agents' sessions persistent; ``defaults`` over the shipped ones."""
+        if self.broker == "rabbitmq":
+            urls = [f"mqtts://{self.hosts[b].name}:8883" for b in self.broker_keys]
+            first = 1 if key == "ctl" else [0, 0, 2][self.node_keys.index(key) % 3]
+            urls = urls[first:] + urls[:first]
+            listed = ", ".join(f'"{u}"' for u in urls)
+            toml, count = re.subn(r'(?m)^url = "mqtts://[^"]*"$', f"url = [{listed}]", toml)
+            assert count == 1, "the shipped hyperagent.toml sets mqtt.url once"
+            if key != "ctl":
+                toml = toml.replace("[mqtt]\n", "[mqtt]\npersistent_session = true\n", 1)
+        if self.defaults:
+            for k in self.defaults:  # the shipped line of a key set here goes
+                toml = re.sub(rf"(?m)^{re.escape(k)} = .*\n", "", toml)
+            keys = "".join(f"{k} = {v}\n" for k, v in self.defaults.items())
+            toml = toml.replace("[coordinator.defaults]\n", f"[coordinator.defaults]\n{keys}", 1)
+        tomllib.loads(toml)
+        return toml
+
+    def _install_rabbitmq(self) -> None:
+        """README's "Installing with RabbitMQ instead of mosquitto" on each broker host: the
+        shipped rabbitmq.conf and enabled_plugins, the certificates, one Erlang cookie."""
+        rabbitmq = pwd.getpwnam("rabbitmq")
+        cookie = secrets.token_hex(16).upper()
+        pki = self.root / "pki"
+        for key in self.broker_keys:
+            root = self.hosts[key].root
+            etc = root / "etc" / "rabbitmq"
+            certs = etc / "certs"
+            certs.mkdir(parents=True)
+            os.chmod(certs, 0o750)
+            os.chown(certs, 0, rabbitmq.pw_gid)
+            for name in ("rabbitmq.conf", "enabled_plugins"):
+                shutil.copy(SYSTEMD / "rabbitmq" / name, etc / name)
+                os.chmod(etc / name, 0o644)
+            for name, mode in (("ca.crt", 0o644), ("broker.crt", 0o644), ("broker.key", 0o640)):
+                shutil.copy(pki / name, certs / name)
+                os.chown(certs / name, 0, rabbitmq.pw_gid)
+                os.chmod(certs / name, mode)
+            for sub in ("var/lib/rabbitmq", "var/log/rabbitmq"):
+                (root / sub).mkdir(parents=True)
+                os.chown(root / sub, rabbitmq.pw_uid, rabbitmq.pw_gid)
+            jar = root / "var/lib/rabbitmq/.erlang.cookie"
+            jar.write_text(cookie)
+            os.chown(jar, rabbitmq.pw_uid, rabbitmq.pw_gid)
+            os.chmod(jar, 0o400)
 
     def _install_prometheus(self) -> None:
         etc = self.hosts["prom"].root / "etc" / "prometheus"
@@ -408,6 +486,9 @@ class Cluster:
             "etc/mosquitto",
             "var/lib/mosquitto",
             "etc/prometheus",
+            "etc/rabbitmq",
+            "var/lib/rabbitmq",
+            "var/log/rabbitmq",
         ):
             if (host.root / sub).is_dir():
                 self._mount_point(Path("/") / sub)
@@ -530,6 +611,9 @@ class Cluster:
             process.wait()
 
     def start_broker(self) -> None:
+        if self.broker == "rabbitmq":
+            self.start_rabbitmq()
+            return
         self.spawn(
             "mosquitto",
             self.hosts["ctl"],
@@ -537,6 +621,63 @@ class Cluster:
         )
         # started as root, mosquitto drops to its own user itself, as its Debian unit has it
         self.wait_listening("ctl", 8883)
+
+    def start_rabbitmq_node(self, key: str) -> None:
+        """The RabbitMQ node of broker host ``key``, as its unit runs it (User=rabbitmq)."""
+        self.spawn(
+            f"rabbitmq-{self.hosts[key].name}",
+            self.hosts[key],
+            [str(RABBITMQ)],
+            user="rabbitmq",
+            umask="0027",
+            env={"HOME": "/var/lib/rabbitmq"},
+        )
+
+    def rabbitmqctl(self, key: str, *args: str, stdin: str | None = None) -> str:
+        return run(
+            *self.hosts[key].enter(), "rabbitmqctl", *args, input=stdin, timeout=120
+        ).stdout
+
+    def start_rabbitmq(self) -> None:
+        """Three nodes joined into one cluster, then the users of README's RabbitMQ section."""
+        for key in self.broker_keys:
+            self.start_rabbitmq_node(key)
+        first, *others = self.broker_keys
+        for key in self.broker_keys:
+            self.wait_listening(key, 8883, 120)
+        for key in others:
+            self.rabbitmqctl(key, "stop_app")
+            self.rabbitmqctl(key, "join_cluster", f"rabbit@{self.hosts[first].name}")
+            self.rabbitmqctl(key, "start_app")
+        for key in self.broker_keys:
+            self.rabbitmqctl(key, "await_startup")
+            self.wait_listening(key, 8883, 120)
+        lines = "".join(f"{user} {password}\n" for user, password in self.passwords.items())
+        users = subprocess.run(
+            [
+                *self.hosts[first].enter(),
+                "sh",
+                str(SYSTEMD / "rabbitmq" / "hyperagent-rabbitmq-users"),
+                str(SYSTEMD / "mosquitto" / "hyperagent.acl"),
+            ],
+            input=lines,
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
+        if users.returncode:
+            raise RuntimeError(f"hyperagent-rabbitmq-users: {users.stdout}{users.stderr}")
+        self.rabbitmqctl(first, "delete_user", "guest")
+
+    def mqtt_peer(self, key: str) -> str | None:
+        """The broker host key that ``key``'s established MQTT connection goes to."""
+        out = self.in_host(key, ["ss", "-Htn", "state", "established", "( dport = :8883 )"])
+        addresses = {self.hosts[b].address: b for b in self.broker_keys}
+        for line in out.splitlines():
+            peer = line.split()[-1].rsplit(":", 1)[0]
+            if peer in addresses:
+                return addresses[peer]
+        return None
 
     def start_coordinator(self) -> None:
         unit = (SYSTEMD / "hyperagent-coordinator.service").read_text()
