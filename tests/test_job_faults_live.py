@@ -32,6 +32,22 @@ def trials(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in entries if e["type"] == "trial"]
 
 
+def two_nodes(
+    mosquitto: Mosquitto, state: Path, objective: str = "throughput", seed: int = 2, **job: Any
+) -> Any:
+    """Two simulated nodes tuning the demo job (a budget of 4), journalling into ``state``."""
+    return simulated_cluster(
+        mosquitto.url,
+        nodes=2,
+        trials=4,
+        seed=seed,
+        speedup=100,
+        objective=objective,
+        job_overrides={"patience": 4, **job},
+        coordinator_dir=state,
+    )
+
+
 def cap_at_most(node: SimulatedNode, watts: float) -> None:
     """The node's ``[actuation] max_power_w`` (an operator's bound below the GPUs' own)."""
     config = node.agent.config
@@ -46,15 +62,11 @@ async def test_a_node_bound_below_the_jobs_cap_is_held_to_not_retried_forever(
     operator allows at most 200 W. The job runs at 200 W and is tuned, instead of its first
     trial being refused and the same settings retried for ever with no trial done."""
     state = tmp_path / "state"
-    async with simulated_cluster(
-        mosquitto.url,
-        nodes=2,
-        trials=4,
-        seed=2,
-        speedup=100,
-        job_overrides={"power_limits_w": [100.0, 250.0], "patience": 4},
-        coordinator_dir=state,
-    ) as (coordinator, nodes, _):
+    async with two_nodes(mosquitto, state, power_limits_w=[100.0, 250.0]) as (
+        coordinator,
+        nodes,
+        _,
+    ):
         cap_at_most(nodes[1], 200.0)
         async with asyncio.timeout(90):
             await coordinator.run(until_tuned=True)
@@ -72,16 +84,11 @@ async def test_a_job_no_node_can_cap_for_fails_with_the_reason_and_the_loop_ends
     """An energy job searching caps of 300-400 W on 250 W GPUs: it fails at once, saying which
     node cannot, and a coordinator run until every job is tuned returns."""
     state = tmp_path / "state"
-    async with simulated_cluster(
-        mosquitto.url,
-        nodes=2,
-        trials=4,
-        seed=2,
-        speedup=100,
-        objective="energy",
-        job_overrides={"power_limits_w": [300.0, 400.0], "patience": 4},
-        coordinator_dir=state,
-    ) as (coordinator, _, _):
+    async with two_nodes(mosquitto, state, "energy", power_limits_w=[300.0, 400.0]) as (
+        coordinator,
+        _,
+        _,
+    ):
         async with asyncio.timeout(60):
             await coordinator.run(until_tuned=True)
         machine = coordinator.job(JOB)
@@ -96,16 +103,7 @@ async def test_a_missing_energy_reading_spends_no_trial_and_the_tuning_goes_on_w
     scores nothing as infeasible and ends nothing on penalties; it waits, saying why. When the
     counters are back the same tuning goes on and ends with measured energies."""
     state = tmp_path / "state"
-    async with simulated_cluster(
-        mosquitto.url,
-        nodes=2,
-        trials=4,
-        seed=2,
-        speedup=100,
-        objective="energy",
-        job_overrides={"patience": 4},
-        coordinator_dir=state,
-    ) as (coordinator, nodes, _):
+    async with two_nodes(mosquitto, state, "energy") as (coordinator, nodes, _):
         for node in nodes:
             assert node.nvml is not None
             node.nvml.set_faults(
@@ -188,16 +186,11 @@ async def test_a_job_sharing_a_node_with_another_leaves_that_nodes_power_caps_al
     (the other job's GPUs are not capped by a tuning that is not theirs), node-0's are
     tuned, and the tuning ends."""
     state = tmp_path / "state"
-    async with simulated_cluster(
-        mosquitto.url,
-        nodes=2,
-        trials=4,
-        seed=5,
-        speedup=100,
-        objective="energy",
-        job_overrides={"patience": 4, "confirm_best": False},
-        coordinator_dir=state,
-    ) as (coordinator, nodes, _):
+    async with two_nodes(mosquitto, state, "energy", seed=5, confirm_best=False) as (
+        coordinator,
+        nodes,
+        _,
+    ):
         shared = nodes[1]
         assert shared.nvml is not None
         other = JobReporter("other", rank=0, socket_path=shared.agent.config.sources.job.socket)
