@@ -49,12 +49,14 @@ async def test_a_broker_that_drops_each_session_while_subscribing_is_retried_qui
     port = server.sockets[0].getsockname()[1]
     caplog.set_level(logging.INFO)
 
-    async def ignore(topic: str, payload: bytes) -> None:
-        pass
+    delivered: list[str] = []
+
+    async def record(topic: str, payload: bytes) -> None:
+        delivered.append(topic)
 
     link = bus.MqttLink("127.0.0.1", port, "dropped", backoff_min_s=0.05, backoff_max_s=0.4)
-    link.subscribe("a/+", 1, ignore)
-    link.follow("a/b", 1, ignore)
+    link.subscribe("a/+", 1, record)
+    link.follow("a/b", 1, record)
     link.publish("a/c", b"kept", qos=1)
     task = asyncio.create_task(link.run())
     try:
@@ -73,6 +75,7 @@ async def test_a_broker_that_drops_each_session_while_subscribing_is_retried_qui
     assert "Disconnected while subscribing" in caplog.text
     assert "timed out" not in caplog.text
     assert not link.connected.is_set() and len(link.spool) == 1  # nothing taken as sent
+    assert delivered == []  # a session that broke while subscribing delivers nothing
     # backed off: 0.05 s doubling to 0.4 s, not a reconnect every few milliseconds
     assert 3 <= sessions <= 15, sessions
 

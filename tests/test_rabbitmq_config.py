@@ -329,28 +329,35 @@ async def test_the_agent_connects_with_its_config(
         config, client_id("node-1"), status_node="node-1", username="node-1"
     )
 
-    async def ignore(topic: str, payload: bytes) -> None:
-        pass
+    settings: list[bytes] = []
 
-    link.subscribe(bus.Topics(CLUSTER).settings("+"), 1, ignore)
+    async def record(topic: str, payload: bytes) -> None:
+        settings.append(payload)
+
+    topics = bus.Topics(CLUSTER)
+    link.subscribe(topics.settings("+"), 1, record)
     async with client(shipped_rabbitmq, "coordinator") as coordinator:
-        await coordinator.subscribe(bus.Topics(CLUSTER).status("node-1"), qos=1)
+        await coordinator.subscribe(topics.status("node-1"), qos=1)
         task = asyncio.create_task(link.run())
         try:
             async with asyncio.timeout(10):
                 message = await anext(aiter(coordinator.messages))
+                await coordinator.publish(topics.settings("j"), b"to node-1", qos=1)
+                while not settings:
+                    await asyncio.sleep(0.05)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     assert bus.decode(message.payload, "status")["state"] == "online"  # type: ignore[arg-type]
+    assert settings == [b"to node-1"]  # the agent's user reads the settings topics
 
 
 async def test_run_again_the_script_sets_a_new_password(shipped_rabbitmq: ShippedRabbitMq) -> None:
     script = SHIPPED / "hyperagent-rabbitmq-users"
     try:
         shipped_rabbitmq.ctl(str(ACL), stdin="node-2 a new one\n", script=script)
-        async with client(shipped_rabbitmq, "node-2", "a new one"):
-            pass
+        async with client(shipped_rabbitmq, "node-2", "a new one") as renewed:
+            await renewed.publish(bus.Topics(CLUSTER).status("node-2"), b"online", qos=1)
         with pytest.raises(aiomqtt.MqttError):
             async with client(shipped_rabbitmq, "node-2"):
                 pytest.fail("node-2's old password still works")
