@@ -125,6 +125,8 @@ class Driver:
     said: list[str] = field(default_factory=list)
     measured: list[Any] = field(default_factory=list)
     answer: bool = True
+    reports: dict[str, tuning.Report] = field(default_factory=dict)
+    """node -> the last report it sent (what it resends until the coordinator confirms it)."""
 
     def feed(self, event: tuning.Event) -> None:
         queue = [event]
@@ -150,11 +152,10 @@ class Driver:
                     self.nodes.ack(self.now, effect, node) for node in answering
                 ]
                 self.now += self.nodes.measure_s
-                events += [
-                    self.nodes.report(self.now, effect, node)
-                    for node in answering
-                    if self.nodes.refusal(node, effect.settings) is None
-                ]
+                for node in answering:
+                    if self.nodes.refusal(node, effect.settings) is None:
+                        self.reports[node] = self.nodes.report(self.now, effect, node)
+                        events.append(self.reports[node])
                 return events
         return []
 

@@ -1,5 +1,6 @@
 """One job's tuning under every order of events: nodes going offline and coming back, going
-silent, refusing, ranks leaving and rejoining, time passing, and the coordinator killed and
+silent, refusing, ranks leaving and rejoining, time passing, a broker node lost (its nodes'
+last wills, their return, and the reports they send again), and the coordinator killed and
 restarted from its journal at any point. Invariants hold after every step.
 
 ``HYPERAGENT_PROPERTY_EXAMPLES`` sets the example count (CI: 200)."""
@@ -94,12 +95,30 @@ class JobUnderFaults(RuleBasedStateMachine):
         (self.left.add if leave else self.left.discard)(node)
         self._seen()
 
+    @precondition(lambda self: not self.machine.terminal)
+    @rule(lost=st.sets(st.sampled_from(NODES), min_size=1))
+    def broker_node_lost(self, lost: set[str]) -> None:
+        """The broker node holding these nodes' connections is killed: their last wills say
+        offline, they reconnect to another node, and each sends its last report again (the
+        coordinator may have had it already, or it may be for a version no longer in play)."""
+        for node in sorted(lost):
+            self.driver.feed(tuning.NodeStatus(self.driver.now, node, False))
+        self.driver.advance(0.5)
+        for node in sorted(lost):
+            self.driver.feed(tuning.NodeStatus(self.driver.now, node, node not in self.offline))
+        for node in sorted(lost):
+            if node in self.driver.reports:
+                resent = self.driver.reports[node]
+                self.driver.feed(tuning.Report(self.driver.now, resent.message))
+
     @rule()
     def coordinator_killed_and_restarted(self) -> None:
         now = self.driver.now
         highest = max(self.versions, default=0)
+        unconfirmed = self.driver.reports  # the agents keep them and send them again
         self.driver = begin("j", NODES, self.path, self.section, self.nodes)
         self.driver.now = now
+        self.driver.reports = unconfirmed
         self.driver.feed(tuning.VersionSeen(highest))  # the broker's retained settings
         self.restarts += 1
 
