@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import pwd
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from pathlib import Path
 
 from hyperagent.devices import metrics as gpu_metrics
 from hyperagent.readings import Kind, Reading
-from hyperagent.scheduler import SchedulerJob
+from hyperagent.scheduler import SchedulerJob, slurm_parts
 from hyperagent.sources import ipmi
 from hyperagent.sources.job_mapping import MappingRead, read_mapping_dir
 from hyperagent.sources.pdu import metrics as pdu_metrics
@@ -80,8 +79,6 @@ MAX_USERS = 1024
 
 MODES = ("cgroup", "mapping", "off")
 
-_SLURM_JOB_ID = re.compile(r"^slurm-(\d+)(?:-([A-Za-z0-9_]+))?$")
-
 UserLookup = Callable[[int], str | None]
 """uid -> user name (None: unknown); blocking, called in a thread."""
 
@@ -122,20 +119,12 @@ class JobIdentity:
         }
 
 
-def slurm_of(job_id: str) -> tuple[str, str]:
-    """(Slurm job, step) an id names when it is ``slurm-<job>[-<step>]``, else empty."""
-    match = _SLURM_JOB_ID.match(job_id)
-    if match is None:
-        return "", ""
-    return match.group(1), match.group(2) or ""
-
-
 def identity(job_id: str, user: str = "", scheduler: SchedulerJob | None = None) -> JobIdentity:
     """The identity of ``job_id``: its Slurm job and step from ``scheduler`` when that is a
     Slurm job, else from the id's own form."""
     if scheduler is not None and scheduler.scheduler == "slurm":
         return JobIdentity(job_id, user, scheduler.scheduler_id, scheduler.step)
-    return JobIdentity(job_id, user, *slurm_of(job_id))
+    return JobIdentity(job_id, user, *slurm_parts(job_id))
 
 
 @dataclass

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 MAX_ID = 64
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _SLURM_JOB = re.compile(r"^[0-9]+$")
+_SLURM_ID = re.compile(r"^slurm-([0-9]+)(?:-([A-Za-z0-9_]+))?$")
 _SLURM_STEP_NAMES = {
     # SLURM_STEP_ID's special values, slurm.h since 20.11: SLURM_INTERACTIVE_STEP 0xfffffffa,
     # SLURM_BATCH_SCRIPT 0xfffffffb, SLURM_EXTERN_CONT 0xfffffffc; before: 0xfffffffe, 0xffffffff
@@ -79,6 +80,23 @@ def slurm_job(job_id: str, step: str | None) -> SchedulerJob:
     if _UNSAFE.search(name):
         raise NoJobId(f"Slurm step {step!r} is not a step id")
     return SchedulerJob(f"slurm-{job_id}-{name}"[:MAX_ID], "slurm", job_id, name)
+
+
+def slurm_allocation(job_id: str) -> SchedulerJob:
+    """Slurm job ``job_id`` as a whole, no step (``slurm-<id>``: what a job-mapping file or a
+    cgroup above the steps names); raises NoJobId for a malformed id."""
+    if not _SLURM_JOB.match(job_id):
+        raise NoJobId(f"{job_id!r} is not a Slurm job id")
+    return SchedulerJob(f"slurm-{job_id}"[:MAX_ID], "slurm", job_id, "")
+
+
+def slurm_parts(job_id: str) -> tuple[str, str]:
+    """(Slurm job, step) of an id made by :func:`slurm_job` or :func:`slurm_allocation`
+    (``slurm-<job>[-<step>]``); empty for any other id."""
+    match = _SLURM_ID.match(job_id)
+    if match is None:
+        return "", ""
+    return match.group(1), match.group(2) or ""
 
 
 def from_environment(environ: Mapping[str, str], given: str | None = None) -> SchedulerJob:

@@ -12,11 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hyperagent.scheduler import MAX_ID, SchedulerJob, safe_id
+from hyperagent.scheduler import MAX_ID, SchedulerJob, safe_id, slurm_allocation
 
 _GPU_FILE = re.compile(r"^(\d+)(?:\.(\d+))?$")
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_SLURM_ID = re.compile(r"^\d+$")
 MAX_FILES = 1024
 """Files read from the directory at most (a node has no more GPUs and MIG instances)."""
 
@@ -39,8 +38,8 @@ def mapped_job(text: str) -> SchedulerJob:
     id itself (made safe); raises MappingFormatError for one with other characters."""
     if not _JOB_ID.match(text) or len(text) > MAX_ID:
         raise MappingFormatError(f"{text[:80]!r} is not a job id")
-    if _SLURM_ID.match(text):
-        return SchedulerJob(f"slurm-{text}", "slurm", text, "")
+    if text.isdigit():
+        return slurm_allocation(text)
     return SchedulerJob(safe_id(text), "given")
 
 

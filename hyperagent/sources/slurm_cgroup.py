@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hyperagent.scheduler import SchedulerJob, slurm_job
+from hyperagent.scheduler import SchedulerJob, slurm_allocation, slurm_job
 
 _LINE = re.compile(r"^(\d+):([^:]*):(/.*)$")
 _V2 = re.compile(r"(?:^|/)(?:[^/]+_)?slurmstepd\.scope/job_([^/]+)(?:/step_([^/]+))?(?:/|$)")
@@ -92,7 +92,7 @@ def _step(job: str, step: str | None, number: int) -> SchedulerJob:
     if not job.isdigit():
         raise CgroupFormatError(f"line {number}: job_{job} is not a Slurm job id")
     if step is None:
-        return SchedulerJob(f"slurm-{job}", "slurm", job, "")
+        return slurm_allocation(job)
     if not _STEP.match(step):
         raise CgroupFormatError(f"line {number}: step_{step} is not a Slurm step")
     return slurm_job(job, step)
