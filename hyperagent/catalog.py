@@ -137,6 +137,10 @@ _CORE: dict[str, str] = {
     ),
     "hyperagent_tuner_done": "1 once the job's tuning finished and its best settings went out.",
     "hyperagent_tuner_trials_total": "Finished trials of the job, by outcome.",
+    "hyperagent_tuner_trials_stopped_early_total": (
+        "Search trials of the job whose measurement stopped early, by verdict against the best"
+        " trial before them (worse, better)."
+    ),
     "hyperagent_tuner_baseline_score": "Score of the job's starting settings (higher is better).",
     "hyperagent_tuner_best_score": "Best score measured so far for the job.",
     "hyperagent_tuner_last_score": "Score of the job's last measured trial.",

@@ -501,6 +501,11 @@ class JobPolicy(_Model):
     under ``power_budget_w``; for plain throughput the cap stays at the highest limit."""
     abort_below: Annotated[float, Field(ge=0, le=1)] = 0.7
     """Abort a trial as soon as its partial score is below this fraction of the baseline."""
+    early_stop: bool = True
+    """Stop a search trial's measurement (not the baseline's, never a confirmation's) once its
+    windows show, at the confirmations' confidence, that it is worse than the best trial so
+    far, or better by more than the noise; the tuner is told the windows' mean with its
+    standard error (:mod:`hyperagent.tuner.early`). False: every trial runs its whole plan."""
     confirm_best: bool = True
     """Measure the best settings once more before declaring them best."""
     drift_threshold: Annotated[float, Field(gt=0, le=1)] = 0.15

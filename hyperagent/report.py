@@ -3,11 +3,13 @@
 The journal (see :mod:`hyperagent.tuner.journal`) is read, never written: a torn last line of a
 journal that a coordinator is still writing is left out, as the coordinator itself would cut it
 off, and only the last round of tuning (after the last ``start`` entry) is drawn. The figure
-shows each trial's score coloured by outcome (``ok``, ``aborted``, and every other status as
-failed, drawn on the lower edge because it has no score), the best score so far, the baseline
-(trial 0, the starting settings) as a line, and one small panel per knob with the value each
-trial tried and the chosen value. The title names the chosen settings (the ``final`` entry's,
-or while tuning runs the best measured ones) and their gain over the baseline.
+shows each trial's score coloured by outcome (``ok``, ``aborted``, ``stopped_early``: a search
+trial whose measurement stopped once it was judged worse or better than the best before it,
+and every other status as failed, drawn on the lower edge because it has no score), the best
+score so far, the baseline (trial 0, the starting settings) as a line, and one small panel per
+knob with the value each trial tried and the chosen value. The title names the chosen settings
+(the ``final`` entry's, or while tuning runs the best measured ones) and their gain over the
+baseline.
 
 ``.png`` writes the figure; ``.html`` writes a self-contained page embedding it (base64) above a
 table of the trials. Matplotlib draws with its Agg canvas, without pyplot's global state.
@@ -38,8 +40,13 @@ from hyperagent.tuner.cost import Cost, round_cost
 from hyperagent.tuner.space import KNOBS
 from hyperagent.tuner.trial import interval_text
 
-SCORED_STATUSES = ("ok", "aborted")
-STATUS_COLOURS = {"ok": "tab:blue", "aborted": "tab:orange", "failed": "tab:red"}
+SCORED_STATUSES = ("ok", "aborted", "stopped_early")
+STATUS_COLOURS = {
+    "ok": "tab:blue",
+    "aborted": "tab:orange",
+    "stopped_early": "tab:olive",
+    "failed": "tab:red",
+}
 CHOSEN_COLOUR = "tab:purple"
 KNOB_LABELS = {
     "bucket_mb": "bucket (MiB)",
@@ -70,10 +77,13 @@ class Trial:
     seconds: float | None
     confirmation: bool = False
     """A re-measurement of the baseline or the best settings after the trial budget."""
+    verdict: str | None = None
+    """A trial stopped early: ``worse`` or ``better`` than the best before it."""
 
     @property
     def outcome(self) -> str:
-        """``ok``, ``aborted`` or ``failed`` (every other status): the colour it is drawn in."""
+        """``ok``, ``aborted``, ``stopped_early`` or ``failed`` (every other status): the
+        colour it is drawn in."""
         return self.status if self.status in SCORED_STATUSES else "failed"
 
 
@@ -185,6 +195,7 @@ def _trial(entry: Mapping[str, Any]) -> Trial:
         status=status,
         seconds=_number(entry, "seconds", optional=True),
         confirmation=entry.get("confirmation") is True,
+        verdict=entry["verdict"] if isinstance(entry.get("verdict"), str) else None,
     )
 
 
@@ -365,7 +376,7 @@ def _draw_scores(ax: Axes, trials: Sequence[Trial], summary: ReportSummary) -> N
     best_y: list[float] = []
     running: float | None = None
     for t in sorted(trials, key=lambda t: t.index):
-        if t.status == "ok" and t.score is not None:
+        if t.score is not None and (t.status == "ok" or t.verdict == "better"):
             running = t.score if running is None else max(running, t.score)
         if running is not None:
             best_x.append(t.index)
@@ -468,6 +479,8 @@ def _html(png: bytes, trials: Sequence[Trial], summary: ReportSummary) -> str:
     rows = []
     for t in sorted(trials, key=lambda t: t.index):
         status = f"{t.status} (confirmation)" if t.confirmation else t.status
+        if t.verdict is not None:
+            status = f"{status} ({t.verdict})"
         cells = [t.index, t.version, status, t.score, *(t.settings.get(k) for k in summary.knobs)]
         cells.append(t.seconds)
         row = "".join(f"<td>{_cell(c)}</td>" for c in cells)
@@ -480,7 +493,8 @@ def _html(png: bytes, trials: Sequence[Trial], summary: ReportSummary) -> str:
         f"<title>hyperagent report: {html.escape(summary.job)}</title>\n"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-        "tr.aborted{background:#fff3e0}tr.failed{background:#fdecea}</style>\n"
+        "tr.aborted{background:#fff3e0}tr.stopped_early{background:#f4f6e0}"
+        "tr.failed{background:#fdecea}</style>\n"
         "</head>\n<body>\n"
         f"<h1>{title}</h1>\n<p>From <code>{source}</code>.</p>\n"
         f'<img alt="scores and settings per trial" src="data:image/png;base64,{image}">\n'

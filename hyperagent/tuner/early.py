@@ -9,7 +9,10 @@ incumbent's (the best trial so far) by the interval the confirmations use
 whole interval is below zero the trial is worse, above zero it is better, and either way its
 measurement can stop: the tuner is told the windows' mean with their standard error, so it
 trusts the short measurement no more than it should. Confirmations are never judged early;
-they keep their full length.
+they keep their full length. The coordinator (:class:`hyperagent.tuner.tuning.JobTuning`)
+judges each search trial but the first (the baseline) on the nodes' partial reports, with
+the job's window scores (:func:`hyperagent.tuner.trial.window_scores`: throughput, or for
+energy the samples per joule of each window when the agents report energy per window).
 
 The rule's false-cut rate (a trial stopped as worse whose settings are in
 truth at least as good as the incumbent's) is measured by ``benchmarks/tuner_families.py
@@ -51,13 +54,15 @@ class EarlyStop:
             raise ValueError(f"min_windows must be >= 2 (a spread), got {self.min_windows}")
 
     @classmethod
-    def for_objective(cls, objective: str) -> EarlyStop:
-        """The rule for a tuning of ``objective``: both cuts for throughput, only the worse for
-        energy. An energy trial tells the tuner no standard error (one energy reading per
-        trial), so a short measurement stopped as better would enter the model as if it had run
-        in full: on three energy families (20 landscapes each, ``benchmarks/tuner_families.py
-        --cost``) stopping the better too cost up to 2.1 points of the final value."""
-        return cls(stop_better=objective != "energy")
+    def for_objective(cls, objective: str, energy_windows: bool = False) -> EarlyStop:
+        """The rule for a tuning of ``objective``: both cuts for throughput; for energy both
+        when the agents report energy per window (``energy_windows``: the tuner is then told
+        the windows' standard error), else only the worse. Without energy windows an energy
+        trial tells the tuner no standard error, so a short measurement stopped as better
+        would enter the model as if it had run in full: on three energy families (20
+        landscapes each, ``benchmarks/tuner_families.py --cost``) stopping the better too
+        cost up to 2.1 points of the final value."""
+        return cls(stop_better=objective != "energy" or energy_windows)
 
     def judge(self, windows: Sequence[float], incumbent: Sequence[float]) -> Verdict:
         """The verdict on a trial's windows so far (its job-level window scores, as

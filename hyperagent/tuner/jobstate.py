@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from hyperagent.tuner.tuning import JobTuning
 
 
+REPORT_KEYS = ("throughput", "samples", "seconds", "energy_j", "windows")
+"""What the journal keeps of each node's report (None where a report lacks one) ..."""
+JOURNAL_REPORT_KEYS = (*REPORT_KEYS, "window_samples", "energy_windows")
+"""... and, where a report has them, its samples and energy per window (the windows of an
+early judgement against this trial, after a restart too)."""
+
+
 @dataclass
 class TrialRecord:
     """One finished trial of one job."""
@@ -24,8 +31,8 @@ class TrialRecord:
     settings: dict[str, Any]
     score: float | None
     status: str
-    """ok, aborted, infeasible, rejected, refused, no_ack, timeout, no_energy, nonfinite_loss,
-    xid or lost_nodes."""
+    """ok, aborted, stopped_early, infeasible, rejected, refused, no_ack, timeout, no_energy,
+    nonfinite_loss, xid or lost_nodes."""
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     noise: float | None = None
@@ -39,10 +46,13 @@ class TrialRecord:
     """The nodes behind an outcome that is not a trial (refusing, silent, not measured)."""
     errors: dict[str, str] = field(default_factory=dict)
     """What refusing nodes said."""
+    verdict: str | None = None
+    """For a trial stopped early (``stopped_early``): ``worse`` or ``better`` than the
+    incumbent, the best trial before it."""
 
     def to_journal(self) -> dict[str, Any]:
         reports = {
-            node: {k: r.get(k) for k in ("throughput", "samples", "seconds", "energy_j", "windows")}
+            node: {k: r.get(k) for k in JOURNAL_REPORT_KEYS if k in r or k in REPORT_KEYS}
             for node, r in self.reports.items()
         }
         return {
@@ -56,6 +66,7 @@ class TrialRecord:
             "seconds": self.seconds,
             "noise": self.noise,
             **({"confirmation": True} if self.confirmation else {}),
+            **({"verdict": self.verdict} if self.verdict is not None else {}),
         }
 
     @classmethod
@@ -70,6 +81,7 @@ class TrialRecord:
             entry.get("seconds", 0.0),
             entry.get("noise"),
             bool(entry.get("confirmation", False)),
+            verdict=entry.get("verdict"),
         )
 
 
@@ -107,6 +119,16 @@ def job_readings(state: JobTuning) -> list[Reading]:
     for status, count in sorted(Counter(t.status for t in state.trials).items()):
         out.append(
             Reading("hyperagent_tuner_trials_total", count, {**job, "status": status}, Kind.COUNTER)
+        )
+    stopped = Counter(t.verdict for t in state.trials if t.status == "stopped_early")
+    for verdict in ("better", "worse"):
+        out.append(
+            Reading(
+                "hyperagent_tuner_trials_stopped_early_total",
+                stopped.get(verdict, 0),
+                {**job, "verdict": verdict},
+                Kind.COUNTER,
+            )
         )
     if state.baseline is not None:
         out.append(Reading("hyperagent_tuner_baseline_score", state.baseline, scored))

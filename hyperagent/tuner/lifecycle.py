@@ -37,7 +37,7 @@ from typing import Literal
 RETRY_FIRST_S = 5.0
 RETRY_MAX_S = 300.0
 
-MEASURED = frozenset({"ok", "aborted"})
+MEASURED = frozenset({"ok", "aborted", "stopped_early"})
 """Outcomes with a measurement of the settings: only these can make a tuning converge."""
 
 TRIALS = MEASURED | {"infeasible", "rejected", "nonfinite_loss", "xid"}

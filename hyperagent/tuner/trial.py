@@ -102,6 +102,9 @@ class Measurement:
     windows: list[float]
     steps: int
     nonfinite_loss: bool
+    window_samples: list[float] = field(default_factory=list)
+    """The node's samples in each of ``windows`` (its ranks' together): with the energy the
+    node's GPUs used in each window, the window's samples per joule."""
 
 
 @dataclass
@@ -179,6 +182,13 @@ class TrialMeasurement:
             return False
         return statistics.stdev(values) / math.sqrt(len(values)) <= self.plan.target_rel_se * mean
 
+    def _window_samples(self, windows: int) -> list[float]:
+        out = [0.0] * windows
+        for rank in self._ranks.values():
+            for w, chunk in enumerate(rank.windows[:windows]):
+                out[w] += sum(s.samples for s in chunk)
+        return out
+
     def _window_throughputs(self, windows: int) -> list[float]:
         out = [0.0] * windows
         for rank in self._ranks.values():
@@ -208,8 +218,17 @@ class TrialMeasurement:
             if (total := sum(s.step_s for s in steps)) > 0
         )
         steps = sum(len(s) for s in measured.values())
-        windows = self._window_throughputs(self.completed_windows)
-        return Measurement(samples, seconds, throughput, windows, steps, self.nonfinite_loss)
+        closed = self.completed_windows
+        windows = self._window_throughputs(closed)
+        return Measurement(
+            samples,
+            seconds,
+            throughput,
+            windows,
+            steps,
+            self.nonfinite_loss,
+            self._window_samples(closed),
+        )
 
     def result(self) -> Measurement:
         """The measurement: its finished windows (once phase is DONE: all of them)."""
@@ -222,7 +241,15 @@ class TrialMeasurement:
             steps += len(measured)
         values = self._window_throughputs(windows)
         throughput = statistics.median(values) if values else 0.0
-        return Measurement(samples, seconds, throughput, values, steps, self.nonfinite_loss)
+        return Measurement(
+            samples,
+            seconds,
+            throughput,
+            values,
+            steps,
+            self.nonfinite_loss,
+            self._window_samples(windows),
+        )
 
 
 def node_power_w(report: Mapping[str, Any]) -> float | None:
@@ -268,18 +295,69 @@ def score(
 def score_noise(
     reports: Sequence[Mapping[str, Any]], objective: str, nodes: int | None = None
 ) -> float | None:
-    """Standard error of the throughput score, from the spread of each node's windows (the
+    """Standard error of the score. Throughput: from the spread of each node's windows (the
     nodes' window variances over their counts, summed, scaled like the score); None when a
-    node has fewer than two windows, or for the energy objective (one energy reading)."""
-    if objective != "throughput" or not reports:
+    node has fewer than two windows. Energy: the standard error of the mean of the job's
+    windows' samples per joule (:func:`energy_windows`); None when a node reported no energy
+    per window (one energy reading for the trial, as agents before energy windows send)."""
+    if not reports:
+        return None
+    if objective == "energy":
+        windows = energy_windows(reports)
+        if len(windows) < 2:
+            return None
+        return statistics.stdev(windows) / math.sqrt(len(windows))
+    if objective != "throughput":
         return None
     variance = 0.0
     for report in reports:
-        windows = [float(w) for w in report.get("windows", []) if w]
-        if len(windows) < 2:
+        values = [float(w) for w in report.get("windows", []) if w]
+        if len(values) < 2:
             return None
-        variance += statistics.variance(windows) / len(windows)
+        variance += statistics.variance(values) / len(values)
     return math.sqrt(variance) * (nodes or len(reports)) / len(reports)
+
+
+def energy_windows(reports: Sequence[Mapping[str, Any]]) -> list[float]:
+    """The job's samples per joule in each measurement window: window ``w``'s samples of
+    every node over the energy their GPUs used in it (``window_samples`` and
+    ``energy_windows`` of the reports, the windows every node has); empty when a node has no
+    energy per window, or a window no energy (a counter that did not move between two
+    readings)."""
+    if not reports:
+        return []
+    samples, energy = [], []
+    for report in reports:
+        s, e = report.get("window_samples"), report.get("energy_windows")
+        if not isinstance(s, list) or not isinstance(e, list):
+            return []
+        samples.append([float(v) for v in s])
+        energy.append([float(v) if v is not None else math.nan for v in e])
+    count = min(min(len(s), len(e)) for s, e in zip(samples, energy, strict=True))
+    out = []
+    for w in range(count):
+        joules = sum(e[w] for e in energy)
+        if not joules > 0:
+            return []
+        out.append(sum(s[w] for s in samples) / joules)
+    return out
+
+
+def window_scores(
+    reports: Sequence[Mapping[str, Any]], objective: str, nodes: int | None = None
+) -> list[float]:
+    """The job's score in each measurement window the reports share (an early judgement and
+    the confirmations go by these): throughput, the nodes' window ``w`` together scaled to
+    ``nodes`` as :func:`score` scales; energy, :func:`energy_windows`. Empty when a report
+    has no such windows."""
+    if not reports:
+        return []
+    if objective == "energy":
+        return energy_windows(reports)
+    windows = [[float(w) for w in r.get("windows") or []] for r in reports]
+    count = min(len(w) for w in windows)
+    scale = (nodes or len(reports)) / len(reports)
+    return [sum(w[i] for w in windows) * scale for i in range(count)]
 
 
 CONFIDENCE = 0.95
@@ -292,7 +370,8 @@ class Gain:
     trials, the same measurement plan): ``best / baseline - 1`` with its interval."""
 
     baseline: float
-    """Mean of the baseline's samples (windows, or trials for the energy objective)."""
+    """Mean of the baseline's samples (windows; trials for the energy objective when the
+    agents report no energy per window)."""
     best: float
     value: float
     low: float
@@ -322,14 +401,12 @@ def interval_text(low: float, high: float) -> str:
 def trial_samples(
     reports: Sequence[Mapping[str, Any]], objective: str, nodes: int | None = None
 ) -> list[float]:
-    """One trial's scores per measurement window (the nodes' window ``w`` together, scaled
-    like :func:`score`), for the throughput objective; else the trial's one score."""
-    if objective == "throughput" and reports:
-        windows = [[float(w) for w in r.get("windows") or []] for r in reports]
-        count = min(len(w) for w in windows)
-        if count >= 2:
-            scale = (nodes or len(reports)) / len(reports)
-            return [sum(w[i] for w in windows) * scale for i in range(count)]
+    """One trial's scores per measurement window (:func:`window_scores`), when it has at
+    least two; else the trial's one score (energy from agents without energy windows)."""
+    if objective in ("throughput", "energy") and reports:
+        windows = window_scores(reports, objective, nodes)
+        if len(windows) >= 2:
+            return windows
     value = score(reports, objective, nodes)
     return [] if value is None else [value]
 

@@ -12,7 +12,9 @@ needs a :class:`Tick`. A restarted coordinator rebuilds the machine from the jou
 
 The trial protocol: ask -> journal + publish settings v -> every active node acks v -> the
 agents settle and measure (partial reports after each window) -> every active node reports
-v, or the trial aborts early below ``abort_below`` x the baseline -> score -> journal -> tell.
+v, or the trial aborts early below ``abort_below`` x the baseline, or (``early_stop``) a search
+trial's windows so far are clearly worse or better than the incumbent's (the best trial so far,
+:mod:`~hyperagent.tuner.early`) and it stops there -> score -> journal -> tell.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hyperagent.tuner import lifecycle
 from hyperagent.tuner import membership as members
 from hyperagent.tuner.cost import Cost, round_cost
 from hyperagent.tuner.discovery import JobView, SpacePlan, fingerprint
+from hyperagent.tuner.early import EarlyStop, Verdict, told
 from hyperagent.tuner.jobstate import Progress, TrialRecord
 from hyperagent.tuner.journal import JournalState
 from hyperagent.tuner.lifecycle import MEASURED, NOT_TRIALS, TRIALS
@@ -43,6 +46,7 @@ from hyperagent.tuner.trial import (
     score,
     score_noise,
     trial_samples,
+    window_scores,
 )
 
 POWER_AVERAGING_WINDOW_S = 1.0
@@ -227,6 +231,12 @@ class Outcome:
     noise: float | None = None
     nodes: tuple[str, ...] = ()
     errors: dict[str, str] = field(default_factory=dict)
+    verdict: str | None = None
+    """A trial stopped early: worse or better than the incumbent."""
+
+
+STOPPED_EARLY = "stopped_early"
+"""The status of a search trial whose measurement stopped once its windows were judged."""
 
 
 class JobTuning:
@@ -258,6 +268,8 @@ class JobTuning:
         self.confirmed: Gain | None = None
         self.baseline: float | None = None
         self.best: tuple[dict[str, Any], float] | None = None
+        self.incumbent: TrialRecord | None = None
+        """The best search trial so far, whose windows an early judgement compares with."""
         self.last_good: dict[str, Any] | None = None
         self.start: dict[str, Any] | None = None
         self.current: dict[str, Any] = {}
@@ -518,6 +530,7 @@ class JobTuning:
         )
         self.trials, self.confirmations, self.confirm_order = [], [], []
         self.best = self.baseline = self.confirmed = None
+        self.incumbent = None
         self.final_journalled = False
         self.restored = JournalState(version=self.version)
         out.append(
@@ -897,9 +910,14 @@ class JobTuning:
                 return
         else:
             answered = set(run.reports)
-            if not active <= answered and now < run.deadline and not self._should_abort(run):
-                return
-            outcome = self._measure_outcome(run, out)
+            if active <= answered or now >= run.deadline or self._should_abort(run):
+                outcome = self._measure_outcome(run, out)
+            else:
+                early = self._judge_early(run)
+                if early is None:
+                    return
+                outcome = early
+                self._say_stopped(run, early, out)
         self._end_run(now, run, outcome, out)
 
     def _acks_outcome(self, run: Run, out: list[Effect]) -> Outcome | None:
@@ -932,6 +950,54 @@ class JobTuning:
             return False
         partial = self._score([run.partials[n] for n in active])
         return partial is not None and partial < self.config.abort_below * self.baseline
+
+    def _judge_early(self, run: Run) -> Outcome | None:
+        """The run stopped early (:mod:`~hyperagent.tuner.early`): a search trial but the
+        baseline, every active node's windows so far (its final report, else its latest
+        partial) clearly worse than the incumbent's, or clearly better where the rule allows:
+        for throughput; for energy when every node reports energy per window; never under a
+        power budget, which a partial report cannot tell a trial keeps. None: measure on."""
+        cfg = self.config
+        incumbent = self.incumbent
+        if not cfg.early_stop or run.phase != "search" or run.trial == 0 or incumbent is None:
+            return None
+        reports: dict[str, Mapping[str, Any]] = {}
+        for node in self.members.active:
+            report = run.reports.get(node) or run.partials.get(node)
+            if report is None or report.get("stalled") or report.get("nonfinite_loss"):
+                return None
+            reports[node] = report
+        if not reports:
+            return None
+        nodes = len(cfg.nodes)
+        windows = window_scores(list(reports.values()), cfg.objective, nodes)
+        against = window_scores(list(incumbent.reports.values()), cfg.objective, nodes)
+        if cfg.power_budget_w is not None:
+            rule = EarlyStop(stop_better=False)
+        else:
+            rule = EarlyStop.for_objective(cfg.objective, energy_windows=bool(windows))
+        verdict = rule.judge(windows, against)
+        if verdict is Verdict.MEASURE_ON:
+            return None
+        mean, noise = told(windows)
+        return Outcome(STOPPED_EARLY, dict(reports), mean, noise, verdict=str(verdict))
+
+    def _say_stopped(self, run: Run, outcome: Outcome, out: list[Effect]) -> None:
+        incumbent = self.incumbent
+        assert incumbent is not None
+        cfg = self.config
+        nodes = len(cfg.nodes)
+        windows = window_scores(list(outcome.reports.values()), cfg.objective, nodes)
+        against = window_scores(list(incumbent.reports.values()), cfg.objective, nodes)
+        gain = compare(against, windows)
+        judged = f" ({gain.describe()})" if gain is not None else ""
+        out.append(
+            Say(
+                logging.INFO,
+                f"{self.job}: trial {run.trial} stopped after {len(windows)} windows: "
+                f"{outcome.verdict} than trial {incumbent.index}{judged}",
+            )
+        )
 
     def _measure_outcome(self, run: Run, out: list[Effect]) -> Outcome:
         active = self.members.active
@@ -987,6 +1053,7 @@ class JobTuning:
             acks={n: dict(a) for n, a in run.acks.items()},
             nodes=outcome.nodes,
             errors=outcome.errors,
+            verdict=outcome.verdict,
         )
         self._last_errors = outcome.errors
         if record.status in TRIALS:
@@ -1017,12 +1084,13 @@ class JobTuning:
         """Account a finished search trial in the tuner and the running best."""
         assert self.tuner is not None
         self.trials.append(trial)
-        if trial.score is not None and trial.status == "ok":
+        if trial.score is not None and trial.status in ("ok", STOPPED_EARLY):
             self.tuner.tell(trial.settings, trial.score, noise=trial.noise)
-            if self.baseline is None and trial.index == 0:
+            if self.baseline is None and trial.index == 0 and trial.status == "ok":
                 self.baseline = trial.score
-            if self.best is None or trial.score > self.best[1]:
+            if self.best is None or (trial.score > self.best[1] and trial.verdict != "worse"):
                 self.best = (trial.settings, trial.score)
+                self.incumbent = trial
             if self.last_good is None or self.best[0] == trial.settings:
                 self.last_good = trial.settings
         elif trial.score is not None:  # aborted: a real, bad partial measurement
@@ -1059,7 +1127,11 @@ class JobTuning:
         best = (self.tuner.best or self.best)[0]
         if best != start:
             return start, best
-        others = [t for t in self.trials if t.status == "ok" and t.settings != start]
+        others = [
+            t
+            for t in self.trials
+            if t.status in ("ok", STOPPED_EARLY) and t.verdict != "worse" and t.settings != start
+        ]
         if not others:
             return None
         return start, max(others, key=lambda t: t.score or 0.0).settings
