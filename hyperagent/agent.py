@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import statistics
@@ -103,6 +104,22 @@ class _Trial:
     windows_reported: int = 0
     gpus: frozenset[int] | None = None
     """The job's GPUs on this node, whose energy the trial counts (None: every GPU)."""
+    energy_marks: list[float | None] = field(default_factory=list)
+    """The energy counter as each measurement window closed (None: it did not answer)."""
+
+    def energy_windows(self, windows: int, end_j: float | None = None) -> list[float] | None:
+        """The GPU energy of each of the first ``windows`` windows, from the counter at the
+        measurement's start and as each window closed (the last at ``end_j`` for the final
+        report); None when a reading is missing."""
+        marks = [self.energy_start_j, *self.energy_marks[: windows - (end_j is not None)]]
+        if end_j is not None:
+            marks.append(end_j)
+        if len(marks) != windows + 1 or windows < 1:
+            return None
+        known = [m for m in marks if m is not None]
+        if len(known) != len(marks):
+            return None
+        return [b - a for a, b in itertools.pairwise(known)]
 
 
 @dataclass
@@ -176,7 +193,8 @@ class Agent:
         after the power limits were restored, the applied version is applied again)."""
         self._load_applied()
         self._trials: dict[str, _Trial] = {}
-        self._trial_events: asyncio.Queue[tuple[_Trial, Phase]] = asyncio.Queue()
+        self._trial_events: asyncio.Queue[tuple[_Trial, Phase | int]] = asyncio.Queue()
+        """A trial's phase changes, and (an int) the count of its windows every rank closed."""
         self._step_clocks: dict[str, _StepClock] = {}
         self._measuring = asyncio.Event()
         """Set while a trial is measured (the stall check runs only then)."""
@@ -889,7 +907,7 @@ class Agent:
             self._trial_events.put_nowait((trial, phase))
         elif measurement.completed_windows > trial.windows_reported:
             trial.windows_reported = measurement.completed_windows
-            self._publish_report(trial, None, partial=True)
+            self._trial_events.put_nowait((trial, trial.windows_reported))
 
     async def _energy_j(self, gpus: frozenset[int] | None = None) -> float | None:
         """The energy counter of ``gpus`` (None: every GPU) now (None when NVML did not answer
@@ -922,17 +940,29 @@ class Agent:
         return sum(values) if len(values) == len(gpus) else None
 
     async def _trial_loop(self) -> None:
+        """A trial's energy readings, in the order its steps came: at the measurement's start,
+        as each window closes (then its partial report goes out) and at its end (then its
+        final report). A window of a trial the coordinator moved on from (new settings came)
+        is not reported."""
         while True:
-            trial, phase = await self._trial_events.get()
-            if phase is Phase.MEASURING:
+            trial, what = await self._trial_events.get()
+            if what is Phase.MEASURING:
                 trial.energy_start_j = await self._energy_j(trial.gpus)
                 trial.xid_start = self._xid_total()
-            elif phase is Phase.DONE:
+            elif isinstance(what, int) and not isinstance(what, Phase):
+                if self._trials.get(trial.job) is not trial:
+                    continue
+                mark = await self._energy_j(trial.gpus)
+                while len(trial.energy_marks) < what:
+                    trial.energy_marks.append(mark)
+                if self._trials.get(trial.job) is trial:
+                    self._publish_report(trial, None, partial=True)
+            elif what is Phase.DONE:
                 end = await self._energy_j(trial.gpus)
                 energy = None
                 if trial.energy_start_j is not None and end is not None:
                     energy = end - trial.energy_start_j
-                self._publish_report(trial, energy)
+                self._publish_report(trial, energy, end_j=end)
                 if self._trials.get(trial.job) is trial:
                     del self._trials[trial.job]
 
@@ -942,11 +972,18 @@ class Agent:
         return self.snapshot.total("hyperagent_gpu_xid_errors_total") or 0.0
 
     def _publish_report(
-        self, trial: _Trial, energy_j: float | None, partial: bool = False, stalled: bool = False
+        self,
+        trial: _Trial,
+        energy_j: float | None,
+        partial: bool = False,
+        stalled: bool = False,
+        end_j: float | None = None,
     ) -> None:
         """The node's measurement of a trial; ``partial`` ones go out after each window so the
-        coordinator can abort a bad trial early; a ``stalled`` one says the job stopped
-        stepping, with no measurement."""
+        coordinator can abort a bad trial, or stop it early, as soon as its windows say so; a
+        ``stalled`` one says the job stopped stepping, with no measurement. Both kinds carry
+        each window's samples (``window_samples``) and, when the energy counter answered at
+        every window's end (``end_j``: the final one), its GPU energy (``energy_windows``)."""
         if self.link is None:
             return
         measurement = trial.measurement
@@ -954,8 +991,16 @@ class Agent:
         if stalled:
             result = Measurement(0, 0.0, 0.0, [], 0, False)
         xid = 0.0 if partial else self._xid_total() - trial.xid_start
+        windows = len(result.windows)
+        energy_windows = None
+        if not stalled and windows:
+            energy_windows = trial.energy_windows(windows, None if partial else end_j)
+        extra: dict[str, Any] = {"window_samples": result.window_samples}
+        if energy_windows is not None:
+            extra["energy_windows"] = energy_windows
         payload = bus.encode(
             {
+                **extra,
                 "job": trial.job,
                 "node": self.node,
                 "version": trial.version,

@@ -149,7 +149,12 @@ async def test_a_node_that_refuses_every_version_pauses_the_job(
     caplog.set_level(logging.WARNING, logger="hyperagent.coordinator")
     notify = NotifySocket(tmp_path / "notify.sock")
     async with simulated_cluster(
-        mosquitto.url, nodes=3, trials=3, seed=1, speedup=100, job_overrides={"abort_below": 0}
+        mosquitto.url,
+        nodes=3,
+        trials=3,
+        seed=1,
+        speedup=100,
+        job_overrides={"abort_below": 0, "early_stop": False},
     ) as (coordinator, nodes, _):
         nodes[2].nvml.fail(3, pynvml.NVML_ERROR_NO_PERMISSION)  # its power cap cannot be set
         coordinator.backoff = Backoff(0.2, 0.8)
@@ -221,7 +226,12 @@ async def test_most_nodes_stalling_longer_than_a_trial_pause_then_resume(
         seed=3,
         speedup=100,
         on_trial=stall_two,
-        job_overrides={"confirm_best": False, "abort_below": 0, "trial_timeout_s": 4},
+        job_overrides={
+            "confirm_best": False,
+            "abort_below": 0,
+            "early_stop": False,
+            "trial_timeout_s": 4,
+        },
     ) as (coordinator, nodes, _):
         coordinator.backoff = Backoff(0.5, 2.0)
         async with asyncio.timeout(120):
@@ -266,6 +276,7 @@ async def test_a_node_stalling_briefly_at_a_trials_start_costs_it_no_timeout(
         job_overrides={
             "confirm_best": False,
             "abort_below": 0,
+            "early_stop": False,
             "trial_timeout_s": 120,
         },
     ) as (coordinator, nodes, _):

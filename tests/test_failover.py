@@ -63,8 +63,10 @@ def test_mqtt_url_takes_a_list_and_checks_each_address(tmp_path: Path) -> None:
     ]
     assert build_config({"mqtt": {"url": "mqtt://h:7"}}).mqtt.brokers[0].port == 7
     for url, reason in [
-        (["mqtt://a", "http://b"], "entry 1: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], "
-         "got 'http://b'"),
+        (
+            ["mqtt://a", "http://b"],
+            "entry 1: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got 'http://b'",
+        ),
         (["mqtt://a", "mqtt://b:99999"], "entry 1: bad port in 'mqtt://b:99999'"),
         ([], "lists no broker: give one URL or a list of them"),
         (["mqtt://a", "mqtt://a"], "lists a URL twice"),
@@ -155,7 +157,11 @@ async def test_every_address_down_backs_off_then_connects_when_one_comes(tmp_pat
     and connects to whichever comes up."""
     broker = Mosquitto(tmp_path)
     link = bus.MqttLink(
-        "unused", 0, "late", brokers=_brokers(free_port(), broker), backoff_min_s=0.1,
+        "unused",
+        0,
+        "late",
+        brokers=_brokers(free_port(), broker),
+        backoff_min_s=0.1,
         backoff_max_s=0.4,
     )
     task = asyncio.create_task(link.run())
@@ -185,6 +191,7 @@ async def test_a_tuning_goes_on_when_its_broker_is_killed_mid_trial(
 
     def kill_during_the_first_trial(state: JobState, record: Any) -> None:
         if record.index == 0 and "killed" not in outage:
+
             def kill() -> None:
                 _kill(a)
                 outage["killed"] = loop.time()
@@ -209,7 +216,7 @@ async def test_a_tuning_goes_on_when_its_broker_is_killed_mid_trial(
             seed=4,
             speedup=10,
             on_trial=kill_during_the_first_trial,
-            job_overrides={"abort_below": 0},  # every run measured whole
+            job_overrides={"abort_below": 0, "early_stop": False},  # every run measured whole
         ) as (coordinator, nodes, _):
             links = [coordinator.link, *(n.agent.link for n in nodes)]
             reconnected: list[float] = []

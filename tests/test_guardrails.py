@@ -20,7 +20,7 @@ from hyperagent.coordinator import Coordinator, coordinator_link
 from hyperagent.demo import JOB, simulated_cluster
 from hyperagent.job import JobReporter
 from hyperagent.signing import write_key_pair
-from hyperagent.tuner.lifecycle import Backoff
+from hyperagent.tuner.lifecycle import MEASURED, Backoff
 from hyperagent.tuner.tuning import JobTuning as JobState
 
 from conftest import REPO, Mosquitto
@@ -72,7 +72,7 @@ async def test_nan_loss_rolls_back_to_the_last_good_settings(mosquitto: Mosquitt
         seed=5,
         speedup=100,
         on_trial=inject,
-        job_overrides={"confirm_best": False, "abort_below": 0},
+        job_overrides={"confirm_best": False, "abort_below": 0, "early_stop": False},
     ) as (coordinator, nodes, _):
         await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
@@ -103,7 +103,7 @@ async def test_a_lost_node_is_excluded_and_the_tuning_completes(mosquitto: Mosqu
         await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
     assert state.done and state.lost == {"node-4": "offline"}
-    assert all(t.status in ("ok", "aborted") for t in state.trials)
+    assert all(t.status in MEASURED for t in state.trials)  # ok, aborted or stopped early
     for trial in state.trials[2:]:
         assert set(trial.reports) == {"node-0", "node-1", "node-2", "node-3"}
     # scores stay comparable: four nodes' mean scaled to five
@@ -127,7 +127,12 @@ async def test_a_node_whose_job_hangs_leaves_the_trial_at_once_and_rejoins(
         seed=4,
         speedup=100,
         on_trial=hang,
-        job_overrides={"confirm_best": False, "trial_timeout_s": 120, "abort_below": 0},
+        job_overrides={
+            "confirm_best": False,
+            "trial_timeout_s": 120,
+            "abort_below": 0,
+            "early_stop": False,
+        },
     ) as (coordinator, nodes, _):
         async with asyncio.timeout(100):  # a trial waiting out its timeout would not finish
             await coordinator.run(until_tuned=True)
@@ -182,6 +187,7 @@ def test_a_silent_node_pauses_the_job_which_rolls_back_and_retries(
                 "trial_timeout_s": 10,
                 "confirm_best": False,
                 "abort_below": 0,
+                "early_stop": False,
                 "plan": {"settle_steps": 2, "settle_s": 0.2, "measure_steps": 8, "measure_s": 0.4},
             },
         },
@@ -285,6 +291,7 @@ def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path
         stderr=subprocess.PIPE,
         text=True,
     )
+
     async def cap() -> int:
         """Publish a signed 150 W cap as the coordinator would, and read the node's ack."""
         topics = bus.Topics("g")

@@ -64,7 +64,10 @@ async def test_reports_survive_a_30s_broker_outage(mosquitto: Mosquitto) -> None
             seed=4,
             speedup=10,
             on_trial=kill_then_restart,
-            job_overrides={"abort_below": 0},  # the shipped ack_timeout_s (30 s) < the outage
+            job_overrides={
+                "abort_below": 0,
+                "early_stop": False,
+            },  # the shipped ack_timeout_s (30 s) < the outage
         ) as (coordinator, nodes, _):
             await coordinator.run(until_tuned=True)
             state = coordinator.jobs[JOB]

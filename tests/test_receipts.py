@@ -96,7 +96,7 @@ async def test_reports_the_broker_lost_with_the_coordinators_session_are_sent_ag
         seed=4,
         speedup=10,
         coordinator_dir=coordinator_dir,
-        job_overrides={"abort_below": 0},
+        job_overrides={"abort_below": 0, "early_stop": False},
     ) as (coordinator, nodes, _):
         link = coordinator.link
         link.brokers = (bus.Broker("127.0.0.1", relay.port),)  # the coordinator via the relay
