@@ -1128,9 +1128,7 @@ class JobTuning:
         if best != start:
             return start, best
         others = [
-            t
-            for t in self.trials
-            if t.status in ("ok", STOPPED_EARLY) and t.verdict != "worse" and t.settings != start
+            t for t in self.trials if t.status in ("ok", STOPPED_EARLY) and t.settings != start
         ]
         if not others:
             return None
