@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from hyperagent.demo import JOB, simulated_cluster
+from hyperagent.tuner.lifecycle import MEASURED
 
 
 def limits_w(nvml) -> set[float]:  # type: ignore[no-untyped-def]
@@ -32,7 +33,7 @@ async def test_closed_loop_through_mosquitto(mosquitto) -> None:  # type: ignore
         candidate = next((c.settings for c in state.confirmations if c.settings != start), start)
         assert [c.settings for c in state.confirmations] == [start, candidate, candidate, start]
         assert all(c.confirmation and c.status == "ok" for c in state.confirmations)
-        assert {t.status for t in state.trials} <= {"ok", "aborted"}
+        assert {t.status for t in state.trials} <= MEASURED  # ok, aborted or stopped early
         # throughput without a power budget: no trial is spent on a lower power cap
         assert {t.settings["power_cap_w"] for t in state.trials} == {250}
         for trial in [*state.trials, *state.confirmations]:
@@ -95,7 +96,13 @@ async def test_coordinator_metrics_describe_the_tuning(mosquitto) -> None:  # ty
         state = coordinator.jobs[JOB]
         ok = get("hyperagent_tuner_trials_total", {**job, "status": "ok"})
         aborted = get("hyperagent_tuner_trials_total", {**job, "status": "aborted"}) or 0
-        assert ok + aborted == 4  # the budget; confirmations after it are not trials
+        stopped = get("hyperagent_tuner_trials_total", {**job, "status": "stopped_early"}) or 0
+        assert ok + aborted + stopped == 4  # the budget; confirmations after it are not trials
+        by_verdict = [
+            get("hyperagent_tuner_trials_stopped_early_total", {**job, "verdict": v})
+            for v in ("worse", "better")
+        ]
+        assert sum(by_verdict) == stopped
         assert get("hyperagent_tuner_done", job) == 1
         assert (
             get("hyperagent_tuner_best_score", {**job, "objective": "throughput"})
