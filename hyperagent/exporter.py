@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import operator
 import re
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -78,13 +80,18 @@ def _escaped(text: str) -> str:
 class OpenMetricsText:
     """prometheus_client's OpenMetrics 1.0.0 text (underscore escaping) of a collector's
     readings, byte for byte, straight from the readings (no Metric objects) and without its
-    per-character name checks; the label part of each sample is kept between renders while
-    its label dict lives on (the sources build a device's labels once). Readings whose name or
-    label names fall outside the legacy character set render the whole body through
-    prometheus_client."""
+    per-character name checks. Between renders it keeps the label part of each sample while
+    its label dict lives on (the sources build a device's labels once), and each family's
+    text while the family is the same Reading objects (a source read at its own interval hands
+    the runner the same readings until its next read: the BMC, the PDU, NVML's health batch).
+    Readings whose name or label names fall outside the legacy character set render the whole
+    body through prometheus_client."""
 
     def __init__(self) -> None:
         self._labels: dict[int, tuple[Mapping[str, str], str]] = {}
+        self._families: dict[str, _RenderedFamily] = {}
+        self._texts: dict[tuple[tuple[str, str], ...], str] = {}
+        self._texts_kept: dict[tuple[tuple[str, str], ...], str] = {}
 
     def __call__(self, collector: SnapshotCollector) -> bytes:
         body = self.render(collector.readings())
@@ -94,33 +101,67 @@ class OpenMetricsText:
         """The body of ``readings`` as :func:`families` makes them; None where a family holds
         what only prometheus_client renders the same (see the class)."""
         out: list[str] = []
-        cache = self._labels
-        kept: dict[int, tuple[Mapping[str, str], str]] = {}
+        labels_kept: dict[int, tuple[Mapping[str, str], str]] = {}
+        families_kept: dict[str, _RenderedFamily] = {}
+        self._texts_kept = {}
         for name, group in by_name(readings).items():
-            kind = group[0].kind
-            suffix = _SUFFIX[kind]
-            family = name.removesuffix(suffix) if suffix else name
-            if not _LEGACY_NAME.match(family):
-                return None
-            sample = family + suffix
-            out.append(f"# HELP {family} {_escaped(help_text(name))}\n")
-            out.append(f"# TYPE {family} {_TYPE[kind]}\n")
-            info = kind is Kind.INFO
-            sets = [_as_dict(r.labels) for r in group] if info else _label_sets(group)
-            for r, labels in zip(group, sets, strict=True):
-                found = cache.get(id(labels))
-                if found is not None and found[0] is labels:
-                    text = found[1]
-                else:
+            family = self._families.get(name)
+            if family is None or not family.holds(group):
+                family = self._render_family(name, group)
+                if family is None:
+                    return None
+            labels_kept.update(family.labels)
+            families_kept[name] = family
+            out.append(family.text)
+        out.append("# EOF\n")
+        self._labels = labels_kept
+        self._families = families_kept
+        self._texts = self._texts_kept
+        return "".join(out).encode("utf-8")
+
+    def _render_family(self, name: str, group: list[Reading]) -> _RenderedFamily | None:
+        kind = group[0].kind
+        suffix = _SUFFIX[kind]
+        family = name.removesuffix(suffix) if suffix else name
+        if not _LEGACY_NAME.match(family):
+            return None
+        sample = family + suffix
+        out = [f"# HELP {family} {_escaped(help_text(name))}\n# TYPE {family} {_TYPE[kind]}\n"]
+        info = kind is Kind.INFO
+        sets = [_as_dict(r.labels) for r in group] if info else _label_sets(group)
+        cache = self._labels
+        texts = self._texts_kept
+        kept: dict[int, tuple[Mapping[str, str], str]] = {}
+        for r, labels in zip(group, sets, strict=True):
+            found = cache.get(id(labels))
+            if found is not None and found[0] is labels:
+                text = found[1]
+            else:
+                content = tuple(labels.items())
+                text = texts.get(content) or self._texts.get(content) or ""
+                if not text and labels:
                     if not all(_LEGACY_NAME.match(k) for k in labels):
                         return None
                     pairs = ",".join(f'{k}="{_escaped(v)}"' for k, v in sorted(labels.items()))
-                    text = "{" + pairs + "}" if pairs else ""
-                kept[id(labels)] = (labels, text)
-                out.append(f"{sample}{text} {floatToGoString(1.0 if info else r.value)}\n")
-        out.append("# EOF\n")
-        self._labels = kept
-        return "".join(out).encode("utf-8")
+                    text = "{" + pairs + "}"
+                texts[content] = text
+            kept[id(labels)] = (labels, text)
+            out.append(f"{sample}{text} {floatToGoString(1.0 if info else r.value)}\n")
+        return _RenderedFamily(group, "".join(out), kept)
+
+
+@dataclass(frozen=True, slots=True)
+class _RenderedFamily:
+    """One family's text and the readings it was rendered from (kept, so that their ids stay
+    theirs while the text is)."""
+
+    readings: list[Reading]
+    text: str
+    labels: dict[int, tuple[Mapping[str, str], str]]
+
+    def holds(self, group: list[Reading]) -> bool:
+        """``group`` is the very readings this text was rendered from."""
+        return len(group) == len(self.readings) and all(map(operator.is_, group, self.readings))
 
 
 def _is_openmetrics_underscores(encoder: Callable[..., bytes]) -> bool:
