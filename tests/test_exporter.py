@@ -202,3 +202,34 @@ async def test_the_openmetrics_body_is_prometheus_clients_byte_for_byte(director
     finally:
         server.stop()
         await runner.close()
+
+
+def test_kept_family_text_follows_every_changed_reading() -> None:
+    """Between renders a family's text is reused only while it is the very same readings: a
+    new reading (its value changed, a label dict rebuilt with the same labels, one reading
+    fewer, a sample gone to another name) renders afresh, as prometheus_client would."""
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+
+    from hyperagent.exporter import OpenMetricsText
+    from hyperagent.readings import Kind, Reading
+
+    def gpu(i: int) -> dict[str, str]:
+        return {"gpu": str(i), "uuid": f"GPU-{i}"}
+
+    power = [Reading("hyperagent_gpu_power_watts", 100.0 + i, gpu(i)) for i in range(4)]
+    errors = [Reading("hyperagent_errors_total", 0, gpu(i), kind=Kind.COUNTER) for i in range(4)]
+    first = [*power, *errors]
+    changed_value = [*power[:3], Reading("hyperagent_gpu_power_watts", -0.0, gpu(3)), *errors]
+    relabelled = [*power, *(Reading(r.name, r.value, dict(r.labels), kind=r.kind) for r in errors)]
+    fewer = [*power[:2], *errors]
+    renamed = [*power, *errors[:3], Reading("hyperagent_other_total", 0, gpu(3), kind=Kind.COUNTER)]
+    render = OpenMetricsText()
+    collector = SnapshotCollector()
+    bodies = []
+    for readings in (first, first, changed_value, relabelled, fewer, renamed, first):
+        collector.update(readings)
+        body = render(collector)
+        assert body == openmetrics_latest(collector)
+        bodies.append(body)
+    assert bodies[0] == bodies[1] == bodies[6] and b"-0.0" in bodies[2]
+    assert len({bodies[2], bodies[4], bodies[5]} | {bodies[0]}) == 4
