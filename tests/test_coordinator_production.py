@@ -25,7 +25,7 @@ from hyperagent.notify import Notifier
 from hyperagent.signing import SigningKey, write_key_pair
 from hyperagent.tuner import tuning
 from hyperagent.tuner.jobstate import Progress
-from hyperagent.tuner.lifecycle import Backoff, Tuned, WaitingForRanks
+from hyperagent.tuner.lifecycle import MEASURED, Backoff, Tuned, WaitingForRanks
 from hyperagent.tuner.trial import score
 from hyperagent.tuner.tuning import JobTuning as JobState
 
@@ -329,7 +329,8 @@ async def test_a_journal_of_refusals_alone_does_not_resume_as_tuned(
         async with asyncio.timeout(120):
             await coordinator.run(until_tuned=True)
         state = coordinator.jobs[JOB]
-    assert [t.status for t in state.trials] == ["ok", "ok"]
+    assert len(state.trials) == 2
+    assert all(t.status in MEASURED for t in state.trials)  # ok, or stopped early
     assert state.best is not None and state.best[1] > 0
     assert min(t.version for t in state.trials) > 12  # versions keep rising
     log = entries(journal)
