@@ -22,6 +22,8 @@ from cluster.harness import (
 )
 from test_prometheus_e2e import panel_queries, variable_queries
 
+from hyperagent.tuner.lifecycle import MEASURED
+
 from conftest import BUSY, unavailable
 
 JOB = "llama-ft"
@@ -30,7 +32,8 @@ UNCAPPED_W = 700.0
 """The replayed H200's power limit."""
 MAX_CAP_W = 400.0
 """The top of the shipped job's power_limits_w."""
-COMPLETED = {"ok", "aborted"}
+COMPLETED = MEASURED
+"""Trials that measured their settings: ok, aborted below the line, or stopped early."""
 PLUMBING = {"no_ack", "timeout", "lost_nodes", "refused"}
 """Trial outcomes that mean the loop's plumbing failed, not the settings."""
 NOT_HERE = {
