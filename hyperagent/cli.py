@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import importlib.util
 import logging
@@ -12,8 +13,9 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,7 @@ from hyperagent.signing import (
 
 if TYPE_CHECKING:
     from hyperagent.agent import Agent
+    from hyperagent.exporter import MetricsServer
     from hyperagent.replay import Recorder
 
 log = logging.getLogger("hyperagent")
@@ -428,20 +431,110 @@ def _on_broker(args: argparse.Namespace, console: Any, demo: Any) -> Any:
         return asyncio.run(demo(url))
 
 
+def _demo_problems(args: argparse.Namespace) -> list[ConfigProblem]:
+    """What is wrong with the demo's ``--metrics-port`` and ``--linger``."""
+    problems = []
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        problems.append(ConfigProblem("--metrics-port", "must be between 0 and 65535"))
+    if args.linger is not None and args.metrics_port is None:
+        problems.append(ConfigProblem("--linger", "keeps /metrics served: give --metrics-port"))
+    return problems
+
+
+def _demo_state_dir(path: Path | None, job: str) -> Path | None:
+    """``--state-dir`` made ready for the demo's coordinator and agents (absolute); ConfigError
+    when it cannot be written, or holds a tuning of ``job`` already (the coordinator would
+    take it up again instead of tuning from the start)."""
+    if path is None:
+        return None
+    from hyperagent.tuner.journals import Journals
+
+    path = path.absolute()
+    journal = Journals(path / "coordinator").path(job)
+    if journal.exists():
+        reason = f"{journal} holds an earlier tuning: give a new or empty directory"
+        raise ConfigError([ConfigProblem("--state-dir", reason)])
+    try:
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=journal.parent):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            [ConfigProblem("--state-dir", f"cannot write {path}: {e.strerror or e}")]
+        ) from e
+    return path
+
+
+@contextlib.contextmanager
+def _demo_metrics(port: int | None) -> Iterator[MetricsServer | None]:
+    """The demo coordinator's /metrics served on 127.0.0.1:``port`` (0: a free one) while the
+    block runs; None without a port."""
+    if port is None:
+        yield None
+        return
+    from hyperagent.exporter import MetricsServer
+
+    server = MetricsServer(f"127.0.0.1:{port}")
+    try:
+        server.start()
+    except ConfigError as e:
+        raise ConfigError([ConfigProblem("--metrics-port", p.reason) for p in e.problems]) from e
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _metrics_url(server: MetricsServer) -> str:
+    return f"http://{server.host}:{server.port}/metrics"
+
+
+def _demo_end(
+    console: Any, args: argparse.Namespace, journal: Path | None, metrics: MetricsServer | None
+) -> None:
+    """Say where the kept journal is; with ``--linger``, serve /metrics that long more."""
+    if args.state_dir is not None and journal is not None:
+        console.print(f"the tuning's journal: {journal} (draw it: hyperagent report {journal})")
+    if metrics is None or args.linger is None:
+        return
+    ended = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: ended.set())
+    try:
+        console.print(
+            f"serving the coordinator's /metrics on {_metrics_url(metrics)} for "
+            f"{args.linger:g} s more (Ctrl-C or SIGTERM ends it)"
+        )
+        ended.wait(args.linger)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_demo_torch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hyperagent.demo_torch import (
         DEFAULT_TRIALS,
+        JOB,
         MODEL_DESCRIPTION,
         require_torch,
         run_torch_demo,
     )
 
     trials = args.trials or DEFAULT_TRIALS
+    problems = _demo_problems(args)
     if not 1 <= trials <= 500:
-        raise ConfigError([ConfigProblem("--trials", "must be between 1 and 500")])
+        problems.insert(0, ConfigProblem("--trials", "must be between 1 and 500"))
+    if problems:
+        raise ConfigError(problems)
     console = Console()
+    try:
+        require_torch()
+    except HyperagentError as e:
+        console.print(f"[red]{e}[/red]")
+        return 1
+    state_dir = _demo_state_dir(args.state_dir, JOB)
 
     def on_trial(state: Any, record: Any) -> None:
         s = record.settings
@@ -451,21 +544,27 @@ def cmd_demo_torch(args: argparse.Namespace) -> int:
             f"  chunk {s['chunk_kb']:>5} KiB  {record.status:<8} {score:>8} samples/s"
         )
 
-    async def demo(url: str) -> Any:
-        return await run_torch_demo(url, trials, args.seed, on_trial=on_trial)
+    with _demo_metrics(args.metrics_port) as metrics:
 
-    try:
-        require_torch()
+        async def demo(url: str) -> Any:
+            return await run_torch_demo(
+                url, trials, args.seed, on_trial=on_trial, state_dir=state_dir, metrics=metrics
+            )
+
         console.print(
             "hyperagent demo: 2 PyTorch DDP ranks (gloo on 127.0.0.1), "
             f"{MODEL_DESCRIPTION}, objective throughput (samples/s), {trials} trials"
         )
-        result = _on_broker(args, console, demo)
-    except HyperagentError as e:
-        console.print(f"[red]{e}[/red]")
-        return 1
-    for line in result.summary():
-        console.print(line)
+        if metrics is not None:
+            console.print(f"the coordinator's /metrics: {_metrics_url(metrics)}")
+        try:
+            result = _on_broker(args, console, demo)
+        except HyperagentError as e:
+            console.print(f"[red]{e}[/red]")
+            return 1
+        for line in result.summary():
+            console.print(line)
+        _demo_end(console, args, result.journal, metrics)
     return 0 if result.ranks_consistent and result.gain is not None else 1
 
 
@@ -478,15 +577,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hyperagent.demo import run_demo
+    from hyperagent.demo import JOB, run_demo
 
     problems = []
     if not 1 <= args.nodes <= 64:
         problems.append(ConfigProblem("--nodes", "must be between 1 and 64"))
     if not 1 <= args.trials <= 500:
         problems.append(ConfigProblem("--trials", "must be between 1 and 500"))
+    problems += _demo_problems(args)
     if problems:
         raise ConfigError(problems)
+    state_dir = _demo_state_dir(args.state_dir, JOB)
     console = Console()
     progress = Progress(
         TextColumn("[bold]trial"),
@@ -512,24 +613,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
         progress.update(task, completed=len(state.trials), description=f"best {best}  gain {gain}")
 
-    async def demo(url: str) -> Any:
-        with progress:
-            return await run_demo(
-                url,
-                args.nodes,
-                args.trials,
-                args.seed,
-                on_trial=on_trial,
-                objective=args.objective,
-                report=args.report,
-            )
-
     unit = "samples/s" if args.objective == "throughput" else "samples/J"
-    console.print(
-        f"hyperagent demo: {args.nodes} simulated nodes x 8 GPUs, "
-        f"objective {args.objective} ({unit}), {args.trials} trials"
-    )
-    result = _on_broker(args, console, demo)
+    with _demo_metrics(args.metrics_port) as metrics:
+
+        async def demo(url: str) -> Any:
+            with progress:
+                return await run_demo(
+                    url,
+                    args.nodes,
+                    args.trials,
+                    args.seed,
+                    on_trial=on_trial,
+                    objective=args.objective,
+                    report=args.report,
+                    state_dir=state_dir,
+                    metrics=metrics,
+                )
+
+        console.print(
+            f"hyperagent demo: {args.nodes} simulated nodes x 8 GPUs, "
+            f"objective {args.objective} ({unit}), {args.trials} trials"
+        )
+        if metrics is not None:
+            console.print(f"the coordinator's /metrics: {_metrics_url(metrics)}")
+        result = _on_broker(args, console, demo)
+        code = _demo_summary(console, args, result, unit)
+        _demo_end(console, args, result.journal, metrics)
+    return code
+
+
+def _demo_summary(console: Any, args: argparse.Namespace, result: Any, unit: str) -> int:
+    """Print what the simulated demo's tuning found and cost; 1 when nothing was measured."""
     state = result.state
     if state.best is None or state.gain is None:
         console.print("[red]no trial produced a measurement[/red]")
@@ -556,8 +670,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{interval} measured ({result.simulated_gain:+.1%} on the noiseless model), "
             f"{runs}, published as settings v{state.final_version}"
         )
-    if args.workload == "simulated":
-        console.print(f"a picture of the tuning: {args.report}")
+    spent = state.cost()
+    if spent is not None:
+        console.print(f"cost: {spent.describe()}")
+    console.print(f"a picture of the tuning: {args.report}")
     return 0
 
 
@@ -679,6 +795,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to draw the tuning (default: %(default)s)",
     )
     demo.add_argument("--broker", metavar="URL", help="use this broker instead of an embedded one")
+    demo.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the coordinator's journal (DIR/coordinator) and the agents' state in DIR "
+        "(default: a temporary directory, removed at the end)",
+    )
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the coordinator's /metrics on 127.0.0.1:PORT (0: a free port)",
+    )
+    demo.add_argument(
+        "--linger",
+        type=_interval,
+        metavar="SECONDS",
+        help="with --metrics-port: serve /metrics this long after the tuning "
+        "(Ctrl-C or SIGTERM ends it)",
+    )
     demo.set_defaults(func=cmd_demo)
 
     report = sub.add_parser(

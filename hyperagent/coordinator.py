@@ -135,9 +135,12 @@ class Coordinator:
         notifier: Notifier | None = None,
         backoff: Backoff | None = None,
         trusted_keys: TrustedKeys | None = None,
+        collector: SnapshotCollector | None = None,
     ) -> None:
         """Settings go out signed by ``signing_key``; retained settings signed by it or by a
-        key of ``trusted_keys`` (the key before a rotation) tell it the versions published."""
+        key of ``trusted_keys`` (the key before a rotation) tell it the versions published.
+        Its /metrics readings go to ``collector`` (a MetricsServer's started before it; by
+        default a collector of its own)."""
         self.config = config
         self.section = config.coordinator
         self.backoff = backoff or Backoff()
@@ -162,7 +165,7 @@ class Coordinator:
         """node -> (online, time of its last status message)."""
         self.found = 0
         self.invalid_payloads = 0
-        self.collector = SnapshotCollector()
+        self.collector = collector if collector is not None else SnapshotCollector()
         self.expected = {rule.id for rule in self.section.jobs if rule.exact}
         """Jobs the config names: ``run(until_tuned=True)`` waits for them."""
         self._tasks: asyncio.TaskGroup | None = None

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hyperagent import durable
 from hyperagent.agent import Agent
@@ -37,6 +37,9 @@ from hyperagent.sim import JobModel
 from hyperagent.sources import Hardware
 from hyperagent.tuner.jobstate import TrialRecord
 from hyperagent.tuner.tuning import JobTuning
+
+if TYPE_CHECKING:
+    from hyperagent.exporter import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +237,9 @@ class DemoResult:
     state: JobTuning
     nodes: list[SimulatedNode]
     model: JobModel
+    journal: Path | None = None
+    """The coordinator's journal of the tuning (gone once the demo ends, unless it was given
+    a ``state_dir``)."""
 
     @property
     def start_settings(self) -> dict[str, Any]:
@@ -311,6 +317,8 @@ async def simulated_cluster(
     cluster: str = "demo",
     spread_brokers: bool = False,
     mqtt: Mapping[str, Any] | None = None,
+    state_dir: Path | None = None,
+    metrics: MetricsServer | None = None,
 ) -> AsyncIterator[tuple[Coordinator, list[SimulatedNode], JobModel]]:
     """Agents and simulated ranks running in the background, and a coordinator ready to run.
     The ranks announce ``job_knobs`` as the knobs they apply (None: they do not say). The
@@ -319,15 +327,21 @@ async def simulated_cluster(
     keep apart). With several broker URLs and ``spread_brokers``, node ``i`` tries them from the
     ``i``-th on (the agents spread across a clustered broker's nodes); ``mqtt``: more of the
     ``[mqtt]`` section, for every daemon. Settings are signed by ``key`` (default: a key made
-    for this cluster only); the agents trust ``trusted`` (default: that key)."""
+    for this cluster only); the agents trust ``trusted`` (default: that key). The coordinator's
+    journals (unless ``coordinator_dir``) and the agents' state go under ``state_dir`` where
+    given (``coordinator``, ``node-0``, ...), else into a temporary directory removed at the
+    end; with ``metrics`` (a started MetricsServer) the coordinator's /metrics are its."""
     key = key or SigningKey.generate()
     trusted = trusted or key.trusted()
     low, high = demo_power_limits_w(capture_dir)
     gpus_per_node = demo_hardware(capture_dir, lambda: 0.0).gpus.count()
     with tempfile.TemporaryDirectory(prefix="hyperagent-demo-") as tmp:
         workdir = Path(tmp)
-        raw = cluster_config(broker_url, nodes, trials, seed, workdir, objective, (low, high))
+        kept = state_dir if state_dir is not None else workdir
+        raw = cluster_config(broker_url, nodes, trials, seed, kept, objective, (low, high))
         raw["cluster"] = cluster
+        if metrics is not None:
+            raw["coordinator"]["metrics_address"] = f"{metrics.host}:{metrics.port}"
         raw["mqtt"].update(mqtt or {})
         raw["coordinator"]["jobs"][0].update(job_overrides or {})
         if coordinator_dir is not None:
@@ -352,7 +366,7 @@ async def simulated_cluster(
                 {
                     "node": name,
                     "sources.job.socket": str(workdir / f"{name}.sock"),
-                    "agent.state_dir": str(workdir / name),
+                    "agent.state_dir": str(kept / name),
                 },
             )
             agent = Agent.from_config(config, node_hw.hardware, trusted)
@@ -370,7 +384,13 @@ async def simulated_cluster(
             )
         coordinator_config: Config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)
-        coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)
+        coordinator = Coordinator(
+            coordinator_config,
+            link,
+            key,
+            on_trial=on_trial,
+            collector=metrics.collector if metrics is not None else None,
+        )
         rng = random.Random(seed)
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -415,4 +435,4 @@ async def run_demo(
             from hyperagent.report import render_report
 
             await asyncio.to_thread(render_report, coordinator.journals.path(JOB), report)
-        return DemoResult(state, sim_nodes, model)
+        return DemoResult(state, sim_nodes, model, coordinator.journals.path(JOB))

@@ -37,6 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hyperagent import durable
 from hyperagent.demo import free_port
 from hyperagent.errors import HyperagentError
 from hyperagent.job import StepReport
@@ -45,6 +46,7 @@ from hyperagent.signing import SigningKey
 if TYPE_CHECKING:
     from torch import nn
 
+    from hyperagent.exporter import MetricsServer
     from hyperagent.tuner.jobstate import TrialRecord
     from hyperagent.tuner.tuning import JobTuning
 
@@ -211,18 +213,28 @@ class _RankWatch:
             self.stepping.set()
 
 
-def torch_cluster_config(broker_url: str, trials: int, seed: int, workdir: Path) -> dict[str, Any]:
+def torch_cluster_config(
+    broker_url: str,
+    trials: int,
+    seed: int,
+    workdir: Path,
+    state_dir: Path | None = None,
+    metrics_address: str = "",
+) -> dict[str, Any]:
     """Raw config shared by the demo's agent and coordinator: one node, backend gloo, no power
-    knob (no GPU), a measurement plan for steps of tens of milliseconds."""
+    knob (no GPU), a measurement plan for steps of tens of milliseconds. The agent's and the
+    coordinator's state go under ``state_dir`` (``agent``, ``coordinator``; default
+    ``workdir``), the job socket into ``workdir``."""
+    kept = state_dir if state_dir is not None else workdir
     return {
         "cluster": "torch-demo",
         "mqtt": {"url": broker_url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
-        "agent": {"interval_s": 1.0, "metrics_address": "", "state_dir": str(workdir / "agent")},
+        "agent": {"interval_s": 1.0, "metrics_address": "", "state_dir": str(kept / "agent")},
         "sources": {"job": {"socket": str(workdir / "job.sock")}},
         "actuation": {"power_cap": False},
         "coordinator": {
-            "metrics_address": "",
-            "state_dir": str(workdir / "coordinator"),
+            "metrics_address": metrics_address,
+            "state_dir": str(kept / "coordinator"),
             "jobs": [
                 {
                     "id": JOB,
@@ -255,6 +267,9 @@ class TorchDemoResult:
     """The whole demo, start to stop."""
     startup_s: float
     """Until both ranks reported a step (importing torch and wrapping DDP dominate)."""
+    journal: Path | None = None
+    """The coordinator's journal of the tuning (gone once the demo ends, unless it was given
+    a ``state_dir``)."""
 
     @property
     def confirmations(self) -> list[TrialRecord]:
@@ -335,6 +350,9 @@ class TorchDemoResult:
                     f"measured {confirmed.describe()} against the defaults; the defaults stay"
                 )
             lines.append(measured)
+        spent = self.state.cost()
+        if spent is not None:
+            lines.append(f"cost: {spent.describe()}")
         steps = {rank: len(s) for rank, s in self.rank_steps.items()}
         lines.append(
             f"{sum(steps.values())} steps on {len(steps)} ranks, same settings version at every "
@@ -357,12 +375,16 @@ async def run_torch_demo(
     on_trial: TrialCallback | None = None,
     *,
     key: SigningKey | None = None,
+    state_dir: Path | None = None,
+    metrics: MetricsServer | None = None,
 ) -> TorchDemoResult:
     """Tune two real DDP ranks end to end over the broker at ``broker_url``.
 
     ``on_trial`` sees each trial and each confirmation (the coordinator measures the defaults
-    and the best settings again, interleaved, after tuning). Every process is stopped before
-    returning.
+    and the best settings again, interleaved, after tuning). The coordinator's journal and the
+    agent's state go under ``state_dir`` where given (``coordinator``, ``agent``), else into a
+    temporary directory removed at the end; with ``metrics`` (a started MetricsServer) the
+    coordinator's /metrics are its. Every process is stopped before returning.
     """
     from hyperagent.agent import Agent
     from hyperagent.config import build_config
@@ -377,7 +399,8 @@ async def run_torch_demo(
     key = key or SigningKey.generate()  # ephemeral: the demo's coordinator only
     with tempfile.TemporaryDirectory(prefix="hyperagent-torch-") as tmp:
         workdir = Path(tmp)
-        raw = torch_cluster_config(broker_url, trials, seed, workdir)
+        address = f"{metrics.host}:{metrics.port}" if metrics is not None else ""
+        raw = torch_cluster_config(broker_url, trials, seed, workdir, state_dir, address)
         agent_config = build_config(raw, {"node": NODE})
         job_source = JobSource(agent_config.sources.job.socket)
         watch = _RankWatch(WORLD_SIZE)
@@ -388,7 +411,13 @@ async def run_torch_demo(
         assert agent.link is not None
         coordinator_config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)
-        coordinator = Coordinator(coordinator_config, link, key, on_trial=on_trial)
+        coordinator = Coordinator(
+            coordinator_config,
+            link,
+            key,
+            on_trial=on_trial,
+            collector=metrics.collector if metrics is not None else None,
+        )
         ranks: list[RankProcess] = []
         failure: Exception | None = None
         startup_s = math.nan
@@ -412,6 +441,7 @@ async def run_torch_demo(
         if failure is not None:
             raise failure
         rank_steps = {r.rank: await asyncio.to_thread(r.steps) for r in ranks}
+        await asyncio.to_thread(durable.wait)  # the journal on disk; nothing into a removed folder
     return TorchDemoResult(
         state=coordinator.job(JOB),
         rank_steps=rank_steps,
@@ -419,6 +449,7 @@ async def run_torch_demo(
         returncodes=[r.process.returncode for r in ranks],
         seconds=time.monotonic() - began,
         startup_s=startup_s,
+        journal=coordinator.journals.path(JOB),
     )
 
 
