@@ -16,6 +16,8 @@ from typing import NoReturn
 
 import pytest
 
+pytest.register_assert_rewrite("demo_cli")
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
 

@@ -1,14 +1,20 @@
-"""README's first command, shortened: the demo on its embedded broker runs to the end."""
+"""README's first command, shortened: the demo on its embedded broker runs to the end; with a
+kept state directory and the coordinator's /metrics served, its journal, /metrics and summary
+say the tuning's cost."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from demo_cli import check_cost, run_demo_command
+
+from hyperagent import cli
 
 
 @pytest.mark.long(19)
@@ -66,3 +72,52 @@ def test_demo_rejects_bad_arguments() -> None:
         timeout=60,
     )
     assert result.returncode == 2 and "--nodes" in result.stderr
+
+
+@pytest.mark.long(12)
+def test_demo_keeps_its_journal_and_serves_the_cost(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    picture = tmp_path / "tuning.png"
+    args = ["--nodes", "1", "--trials", "3", "--state-dir", str(state_dir)]
+    args += ["--report", str(picture)]
+    run = run_demo_command(args, timeout_s=180)
+    assert run.returncode == 0, run.out
+    check_cost(run, state_dir, "demo-job", tmp_path)
+    assert (state_dir / "node-0" / "applied-settings.json").is_file()  # the agent's state too
+    assert picture.stat().st_size > 0
+
+
+def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert cli.main(["demo", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("workload", ["simulated", "torch-ddp"])
+def test_demo_says_what_is_wrong_with_its_state_dir_and_metrics_port(
+    workload: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = "demo-job" if workload == "simulated" else "torch-ddp"
+    given = ["--workload", workload]
+    assert one_line_error([*given, "--metrics-port", "70000"], capsys) == (
+        "--metrics-port: must be between 0 and 65535"
+    )
+    assert one_line_error([*given, "--linger", "5"], capsys) == (
+        "--linger: keeps /metrics served: give --metrics-port"
+    )
+    (tmp_path / "file").write_text("")
+    error = one_line_error([*given, "--state-dir", str(tmp_path / "file" / "state")], capsys)
+    assert error.startswith(f"--state-dir: cannot write {tmp_path / 'file' / 'state'}: ")
+    journal = tmp_path / "kept" / "coordinator" / f"{job}.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_text("")
+    assert one_line_error([*given, "--state-dir", str(tmp_path / "kept")], capsys) == (
+        f"--state-dir: {journal} holds an earlier tuning: give a new or empty directory"
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        error = one_line_error([*given, "--metrics-port", str(port)], capsys)
+    assert error.startswith(f"--metrics-port: 127.0.0.1:{port}: "), error

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+from pathlib import Path
 
 import pytest
+from demo_cli import check_cost, run_demo_command
 
 from hyperagent.tuner.jobstate import TrialRecord
 from hyperagent.tuner.lifecycle import MEASURED
@@ -89,3 +91,16 @@ async def test_the_demo_tunes_two_real_ranks_and_stops_them(mosquitto: Mosquitto
 
     assert result.returncodes == [0, 0]
     assert not any(is_running(pid) for pid in result.pids)
+
+
+@BUSY
+@pytest.mark.long(18)
+def test_the_demo_command_keeps_its_journal_and_serves_the_cost(tmp_path: Path) -> None:
+    """``hyperagent demo --workload torch-ddp`` on its embedded broker, as a user runs it."""
+    state_dir = tmp_path / "state"
+    args = ["--workload", "torch-ddp", "--trials", "2", "--state-dir", str(state_dir)]
+    run = run_demo_command(args, timeout_s=240)
+    assert run.returncode == 0, run.out
+    assert "PyTorch defaults: bucket 32 MiB, chunk 32768 KiB" in run.out
+    check_cost(run, state_dir, "torch-ddp", tmp_path)
+    assert (state_dir / "agent" / "applied-settings.json").is_file()  # the agent's state too
