@@ -494,7 +494,11 @@ def _demo_end(
 ) -> None:
     """Say where the kept journal is; with ``--linger``, serve /metrics that long more."""
     if args.state_dir is not None and journal is not None:
-        console.print(f"the tuning's journal: {journal} (draw it: hyperagent report {journal})")
+        console.print(
+            f"the tuning's journal: {journal} (draw it: hyperagent report {journal})",
+            markup=False,
+            soft_wrap=True,
+        )
     if metrics is None or args.linger is None:
         return
     ended = threading.Event()
@@ -502,7 +506,8 @@ def _demo_end(
     try:
         console.print(
             f"serving the coordinator's /metrics on {_metrics_url(metrics)} for "
-            f"{args.linger:g} s more (Ctrl-C or SIGTERM ends it)"
+            f"{args.linger:g} s more (Ctrl-C or SIGTERM ends it)",
+            soft_wrap=True,
         )
         ended.wait(args.linger)
     except KeyboardInterrupt:
@@ -556,7 +561,7 @@ def cmd_demo_torch(args: argparse.Namespace) -> int:
             f"{MODEL_DESCRIPTION}, objective throughput (samples/s), {trials} trials"
         )
         if metrics is not None:
-            console.print(f"the coordinator's /metrics: {_metrics_url(metrics)}")
+            console.print(f"the coordinator's /metrics: {_metrics_url(metrics)}", soft_wrap=True)
         try:
             result = _on_broker(args, console, demo)
         except HyperagentError as e:
@@ -635,7 +640,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"objective {args.objective} ({unit}), {args.trials} trials"
         )
         if metrics is not None:
-            console.print(f"the coordinator's /metrics: {_metrics_url(metrics)}")
+            console.print(f"the coordinator's /metrics: {_metrics_url(metrics)}", soft_wrap=True)
         result = _on_broker(args, console, demo)
         code = _demo_summary(console, args, result, unit)
         _demo_end(console, args, result.journal, metrics)
