@@ -22,8 +22,9 @@ a seed, with the optimum anywhere:
 
 Each trial's score is the landscape's value times a lognormal factor whose sigma is one of the
 relative standard errors the trial protocol measured (:data:`MEASURED_REL_SE`, drawn per trial;
-``--noise`` sets a constant one instead); hyperagent is told that standard error for
-throughput, as the coordinator tells it the windows' spread, and nothing for energy. Reaching
+``--noise`` sets a constant one instead); hyperagent is told that standard error, as the
+coordinator tells it the windows' spread (for energy, of the windows' samples per joule that
+the agents report with ``energy_windows``). Reaching
 95% of the optimum is judged on the noiseless value; a search stops there, or at the budget
 (40 trials; a miss counts as 41, shown ">40").
 
@@ -274,7 +275,7 @@ def tuner_trials(problem: Problem, seed: int, trials: int, priors: bool = True) 
         if problem.on_target(settings):
             return trial
         score, error = problem.measure(settings, rng)
-        tuner.tell(settings, score, noise=error if problem.objective == "throughput" else None)
+        tuner.tell(settings, score, noise=error)
     return None
 
 
@@ -351,15 +352,17 @@ COST_TRIALS = 30
 """The coordinator's default budget of search trials."""
 ARMS: dict[str, Callable[[str], EarlyStop | None]] = {
     "full": lambda objective: None,
-    "early": EarlyStop.for_objective,
+    "early": lambda objective: EarlyStop.for_objective(objective, energy_windows=True),
     "early-both": lambda objective: EarlyStop(),
     "early-worse": lambda objective: EarlyStop(stop_better=False),
     "early-2": lambda objective: EarlyStop(min_windows=2),
 }
 """Each arm's rule for an objective. ``full``: every trial measured to the plan's end (the
-guardrail's abort alone ends one early); ``early``: :meth:`hyperagent.tuner.early.EarlyStop.
-for_objective`, which stops a search trial once it is clearly worse than the incumbent, or for
-throughput also clearly better; ``early-both``: both cuts whatever the objective;
+guardrail's abort alone ends one early); ``early``: the coordinator's rule
+(:meth:`hyperagent.tuner.early.EarlyStop.for_objective` with the agents' energy windows), which
+stops a search trial once it is clearly worse than the incumbent or clearly better, each
+window's samples per joule judged for energy as samples per second for throughput;
+``early-both``: both cuts whatever the objective;
 ``early-worse``: only when worse; ``early-2``: both, judged from the second window on."""
 
 
@@ -445,7 +448,7 @@ def simulate_tuning(
                 cuts["false_worse"] += 1
             elif run.status == "better" and truth < against:
                 cuts["false_better"] += 1
-        noise = told(run.windows)[1] if problem.objective == "throughput" else None
+        noise = told(run.windows)[1]
         tuner.tell(settings, run.score, noise=None if run.status == "aborted" else noise)
         if run.status != "aborted" and (best is None or run.score > best.score):
             best = run

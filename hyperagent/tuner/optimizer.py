@@ -80,6 +80,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import scipy.optimize
 from skopt import Optimizer
 from skopt.acquisition import gaussian_ei, gaussian_lcb, gaussian_pi
 from skopt.learning import GaussianProcessRegressor
@@ -105,16 +106,30 @@ observations, then whenever the observations have grown by this factor since the
 fits in between keep them and only solve the GP (a Cholesky factorisation)."""
 REFIT_FROM = 30
 WHITE_NOISE_FLOOR = 1e-5
+WHITE_NOISE_CEILING = 0.1
+"""The noise the model learns on top of what each trial told, as a share of the scores'
+variance: unbounded, a fit to a handful of points could call the whole landscape noise (a flat
+model, and proposals by variance alone)."""
+LENGTH_SCALE_PRIOR = (0.3, 0.4)
+"""Kernel length scales are fitted at their posterior mode under a log-normal prior of this
+median (on the unit-scaled space: about a third of a knob's range, 2-3 factors of two) and
+log standard deviation. By likelihood alone, fits to the first 5-20 points threw them between
+the bounds (0.05: every point independent; 100: the knob ignored) from one trial to the next;
+the prior is what BoTorch's default models put on theirs (Gamma around a third of the cube)."""
 TRUST_RADIUS = 2
 ENERGY_TRUST_RADIUS = 1
 """The trust region's starting radius for the energy objective, whose space is seven times
 the throughput one's (every power cap): a step of 25 W and one factor of two per size."""
 POWER_TERMS = True
 """Where the power cap is searched beside other knobs, the kernel adds to the ARD Matern over
-every knob one Matern over the power cap alone and one over the other knobs: samples per joule
-is samples per second over watts, the cap sets the clocks and the draw, the communication knobs
-the step's waits, so (with the score's log, :data:`LOG_ENERGY`) the two add up and a cap
-measured with any settings informs every other."""
+every knob one Matern over the power cap alone, one over the bucket size alone and one over the
+chunk size with the algorithm (whose chunk optimum is its own): samples per joule is samples per
+second over watts, the cap sets the clocks and the draw, the communication knobs the step's
+waits, so (with the score's log, :data:`LOG_ENERGY`) the terms add up and a cap measured with
+any settings informs every other."""
+INTERACTION_SHARE = 0.3
+"""Where the power cap is searched, the ARD Matern over every knob (what the knobs do together)
+may take at most this share of the scores' variance; the additive terms the rest."""
 LOG_ENERGY = True
 """For the energy objective the model fits the score's log (the told standard error becomes a
 relative one): a product of throughput and efficiency factors is a sum there."""
@@ -142,6 +157,10 @@ scikit-optimize's 90th percentile instead of 1."""
 ALGORITHM_DISTANCE = 0.5
 """How far apart two algorithms are in the space-filling design, against 1 for a numeric knob's
 whole range."""
+CHUNK_WITHIN_BUCKET = True
+"""A chunk as large as the bucket or larger allreduces the whole bucket at once (the DDP comm
+hook and Open MPI's segment size alike): those chunks of one bucket, the other knobs equal, are
+one setting to the tuner, measured once and proposed as the smallest of them."""
 LENGTH_SCALE_BOUNDS = (0.05, 100.0)
 """On the unit-scaled space: below the grid spacing (about 0.1) points would be independent."""
 
@@ -153,6 +172,31 @@ class _GaussianProcess(GaussianProcessRegressor):  # type: ignore[misc]
     """skopt's GP with a batched predictive variance: skopt evaluates it with a three-operand
     einsum, O(candidates x observations^2) in pure loops (20 ms for 1400 candidates at 100
     observations); a matrix product does the same in well under a millisecond."""
+
+    def _constrained_optimization(self, obj_func: Any, initial_theta: Any, bounds: Any) -> Any:
+        """Kernel hyperparameters by their posterior mode: the marginal likelihood times a
+        log-normal prior on every length scale (:data:`LENGTH_SCALE_PRIOR`)."""
+        if self.optimizer != "fmin_l_bfgs_b":
+            return super()._constrained_optimization(obj_func, initial_theta, bounds)
+        median, spread = LENGTH_SCALE_PRIOR
+        precision = np.concatenate(
+            [
+                np.full(h.n_elements, spread**-2 if h.name.endswith("length_scale") else 0.0)
+                for h in self.kernel_.hyperparameters
+                if not h.fixed
+            ]
+        )
+        centre = math.log(median)
+
+        def penalised(theta: np.ndarray) -> tuple[float, np.ndarray]:
+            value, gradient = obj_func(theta, eval_gradient=True)
+            offset = precision * (theta - centre)
+            return value + 0.5 * float(offset @ (theta - centre)), gradient + offset
+
+        found = scipy.optimize.minimize(
+            penalised, initial_theta, method="L-BFGS-B", jac=True, bounds=bounds
+        )
+        return found.x, float(found.fun)
 
     def predict(
         self,
@@ -171,6 +215,11 @@ class _GaussianProcess(GaussianProcessRegressor):  # type: ignore[misc]
         variance = self.kernel_.diag(X) - np.einsum("ij,ij->i", k_trans @ self.K_inv_, k_trans)
         std = np.sqrt(np.clip(variance, 0.0, None) * self.y_train_std_**2)
         return mean, std
+
+
+def _effective_chunk_kb(settings: Mapping[str, Any]) -> float:
+    """The chunk a setting really allreduces: at most its whole bucket."""
+    return float(min(settings["chunk_kb"], settings["bucket_mb"] * 1024))
 
 
 def _real(value: object, what: str) -> float:
@@ -197,7 +246,8 @@ class Tuner:
     acquisition value within a trust region around the incumbent (:data:`TRUST_RADIUS`),
     or the design's next point every :data:`RESTART_AFTER_STALLED` tells without a better
     score.
-    Nothing is proposed twice until every point of the space has been measured.
+    Nothing is proposed twice until every point of the space has been measured, nor a setting
+    equal to a measured one (a chunk as large as its bucket or larger: :data:`CHUNK_WITHIN_BUCKET`).
 
     ``ask()`` returns the same settings until the next ``tell()``. ``tell()`` accepts any point
     of the space, asked or not (a journal replay); the model is refitted once, lazily, at the
@@ -231,10 +281,12 @@ class Tuner:
         self._grid = list(space.grid())
         self._index = {self._key(s): i for i, s in enumerate(self._grid)}
         self._evaluated = np.zeros(len(self._grid), dtype=bool)
+        self._stands_for = self._same_settings()
+        self._representative = self._stands_for == np.arange(len(self._grid))
         numeric = [k for k in self._free if k != "allreduce"]
         self._steps = np.array(
             [[space.values(k).index(s[k]) for k in numeric] for s in self._grid], dtype=int
-        ).reshape(len(self._grid), len(numeric))
+        ).reshape(len(self._grid), len(numeric))[self._stands_for]
         self._unit = self._unit_coordinates(numeric)
         self._optimizer = self._build_optimizer(seed, n_initial_points) if self._free else None
         self._grid_x = (
@@ -256,6 +308,23 @@ class Tuner:
         self._pending: Settings | None = None
         self._fitted_kernel: Any = None
         self._next_refit = 0
+
+    def _same_settings(self) -> np.ndarray:
+        """Per grid point, the index of the point that stands for it: itself, or under
+        :data:`CHUNK_WITHIN_BUCKET` the smallest chunk of its bucket that is the whole bucket."""
+        stands_for = np.arange(len(self._grid))
+        if not (CHUNK_WITHIN_BUCKET and {"bucket_mb", "chunk_kb"} <= set(self._free)):
+            return stands_for
+        first: dict[Point, int] = {}
+        for i, settings in enumerate(self._grid):
+            key = self._key({**settings, "chunk_kb": _effective_chunk_kb(settings)})
+            j = first.setdefault(key, i)
+            if settings["chunk_kb"] < self._grid[j]["chunk_kb"]:
+                first[key] = j = i
+        for i, settings in enumerate(self._grid):
+            key = self._key({**settings, "chunk_kb": _effective_chunk_kb(settings)})
+            stands_for[i] = first[key]
+        return stands_for
 
     def _unit_coordinates(self, numeric: list[str]) -> np.ndarray:
         """Every grid point in [0, 1] per numeric knob (its grid index over the last one)
@@ -283,21 +352,28 @@ class Tuner:
     def _build_optimizer(self, seed: int, n_initial_points: int) -> Optimizer:
         dimensions = [self._dimension(k) for k in self._free]
         width = Space(normalize_dimensions(dimensions)).transformed_n_dims
-        self._prior_kernel = ConstantKernel(1.0, (0.01, 1000.0)) * Matern(
+        additive = POWER_TERMS and "power_cap_w" in self._free and len(self._free) > 1
+        amplitude = (INTERACTION_SHARE, (0.01 * INTERACTION_SHARE, INTERACTION_SHARE))
+        self._prior_kernel = ConstantKernel(*(amplitude if additive else (1.0, (0.01, 1000.0))))
+        self._prior_kernel *= Matern(
             length_scale=np.ones(width),
             length_scale_bounds=[LENGTH_SCALE_BOUNDS] * width,
             nu=2.5,
         )
-        if POWER_TERMS and "power_cap_w" in self._free and len(self._free) > 1:
+        if additive:
             sizes = [Space(normalize_dimensions([d])).transformed_n_dims for d in dimensions]
-            power = np.repeat(np.arange(len(dimensions)), sizes) == self._free.index("power_cap_w")
-            for part in (power, ~power):
+            knob_of = np.repeat(np.array(self._free), sizes)
+            power, bucket = knob_of == "power_cap_w", knob_of == "bucket_mb"
+            for part in (power, bucket, ~(power | bucket)):
+                if not part.any():
+                    continue
                 fixed = (FIXED_LENGTH_SCALE, FIXED_LENGTH_SCALE)
                 self._prior_kernel += ConstantKernel(1.0, (0.01, 1000.0)) * Matern(
                     length_scale=np.where(part, 1.0, FIXED_LENGTH_SCALE),
                     length_scale_bounds=[LENGTH_SCALE_BOUNDS if p else fixed for p in part],
                     nu=2.5,
                 )
+        self._prior_kernel += WhiteKernel(1e-3, (WHITE_NOISE_FLOOR, WHITE_NOISE_CEILING))
         surrogate = _GaussianProcess(
             kernel=self._prior_kernel,
             normalize_y=True,
@@ -322,6 +398,9 @@ class Tuner:
             value = settings[knob]
             if knob == "allreduce":
                 point.append(str(value))
+            elif knob == "chunk_kb" and CHUNK_WITHIN_BUCKET and "bucket_mb" in settings:
+                low = int(math.log2(self.space.values(knob)[0]))
+                point.append(max(low, int(math.log2(_effective_chunk_kb(settings)))))
             elif knob in _LOG2_KNOBS:
                 point.append(int(math.log2(_real(value, knob))))
             else:
@@ -407,7 +486,7 @@ class Tuner:
         come (maximin; a face of the space counts as a point at :data:`BOUNDARY_WEIGHT` times
         its distance, so the design stays off the corners), drawn at random among those within
         :data:`DESIGN_SLACK` of the farthest."""
-        unevaluated = np.flatnonzero(~self._evaluated)
+        unevaluated = np.flatnonzero(~self._evaluated & self._representative)
         if unevaluated.size == 0:
             return dict(self._grid[0])
         taken = np.flatnonzero(self._evaluated).tolist()
@@ -441,9 +520,10 @@ class Tuner:
         incumbent = float(np.min(mean))
         centre = evaluated[int(np.argmin(mean))]
         offset = np.abs(self._steps - self._steps[centre]).max(axis=1, initial=0)
-        candidates = np.flatnonzero(~self._evaluated & (offset <= trust_radius))
+        open_points = ~self._evaluated & self._representative
+        candidates = np.flatnonzero(open_points & (offset <= trust_radius))
         if candidates.size == 0:
-            candidates = np.flatnonzero(~self._evaluated)
+            candidates = np.flatnonzero(open_points)
         if candidates.size == 0:
             candidates = np.arange(len(self._grid))
         x = self._grid_x[candidates]
@@ -470,7 +550,7 @@ class Tuner:
         index = self._index[self._key(settings)]
         clean = dict(self._grid[index])
         self._observations.append((clean, value))
-        self._evaluated[index] = True
+        self._evaluated[self._stands_for == self._stands_for[index]] = True
         if self._optimizer is not None:
             error = abs(_real(noise, "noise")) if noise is not None else 0.0
             if self._log_scores:

@@ -214,6 +214,42 @@ def test_every_point_once_before_any_repeat() -> None:
     assert space.contains(tuner.ask())
 
 
+def test_a_chunk_as_large_as_its_bucket_or_larger_is_one_setting_measured_once() -> None:
+    space = SearchSpace(
+        backend="nccl",
+        nodes=4,
+        bucket_mb=(1, 2, 4),
+        chunk_kb=(256, 1024, 2048, 4096, 8192),
+        allreduce=("ring", "tree"),
+    )
+    whole = {
+        (b, min(c, 1024 * b), a)
+        for b in space.bucket_mb
+        for c in space.chunk_kb
+        for a in space.allreduce
+    }
+    assert len(whole) == 18 < space.size == 30
+    tuner = Tuner(space, seed=0, n_initial_points=3)
+    proposed = []
+    for _ in range(len(whole)):
+        settings = tuner.ask()
+        proposed.append(settings)
+        tuner.tell(settings, bowl(settings))
+    assert all(s["chunk_kb"] <= 1024 * s["bucket_mb"] for s in proposed), proposed
+    assert {(s["bucket_mb"], s["chunk_kb"], s["allreduce"]) for s in proposed} == whole
+
+    replayed = Tuner(space, seed=0, n_initial_points=3)
+    replayed.tell({"bucket_mb": 1, "chunk_kb": 8192, "allreduce": "ring"}, 100.0)
+    for _ in range(17):
+        settings = replayed.ask()
+        assert (settings["bucket_mb"], settings["chunk_kb"], settings["allreduce"]) != (
+            1,
+            1024,
+            "ring",
+        ), "the whole 1 MiB bucket in one chunk was measured already"
+        replayed.tell(settings, bowl(settings))
+
+
 def test_gloo_keeps_its_single_algorithm() -> None:
     space = SearchSpace.default("gloo", nodes=4, power_limits_w=(100, 250))
     tuner = Tuner(space, seed=0)
@@ -276,10 +312,10 @@ def trials_to_the_peak(seed: int) -> int | None:
 def test_a_search_held_on_one_mode_still_measures_far_from_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    found = [trials_to_the_peak(seed) for seed in range(4)]
+    found = [trials_to_the_peak(seed) for seed in range(8)]
     assert sum(t is not None for t in found) >= 2, found
     monkeypatch.setattr(optimizer, "RESTART_AFTER_STALLED", 10**9)
-    assert [trials_to_the_peak(seed) for seed in range(4)] == [None] * 4
+    assert [trials_to_the_peak(seed) for seed in range(8)] == [None] * 8
 
 
 def test_a_noisy_measurement_is_trusted_less() -> None:
