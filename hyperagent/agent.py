@@ -334,7 +334,7 @@ class Agent:
             except ActuationError as e:
                 log.warning("cannot read the GPUs' power-limit range: %s", e)
         if self.metrics is not None:
-            self.metrics.start()
+            await self.metrics.listen()
             log.info("serving /metrics on %s:%s", self.metrics.host, self.metrics.port)
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -373,7 +373,7 @@ class Agent:
             log.info("restored the original power limit of %d GPU(s)", restored)
         await self.runner.close()
         if self.metrics is not None:
-            self.metrics.stop()
+            await self.metrics.close()
 
     async def _collect_loop(self) -> None:
         interval = self.config.agent.interval_s

@@ -9,6 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from hyperagent.capture.fake_nvml import FakeNvml
@@ -223,13 +225,30 @@ def test_kept_family_text_follows_every_changed_reading() -> None:
     relabelled = [*power, *(Reading(r.name, r.value, dict(r.labels), kind=r.kind) for r in errors)]
     fewer = [*power[:2], *errors]
     renamed = [*power, *errors[:3], Reading("hyperagent_other_total", 0, gpu(3), kind=Kind.COUNTER)]
+    moved = [*power, *errors[:3], Reading(errors[3].name, 0, {"gpu": "9"}, kind=Kind.COUNTER)]
+    extra_label = [*power[:3], Reading(power[3].name, 103.0, {**gpu(3), "mig": "1g"}), *errors]
+    reordered = [*power[::-1], *errors]
     render = OpenMetricsText()
     collector = SnapshotCollector()
     bodies = []
-    for readings in (first, first, changed_value, relabelled, fewer, renamed, first):
+    variants = (first, first, changed_value, relabelled, fewer, renamed, first, moved, extra_label)
+    for readings in (*variants, reordered, first):
         collector.update(readings)
         body = render(collector)
         assert body == openmetrics_latest(collector)
         bodies.append(body)
-    assert bodies[0] == bodies[1] == bodies[6] and b"-0.0" in bodies[2]
-    assert len({bodies[2], bodies[4], bodies[5]} | {bodies[0]}) == 4
+    assert bodies[0] == bodies[1] == bodies[3] == bodies[6] == bodies[10] and b"-0.0" in bodies[2]
+    assert len({bodies[0], bodies[2], bodies[4], bodies[5], bodies[7], bodies[8], bodies[9]}) == 7
+
+
+@given(
+    st.floats()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.sampled_from([0.0, -0.0, 1e6, 1234567.0, 9999999.5, 1e16, 1e22, 5e-324, 123456.7])
+)
+def test_a_value_is_written_as_prometheus_client_writes_it(value: float) -> None:
+    from prometheus_client.utils import floatToGoString
+
+    from hyperagent.exporter import _go_float
+
+    assert _go_float(value) == floatToGoString(value)
