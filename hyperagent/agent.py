@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from hyperagent import bus, durable
+from hyperagent import bus, durable, ticks
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.attribution import Attribution, ChannelJobs, JobLedger, passwd_file
 from hyperagent.config import Config
@@ -218,7 +218,10 @@ class Agent:
         self.unconfirmed: dict[tuple[str, int], tuple[str, bytes, float]] = {}
         """(job, version) -> (topic, payload, when last sent) of each measurement report the
         coordinator has not confirmed yet."""
-        self._resend_now = asyncio.Event()
+        self._resend_wake = asyncio.Event()
+        """Set when a report is kept unconfirmed, or every one is to go again at once
+        (``_resend_all``)."""
+        self._resend_all = False
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
@@ -376,9 +379,12 @@ class Agent:
             await self.metrics.close()
 
     async def _collect_loop(self) -> None:
+        """A cycle every ``agent.interval_s``, on multiples of it on the loop's clock (see
+        :mod:`hyperagent.ticks`); a cycle that overran its interval is followed at once."""
         interval = self.config.agent.interval_s
-        next_due = time.monotonic()
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
             await self.collect_once()
             if not self.ready.is_set():
                 self.ready.set()
@@ -386,12 +392,7 @@ class Agent:
                     f", /metrics on {self.metrics.host}:{self.metrics.port}" if self.metrics else ""
                 )
                 self.notifier.ready(f"collecting {len(self.runner.sources)} sources{where}")
-            next_due += interval
-            delay = next_due - time.monotonic()
-            if delay < 0:
-                next_due = time.monotonic()
-                delay = 0
-            await asyncio.sleep(delay)
+            await ticks.sleep_until(ticks.next_tick(began, interval))
 
     async def collect_once(self) -> Snapshot:
         """One cycle: read every source, derive indicators, expose and publish."""
@@ -707,7 +708,8 @@ class Agent:
                 if applied["settings"].get("power_cap_w"):
                     self.live_versions.pop(job, None)
         elif state == "online":
-            self._resend_now.set()
+            self._resend_all = True
+            self._resend_wake.set()
             for job, message in list(self.applied_messages.items()):
                 if self.live_versions.get(job) != message["version"]:
                     log.info(
@@ -1031,6 +1033,7 @@ class Agent:
         for key in [k for k in self.unconfirmed if k[0] == job and k[1] < version]:
             del self.unconfirmed[key]
         self.unconfirmed[(job, version)] = (topic, payload, time.monotonic())
+        self._resend_wake.set()  # its resend check begins
         while len(self.unconfirmed) > UNCONFIRMED_MAX:
             del self.unconfirmed[next(iter(self.unconfirmed))]
 
@@ -1052,13 +1055,17 @@ class Agent:
     async def _resend_loop(self) -> None:
         """Send again each report unconfirmed for ``RESEND_S`` (each one at once when the
         coordinator comes online), while the link has handed everything before to the broker
-        (a gated or disconnected link does not pile up copies)."""
+        (a gated or disconnected link does not pile up copies). Looked at every
+        ``RESEND_S / 2`` (on the loop's grid, :mod:`hyperagent.ticks`) while a report is
+        unconfirmed; no wake-ups while none is."""
+        loop = asyncio.get_running_loop()
         while True:
+            due = ticks.next_tick(loop.time(), RESEND_S / 2) if self.unconfirmed else None
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RESEND_S / 2):
-                    await self._resend_now.wait()
-            now_too = self._resend_now.is_set()
-            self._resend_now.clear()
+                async with asyncio.timeout_at(due):
+                    await self._resend_wake.wait()
+            self._resend_wake.clear()
+            now_too, self._resend_all = self._resend_all, False
             link = self.link
             if link is None or not link.connected.is_set() or link.spool:
                 continue

@@ -533,6 +533,8 @@ class MetricsServer:
             sock = socket.socket(family, kind, proto)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if hasattr(socket, "TCP_DEFER_ACCEPT"):  # Linux: a scrape is one wake-up
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
                 sock.bind(sockaddr)
                 sock.listen(64)
                 sock.setblocking(False)
