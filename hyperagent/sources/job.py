@@ -58,7 +58,7 @@ JobListener = Callable[[str], None]
 """A job released."""
 
 BATCH = 1000
-"""Packets or connections taken per wake-up at most (the rest wait for the next turn)."""
+"""Connections taken per wake-up at most (the rest wait for the next turn)."""
 
 _PEERCRED = struct.Struct("3i")
 
@@ -536,20 +536,19 @@ class JobSource:
                     listener(peer.job, peer.rank)
 
     def _readable(self, peer: Peer) -> None:
-        for _ in range(BATCH):
-            try:
-                packet = peer.conn.recv(protocol.MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self._drop(peer)
-                return
-            if not packet:
-                self._drop(peer)
-                return
-            self.receive(packet, peer)
-            if peer.conn.fileno() < 0:
-                return
+        """One packet of ``peer`` per wake-up: a rank sends a step at a time, so a second
+        ``recv`` would mostly find nothing; packets still queued wake the loop again."""
+        try:
+            packet = peer.conn.recv(protocol.MAX_DATAGRAM)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(peer)
+            return
+        if not packet:
+            self._drop(peer)
+            return
+        self.receive(packet, peer)
 
     # -- messages ------------------------------------------------------------------------
 
