@@ -899,7 +899,10 @@ class Agent:
             self._publish_report(trial, None, stalled=True)
 
     def _on_step(self, step: StepReport) -> None:
-        self._step_clocks.setdefault(step.job, _StepClock()).tick(step.rank, time.monotonic())
+        clock = self._step_clocks.get(step.job)
+        if clock is None:
+            clock = self._step_clocks[step.job] = _StepClock()
+        clock.tick(step.rank, time.monotonic())
         trial = self._trials.get(step.job)
         if trial is None:
             return
