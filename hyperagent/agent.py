@@ -337,7 +337,7 @@ class Agent:
             except ActuationError as e:
                 log.warning("cannot read the GPUs' power-limit range: %s", e)
         if self.metrics is not None:
-            await self.metrics.listen()
+            self.metrics.start()
             log.info("serving /metrics on %s:%s", self.metrics.host, self.metrics.port)
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -376,7 +376,7 @@ class Agent:
             log.info("restored the original power limit of %d GPU(s)", restored)
         await self.runner.close()
         if self.metrics is not None:
-            await self.metrics.close()
+            self.metrics.stop()
 
     async def _collect_loop(self) -> None:
         """A cycle every ``agent.interval_s``, on multiples of it on the loop's clock (see

@@ -2,7 +2,8 @@
 
 A scrape's body is prometheus_client's encoding for the Accept header, made once per snapshot
 and format and kept for later scrapes of the same snapshot (OpenMetrics, what Prometheus asks
-for, rendered by :class:`OpenMetricsText`); the HTTP server answers on the agent's event loop.
+for, rendered by :class:`OpenMetricsText`), served by a small HTTP/1.1 server on an asyncio
+event loop (the agent's runs in a thread of its own).
 """
 
 from __future__ import annotations
@@ -505,8 +506,9 @@ class MetricsServer:
     ``name[]`` filters as prometheus_client applies them; other paths 404, other methods 405.
     Connections are kept alive (HTTP/1.1) unless asked not to; a request's head is bounded in
     size (``MAX_REQUEST_BYTES``) and time (``REQUEST_TIMEOUT_S``), and a malformed one is
-    answered 400 and the connection closed. ``listen`` serves on the running event loop (no
-    thread); ``start`` serves from a thread of its own, for callers outside an event loop."""
+    answered 400 and the connection closed. ``start`` serves from a thread with an event loop
+    of its own (the agent's and the coordinator's way: a blocked event loop of theirs leaves
+    their last snapshot served); ``listen`` serves on the running event loop."""
 
     def __init__(self, address: str, collector: SnapshotCollector | None = None) -> None:
         host, _, port = address.rpartition(":")

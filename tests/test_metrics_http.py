@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -19,6 +20,8 @@ from hyperagent import exporter
 from hyperagent.errors import ConfigError
 from hyperagent.exporter import MetricsServer
 from hyperagent.readings import Kind, Reading
+
+from conftest import REPO, free_port
 
 PROMETHEUS_ACCEPT = (
     "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
@@ -300,3 +303,51 @@ async def test_an_address_in_use_is_a_config_error(server: MetricsServer) -> Non
         await MetricsServer(f"127.0.0.1:{server.port}").listen()
     with pytest.raises(ConfigError, match=f"127.0.0.1:{server.port}"):
         MetricsServer(f"127.0.0.1:{server.port}").start()
+
+
+async def test_an_agent_whose_event_loop_is_blocked_still_answers_with_its_last_snapshot(
+    tmp_path: Path,
+) -> None:
+    """The agent serves /metrics from a thread of its own: a blocked event loop leaves the
+    last snapshot served, its collection timestamp growing old (HyperagentCollectionStalled,
+    rules/RUNBOOK.md), rather than a scrape target gone silent."""
+    from hyperagent.agent import LAST_COLLECTION, Agent
+    from hyperagent.capture.directory import capture_sources
+    from hyperagent.config import build_config
+
+    port = free_port()
+    config = build_config(
+        {
+            "node": "n",
+            "mqtt": {"enabled": False},
+            "agent": {
+                "interval_s": 0.2,
+                "metrics_address": f"127.0.0.1:{port}",
+                "state_dir": str(tmp_path),
+            },
+            "sources": {"job": {"socket": str(tmp_path / "job.sock")}},
+        }
+    )
+    sources, hardware = capture_sources(REPO / "fixtures" / "replay" / "full-node", config)
+    agent = Agent.from_config(config, hardware, sources=sources)
+    task = asyncio.create_task(agent.run())
+    answers: list[tuple[float, bytes]] = []
+
+    def scrape() -> None:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            answers.append((time.monotonic(), response.read()))
+
+    try:
+        async with asyncio.timeout(20):
+            await agent.ready.wait()
+        scraping = threading.Thread(target=scrape)
+        scraping.start()
+        time.sleep(1.0)  # noqa: ASYNC251 (the event loop blocked for a second, on purpose)
+        unblocked = time.monotonic()
+        scraping.join(timeout=10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    [(answered, body)] = answers
+    assert answered < unblocked and f"{LAST_COLLECTION} ".encode() in body

@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import pwd
+import select
 import socket
 import struct
 import time
@@ -58,7 +59,8 @@ JobListener = Callable[[str], None]
 """A job released."""
 
 BATCH = 1000
-"""Connections taken per wake-up at most (the rest wait for the next turn)."""
+"""Connections, or peers' packets, taken per turn of the event loop at most (the rest wait
+for the next turn)."""
 
 _PEERCRED = struct.Struct("3i")
 
@@ -401,6 +403,9 @@ class JobSource:
         self._authorising: dict[int, tuple[Peer, asyncio.Task[None]]] = {}
         """fd -> a connecting peer and the group lookup it waits for."""
         self._sock: socket.socket | None = None
+        self._poller: select.epoll | None = None
+        """The connected peers' sockets, polled as one: the event loop sees the poller's
+        descriptor, so a burst of steps from many ranks is one callback, not one per rank."""
         self._last_settings: dict[str, JobSettings] = {}
         self._logged: set[str] = set()
 
@@ -424,7 +429,10 @@ class JobSource:
             raise SocketUnusable(path, e) from e
         sock.setblocking(False)
         self._sock = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+        self._poller = select.epoll()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._accept)
+        loop.add_reader(self._poller.fileno(), self._readable_peers)
         self._releaser = asyncio.create_task(self._release_loop(), name="job-release")
 
     async def _release_loop(self) -> None:
@@ -499,7 +507,8 @@ class JobSource:
 
     def _admit(self, peer: Peer) -> None:
         self.peers[peer.conn.fileno()] = peer
-        asyncio.get_running_loop().add_reader(peer.conn.fileno(), self._readable, peer)
+        assert self._poller is not None, "peers are admitted once the source has started"
+        self._poller.register(peer.conn.fileno(), select.EPOLLIN)
 
     def _refuse_unauthorised(self, peer: Peer) -> None:
         self._refuse(peer, "unauthorised", f"uid {peer.uid} gid {peer.gid} may not report jobs")
@@ -522,8 +531,9 @@ class JobSource:
         fd = peer.conn.fileno()
         if fd >= 0 and self.peers.get(fd) is peer:
             del self.peers[fd]
-            with contextlib.suppress(ValueError, RuntimeError):
-                asyncio.get_running_loop().remove_reader(fd)
+            if self._poller is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._poller.unregister(fd)
         peer.conn.close()
         if peer.job is not None:
             totals = self.jobs.get(peer.job)
@@ -535,9 +545,20 @@ class JobSource:
                 for listener in self.rank_listeners:
                     listener(peer.job, peer.rank)
 
+    def _readable_peers(self) -> None:
+        """One packet of each peer with one waiting: a rank sends a step at a time, so a
+        second ``recv`` would mostly find nothing; packets still queued are taken at the
+        loop's next turn."""
+        poller = self._poller
+        if poller is None:
+            return
+        peers = self.peers
+        for fd, _ in poller.poll(0, BATCH):
+            peer = peers.get(fd)
+            if peer is not None:
+                self._readable(peer)
+
     def _readable(self, peer: Peer) -> None:
-        """One packet of ``peer`` per wake-up: a rank sends a step at a time, so a second
-        ``recv`` would mostly find nothing; packets still queued wake the loop again."""
         try:
             packet = peer.conn.recv(protocol.MAX_DATAGRAM)
         except (BlockingIOError, InterruptedError):
@@ -801,11 +822,16 @@ class JobSource:
         for peer in list(self.peers.values()):
             self._drop(peer)
         if self._sock is not None:
-            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
             with contextlib.suppress(OSError):
                 self.socket_path.unlink()
+        if self._poller is not None:
+            asyncio.get_running_loop().remove_reader(self._poller.fileno())
+            self._poller.close()
+            self._poller = None
 
 
 def _live_jobs(live: list[str], bound: int) -> str:
