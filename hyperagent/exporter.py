@@ -15,6 +15,7 @@ import re
 import socket
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from email.utils import formatdate
@@ -120,19 +121,25 @@ class OpenMetricsText:
     ) -> _RenderedFamily | None:
         kind = group[0].kind
         labels = [r.labels for r in group]
+        info = kind is Kind.INFO
+        packed = b"" if info else _packed([r.value for r in group])
         if previous is not None and previous.same_labels(kind, labels):
+            if packed is not None and packed == previous.packed:  # the very same values
+                return _RenderedFamily(
+                    group, labels, kind, previous.head, previous.prefixes, packed, previous.text
+                )
             head, prefixes = previous.head, previous.prefixes
         else:
             made = self._prefixes(name, kind, group)
             if made is None:
                 return None
             head, prefixes = made
-        if kind is Kind.INFO:
+        if info:
             text = head + "".join([f"{p}1.0\n" for p in prefixes])
         else:
             values = map(_go_float, [r.value for r in group])
             text = head + "".join([f"{p}{v}\n" for p, v in zip(prefixes, values, strict=True)])
-        return _RenderedFamily(group, labels, kind, head, prefixes, text)
+        return _RenderedFamily(group, labels, kind, head, prefixes, packed, text)
 
     def _prefixes(
         self, name: str, kind: Kind, group: list[Reading]
@@ -159,6 +166,15 @@ class OpenMetricsText:
         return head, prefixes
 
 
+def _packed(values: list[float]) -> bytes | None:
+    """The values as the doubles they are written from, bit for bit (0.0 and -0.0 differ);
+    None where one is not a number a double holds."""
+    try:
+        return array("d", values).tobytes()
+    except (TypeError, OverflowError):
+        return None
+
+
 def _go_float(value: float) -> str:
     """prometheus_client's ``floatToGoString``, the same text for every value, with fewer
     steps for a finite one."""
@@ -176,13 +192,15 @@ def _go_float(value: float) -> str:
 @dataclass(frozen=True, slots=True)
 class _RenderedFamily:
     """One family's text, the readings it was rendered from (kept, so that their ids stay
-    theirs while the text is), their label dicts and each sample's part before its value."""
+    theirs while the text is), their labels, each sample's part before its value and the
+    values as doubles (:func:`_packed`; empty for info, None where not all are numbers)."""
 
     readings: list[Reading]
     labels: list[Mapping[str, str]]
     kind: Kind
     head: str
     prefixes: list[str]
+    packed: bytes | None
     text: str
 
     def holds(self, group: list[Reading]) -> bool:
