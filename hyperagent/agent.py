@@ -76,10 +76,14 @@ class _StepClock:
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
     def tick(self, rank: int, now: float) -> None:
+        """A step of ``rank`` arrived at ``now`` (a rank's steps in order; ranks' steps read
+        in a pass, one rank after another)."""
         previous = self.last.get(rank)
         if previous is not None:
             self.intervals.append(now - previous)
-        self.last[rank] = self.latest = now
+        self.last[rank] = now
+        if self.latest is None or now > self.latest:
+            self.latest = now
 
     def leave(self, rank: int) -> None:
         """``rank``'s connection closed (a rank that comes back starts its intervals anew)."""
@@ -317,6 +321,7 @@ class Agent:
         Raises SocketInUse when another agent listens on the job socket."""
         if self.job_source is not None:
             await self.job_source.start()
+            self._trials_changed()
             for job, message in self.applied_messages.items():
                 self.job_source.send_settings(job, _job_settings(message))
         await self.runner.start()
@@ -800,6 +805,7 @@ class Agent:
                 log.warning("settings v%d for %s: %s; not measuring", version, job, e)
         else:
             self._trials.pop(job, None)
+        self._trials_changed()
         self._ack(job, version, ok=True, applied=applied)
         log.info("applied settings v%d for %s: %s", version, job, settings)
 
@@ -850,7 +856,15 @@ class Agent:
                         "the steps of %s stopped during v%d; leaving the trial", job, trial.version
                     )
                     del self._trials[job]
+                    self._trials_changed()
                     self._publish_report(trial, None, stalled=True)
+
+    def _trials_changed(self) -> None:
+        """The job channel reads steps as they come while a trial is measured (its windows
+        close, and their energy is read, as their last steps arrive), in passes otherwise
+        (``sources.job.BATCH_S``; the step clock keeps each step's own arrival time)."""
+        if self.job_source is not None:
+            self.job_source.prompt = bool(self._trials)
 
     def _on_rank_left(self, job: str, rank: int) -> None:
         clock = self._step_clocks.get(job)
@@ -894,6 +908,7 @@ class Agent:
         go, and a trial still waiting on it ends as stalled."""
         self._step_clocks.pop(job, None)
         trial = self._trials.pop(job, None)
+        self._trials_changed()
         if trial is not None:
             log.warning("%s was released during v%d; leaving the trial", job, trial.version)
             self._publish_report(trial, None, stalled=True)
@@ -902,7 +917,8 @@ class Agent:
         clock = self._step_clocks.get(step.job)
         if clock is None:
             clock = self._step_clocks[step.job] = _StepClock()
-        clock.tick(step.rank, time.monotonic())
+        source = self.job_source
+        clock.tick(step.rank, source.arrived if source is not None else time.monotonic())
         trial = self._trials.get(step.job)
         if trial is None:
             return
@@ -970,6 +986,7 @@ class Agent:
                 self._publish_report(trial, energy, end_j=end)
                 if self._trials.get(trial.job) is trial:
                     del self._trials[trial.job]
+                    self._trials_changed()
 
     def _xid_total(self) -> float:
         if self.snapshot is None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyperagent import job as protocol
+from hyperagent import ticks
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.readings import Kind, Reading
@@ -63,6 +64,26 @@ BATCH = 1000
 for the next turn)."""
 
 _PEERCRED = struct.Struct("3i")
+
+BATCH_S = 1.0
+"""While the source is not ``prompt``, a rank that sends at most ``BATCH_RATE`` packets a
+second has them left in its socket and read in one pass every ``BATCH_S`` (on the grid of
+:mod:`hyperagent.ticks`, where the agent's collection ticks) and whenever the source is read,
+instead of one wake-up of the agent per step; its hello is read at once, and so is its
+connection closing."""
+
+BATCH_RATE = 50.0
+"""Packets a second above which a rank's packets are read as they come: its socket (about 270
+small packets) must not fill between two passes."""
+
+_PROMPT = select.EPOLLIN | select.EPOLLRDHUP
+_BATCHED = select.EPOLLRDHUP
+
+SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29)
+"""Linux's option that stamps each packet with the time it was sent (socket.h's value where
+Python does not name it)."""
+_TIMEVAL = struct.Struct("@ll")
+_STAMP_SPACE = socket.CMSG_SPACE(_TIMEVAL.size)
 
 RELEASE_CHECK_S = 1.0
 """How often jobs due for release are looked for (at most; twice per ``release_after_s``)."""
@@ -230,6 +251,11 @@ class Peer:
     hello: protocol.Hello | None = None
     """What the rank said of itself when it attached."""
     memory: protocol.MemoryReport | None = None
+    batched: bool = False
+    """Its packets are read in passes (``BATCH_S``), not as they come."""
+    received: int = 0
+    """Packets read since ``counted_since`` (its rate decides ``batched``)."""
+    counted_since: float = 0.0
 
     @property
     def knobs(self) -> tuple[str, ...] | None:
@@ -406,6 +432,13 @@ class JobSource:
         self._poller: select.epoll | None = None
         """The connected peers' sockets, polled as one: the event loop sees the poller's
         descriptor, so a burst of steps from many ranks is one callback, not one per rank."""
+        self.arrived = 0.0
+        """When the message being handled was sent (monotonic time, from the kernel's stamp
+        on the packet): a step read in a later pass keeps the time it came."""
+        self._prompt = True
+        self._batcher: asyncio.Task[None] | None = None
+        self._batching = asyncio.Event()
+        """Set while peers may be batched (not ``prompt``, and peers connected)."""
         self._last_settings: dict[str, JobSettings] = {}
         self._logged: set[str] = set()
 
@@ -434,6 +467,7 @@ class JobSource:
         loop.add_reader(sock.fileno(), self._accept)
         loop.add_reader(self._poller.fileno(), self._readable_peers)
         self._releaser = asyncio.create_task(self._release_loop(), name="job-release")
+        self._batcher = asyncio.create_task(self._batch_loop(), name="job-batches")
 
     async def _release_loop(self) -> None:
         while True:
@@ -473,6 +507,8 @@ class JobSource:
                 log.warning("job socket %s: %s", self.socket_path, e)
                 return
             conn.setblocking(False)
+            with contextlib.suppress(OSError):  # without it, a packet arrives when it is read
+                conn.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMP, 1)
             pid, uid, gid = _PEERCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
@@ -508,7 +544,10 @@ class JobSource:
     def _admit(self, peer: Peer) -> None:
         self.peers[peer.conn.fileno()] = peer
         assert self._poller is not None, "peers are admitted once the source has started"
-        self._poller.register(peer.conn.fileno(), select.EPOLLIN)
+        self._poller.register(peer.conn.fileno(), _PROMPT)
+        peer.counted_since = asyncio.get_running_loop().time()
+        if not self._prompt:
+            self._batching.set()
 
     def _refuse_unauthorised(self, peer: Peer) -> None:
         self._refuse(peer, "unauthorised", f"uid {peer.uid} gid {peer.gid} may not report jobs")
@@ -555,12 +594,16 @@ class JobSource:
         peers = self.peers
         for fd, _ in poller.poll(0, BATCH):
             peer = peers.get(fd)
-            if peer is not None:
+            if peer is None:
+                continue
+            if peer.batched:  # its connection closed: what it sent before, then the close
+                self._drain(peer)
+            else:
                 self._readable(peer)
 
     def _readable(self, peer: Peer) -> None:
         try:
-            packet = peer.conn.recv(protocol.MAX_DATAGRAM)
+            packet, stamp, _, _ = peer.conn.recvmsg(protocol.MAX_DATAGRAM, _STAMP_SPACE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -569,12 +612,89 @@ class JobSource:
         if not packet:
             self._drop(peer)
             return
-        self.receive(packet, peer)
+        peer.received += 1
+        self.receive(packet, peer, _sent_at(stamp))
+
+    def _drain(self, peer: Peer) -> None:
+        """Read what ``peer`` sent (``BATCH`` packets at most), its close included."""
+        for _ in range(BATCH):
+            if peer.conn.fileno() < 0:
+                return
+            try:
+                packet, stamp, _, _ = peer.conn.recvmsg(protocol.MAX_DATAGRAM, _STAMP_SPACE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(peer)
+                return
+            if not packet:
+                self._drop(peer)
+                return
+            peer.received += 1
+            self.receive(packet, peer, _sent_at(stamp))
+
+    def drain(self) -> None:
+        """Read what the batched peers sent so far (the source does so when read)."""
+        for peer in list(self.peers.values()):
+            if peer.batched:
+                self._drain(peer)
+
+    @property
+    def prompt(self) -> bool:
+        """Whether every packet is read as it comes (the agent's choice while it measures a
+        trial, whose windows and stall checks follow the steps' arrival); else ranks that
+        report slowly are read in passes (``BATCH_S``)."""
+        return self._prompt
+
+    @prompt.setter
+    def prompt(self, prompt: bool) -> None:
+        if prompt == self._prompt:
+            return
+        self._prompt = prompt
+        if not prompt:
+            if self.peers:
+                self._batching.set()
+            return
+        self._batching.clear()
+        self.drain()
+        for peer in list(self.peers.values()):
+            self._batch(peer, False)
+
+    def _batch(self, peer: Peer, batched: bool) -> None:
+        if peer.batched == batched or self._poller is None or peer.conn.fileno() < 0:
+            return
+        with contextlib.suppress(OSError):
+            self._poller.modify(peer.conn.fileno(), _BATCHED if batched else _PROMPT)
+            peer.batched = batched
+
+    async def _batch_loop(self) -> None:
+        """Every ``BATCH_S`` while batching: read the batched peers, and batch those that
+        reported at most ``BATCH_RATE`` packets a second since the last pass (prompt again
+        those that reported more)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._prompt or not self.peers:
+                self._batching.clear()
+                await self._batching.wait()
+            await ticks.sleep_to_tick(BATCH_S)
+            if self._prompt:
+                continue
+            self.drain()
+            now = loop.time()
+            for peer in list(self.peers.values()):
+                counted = now - peer.counted_since
+                if counted < BATCH_S / 2:
+                    continue
+                if peer.job is not None:  # said hello: from now on it may wait for a pass
+                    self._batch(peer, peer.received <= BATCH_RATE * counted)
+                peer.received, peer.counted_since = 0, now
 
     # -- messages ------------------------------------------------------------------------
 
-    def receive(self, data: bytes, peer: Peer) -> None:
-        """Handle one message of ``peer`` (public for tests)."""
+    def receive(self, data: bytes, peer: Peer, sent_at: float | None = None) -> None:
+        """Handle one message of ``peer`` (public for tests), sent at ``sent_at`` (monotonic
+        time; None: now), which listeners find in ``arrived``."""
+        self.arrived = time.monotonic() if sent_at is None else sent_at
         try:
             message = protocol.decode(data)
             kind = message["type"]
@@ -754,6 +874,7 @@ class JobSource:
     # -- readings ------------------------------------------------------------------------
 
     async def read(self) -> list[Reading]:
+        self.drain()
         self.release_due()
         out = [Reading("hyperagent_job_invalid_reports_total", self.invalid, {}, Kind.COUNTER)]
         for reason in REFUSALS:
@@ -808,10 +929,11 @@ class JobSource:
         return out
 
     async def close(self) -> None:
-        if self._releaser is not None:
-            self._releaser.cancel()
-            await asyncio.gather(self._releaser, return_exceptions=True)
-            self._releaser = None
+        for task in (self._releaser, self._batcher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._releaser = self._batcher = None
         waiting = list(self._authorising.values())
         self._authorising.clear()
         for peer, task in waiting:
@@ -832,6 +954,15 @@ class JobSource:
             asyncio.get_running_loop().remove_reader(self._poller.fileno())
             self._poller.close()
             self._poller = None
+
+
+def _sent_at(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    """The monotonic time a packet was sent, from its SO_TIMESTAMP (None without one)."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMP and len(data) >= _TIMEVAL.size:
+            seconds, micros = _TIMEVAL.unpack_from(data)
+            return time.monotonic() - (time.time() - seconds - micros / 1e6)
+    return None
 
 
 def _live_jobs(live: list[str], bound: int) -> str:
