@@ -432,6 +432,9 @@ class JobSource:
         self._poller: select.epoll | None = None
         """The connected peers' sockets, polled as one: the event loop sees the poller's
         descriptor, so a burst of steps from many ranks is one callback, not one per rank."""
+        self._waiting: select.epoll | None = None
+        """The batched peers' sockets, for what they sent (never seen by the event loop: a
+        pass asks it which ones to read)."""
         self.arrived = 0.0
         """When the message being handled was sent (monotonic time, from the kernel's stamp
         on the packet): a step read in a later pass keeps the time it came."""
@@ -463,6 +466,7 @@ class JobSource:
         sock.setblocking(False)
         self._sock = sock
         self._poller = select.epoll()
+        self._waiting = select.epoll()
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.fileno(), self._accept)
         loop.add_reader(self._poller.fileno(), self._readable_peers)
@@ -570,9 +574,10 @@ class JobSource:
         fd = peer.conn.fileno()
         if fd >= 0 and self.peers.get(fd) is peer:
             del self.peers[fd]
-            if self._poller is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    self._poller.unregister(fd)
+            for poller in (self._poller, self._waiting):
+                if poller is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        poller.unregister(fd)
         peer.conn.close()
         if peer.job is not None:
             totals = self.jobs.get(peer.job)
@@ -635,8 +640,12 @@ class JobSource:
 
     def drain(self) -> None:
         """Read what the batched peers sent so far (the source does so when read)."""
-        for peer in list(self.peers.values()):
-            if peer.batched:
+        if self._waiting is None:
+            return
+        peers = self.peers
+        for fd, _ in self._waiting.poll(0, BATCH):
+            peer = peers.get(fd)
+            if peer is not None and peer.batched:
                 self._drain(peer)
 
     @property
@@ -663,8 +672,14 @@ class JobSource:
     def _batch(self, peer: Peer, batched: bool) -> None:
         if peer.batched == batched or self._poller is None or peer.conn.fileno() < 0:
             return
+        fd = peer.conn.fileno()
         with contextlib.suppress(OSError):
-            self._poller.modify(peer.conn.fileno(), _BATCHED if batched else _PROMPT)
+            self._poller.modify(fd, _BATCHED if batched else _PROMPT)
+            if self._waiting is not None:
+                if batched:
+                    self._waiting.register(fd, select.EPOLLIN)
+                else:
+                    self._waiting.unregister(fd)
             peer.batched = batched
 
     async def _batch_loop(self) -> None:
@@ -954,6 +969,9 @@ class JobSource:
             asyncio.get_running_loop().remove_reader(self._poller.fileno())
             self._poller.close()
             self._poller = None
+        if self._waiting is not None:
+            self._waiting.close()
+            self._waiting = None
 
 
 def _sent_at(ancillary: list[tuple[int, int, bytes]]) -> float | None:
