@@ -25,6 +25,12 @@ oldest dead job (the one whose last rank left first) at once; only when every sl
 a live job is it refused, and the refusal names those jobs. Per-rank state (a rank's last step
 time, its allocator's retry and OOM counts) is dropped with the rank's connection; its counts
 stay in the job's totals.
+
+Packets are read as they come while the source is ``prompt`` (the agent makes it so while it
+measures a trial). Otherwise a rank that reports at most ``BATCH_RATE`` packets a second, once
+its hello is read, has its packets read in one pass every ``BATCH_S`` and when the source is
+read: a wake-up of the agent costs about as much as handling tens of steps. A step keeps the
+time it was sent (the kernel's stamp on the packet), and a rank's close is seen at once.
 """
 
 from __future__ import annotations
