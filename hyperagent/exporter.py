@@ -9,6 +9,7 @@ event loop (the agent's runs in a thread of its own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import operator
 import re
@@ -521,7 +522,8 @@ class MetricsServer:
     GET or HEAD of ``/metrics`` answers the collector's latest snapshot in the format the Accept
     header picks (as prometheus_client's encoders make it: OpenMetrics rendered by
     :class:`OpenMetricsText`, others by prometheus_client), gzipped when Accept-Encoding asks,
-    ``name[]`` filters as prometheus_client applies them; other paths 404, other methods 405.
+    ``?name[]=NAME`` (repeated) keeps the samples of those names; other paths 404, other methods
+    405.
     Connections are kept alive (HTTP/1.1) unless asked not to; a request's head is bounded in
     size (``MAX_REQUEST_BYTES``) and time (``REQUEST_TIMEOUT_S``), and a malformed one is
     answered 400 and the connection closed. ``start`` serves from a thread with an event loop
@@ -625,7 +627,8 @@ class MetricsServer:
         if thread is None:
             return
         assert self._thread_loop is not None and self._thread_stop is not None
-        self._thread_loop.call_soon_threadsafe(self._thread_stop.set)
+        with contextlib.suppress(RuntimeError):  # its loop ended already
+            self._thread_loop.call_soon_threadsafe(self._thread_stop.set)
         thread.join()
 
     def _answer(self, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
@@ -641,8 +644,11 @@ class MetricsServer:
         encoder, content_type = self._encoder(headers.get("accept", ""))
         zipped = gzip_accepted(headers.get("accept-encoding", ""))
         names = parse_qs(request.query).get("name[]") if "name[]" in request.query else None
-        if names:
-            body = encoder(self.registry.restricted_registry(names))  # type: ignore[arg-type]
+        if names:  # prometheus_client's encoder over the samples of those names
+            wanted = set(names)
+            chosen = SnapshotCollector()
+            chosen.update([r for r in self.collector.readings() if r.name in wanted])
+            body = choose_encoder(headers.get("accept", ""))[0](chosen)
             if zipped:
                 body = gzip.compress(body, GZIP_LEVEL)
         else:

@@ -18,7 +18,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 
 from hyperagent import exporter
 from hyperagent.errors import ConfigError
-from hyperagent.exporter import MetricsServer
+from hyperagent.exporter import MetricsServer, SnapshotCollector
 from hyperagent.readings import Kind, Reading
 
 from conftest import REPO, free_port
@@ -44,6 +44,12 @@ async def server() -> AsyncIterator[MetricsServer]:
         yield served
     finally:
         await served.close()
+
+
+def collected(readings: list[Reading]) -> SnapshotCollector:
+    collector = SnapshotCollector()
+    collector.update(readings)
+    return collector
 
 
 class Client:
@@ -108,7 +114,13 @@ async def test_a_scrape_gets_the_format_its_accept_header_picks(server: MetricsS
     assert gzip.decompress(body) == openmetrics_latest(server.registry)
     await client.send(get("/metrics?name[]=hyperagent_gpu_info", "Accept: text/plain"))
     _, _, body = await client.response()
-    assert body == generate_latest(server.registry.restricted_registry(["hyperagent_gpu_info"]))
+    assert body == generate_latest(collected(READINGS[-1:]))
+    names = "name[]=hyperagent_gpu_info&name[]=hyperagent_gpu_energy_joules_total"
+    await client.send(get(f"/metrics?{names}", f"Accept: {PROMETHEUS_ACCEPT}"))
+    _, headers, body = await client.response()
+    assert headers["content-type"] == OPENMETRICS
+    assert body == openmetrics_latest(collected(READINGS[-2:]))
+    assert b"hyperagent_gpu_power" not in body and b'hyperagent_gpu_info{gpu="0"' in body
     client.close()
 
 
