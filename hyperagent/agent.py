@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from hyperagent import bus, durable
+from hyperagent import bus, durable, ticks
 from hyperagent.actuators import PowerCapActuator
 from hyperagent.attribution import Attribution, ChannelJobs, JobLedger, passwd_file
 from hyperagent.config import Config
@@ -76,10 +76,14 @@ class _StepClock:
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
     def tick(self, rank: int, now: float) -> None:
+        """A step of ``rank`` arrived at ``now`` (a rank's steps in order; ranks' steps read
+        in a pass, one rank after another)."""
         previous = self.last.get(rank)
         if previous is not None:
             self.intervals.append(now - previous)
-        self.last[rank] = self.latest = now
+        self.last[rank] = now
+        if self.latest is None or now > self.latest:
+            self.latest = now
 
     def leave(self, rank: int) -> None:
         """``rank``'s connection closed (a rank that comes back starts its intervals anew)."""
@@ -218,7 +222,10 @@ class Agent:
         self.unconfirmed: dict[tuple[str, int], tuple[str, bytes, float]] = {}
         """(job, version) -> (topic, payload, when last sent) of each measurement report the
         coordinator has not confirmed yet."""
-        self._resend_now = asyncio.Event()
+        self._resend_wake = asyncio.Event()
+        """Set when a report is kept unconfirmed, or every one is to go again at once
+        (``_resend_all``)."""
+        self._resend_all = False
         self.ready = asyncio.Event()
         if self.job_source is not None:
             self.job_source.listeners.append(self._on_step)
@@ -314,6 +321,7 @@ class Agent:
         Raises SocketInUse when another agent listens on the job socket."""
         if self.job_source is not None:
             await self.job_source.start()
+            self._trials_changed()
             for job, message in self.applied_messages.items():
                 self.job_source.send_settings(job, _job_settings(message))
         await self.runner.start()
@@ -376,9 +384,12 @@ class Agent:
             self.metrics.stop()
 
     async def _collect_loop(self) -> None:
+        """A cycle every ``agent.interval_s``, on multiples of it on the loop's clock (see
+        :mod:`hyperagent.ticks`); a cycle that overran its interval is followed at once."""
         interval = self.config.agent.interval_s
-        next_due = time.monotonic()
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
             await self.collect_once()
             if not self.ready.is_set():
                 self.ready.set()
@@ -386,12 +397,7 @@ class Agent:
                     f", /metrics on {self.metrics.host}:{self.metrics.port}" if self.metrics else ""
                 )
                 self.notifier.ready(f"collecting {len(self.runner.sources)} sources{where}")
-            next_due += interval
-            delay = next_due - time.monotonic()
-            if delay < 0:
-                next_due = time.monotonic()
-                delay = 0
-            await asyncio.sleep(delay)
+            await ticks.sleep_until(ticks.next_tick(began, interval))
 
     async def collect_once(self) -> Snapshot:
         """One cycle: read every source, derive indicators, expose and publish."""
@@ -707,7 +713,8 @@ class Agent:
                 if applied["settings"].get("power_cap_w"):
                     self.live_versions.pop(job, None)
         elif state == "online":
-            self._resend_now.set()
+            self._resend_all = True
+            self._resend_wake.set()
             for job, message in list(self.applied_messages.items()):
                 if self.live_versions.get(job) != message["version"]:
                     log.info(
@@ -798,6 +805,7 @@ class Agent:
                 log.warning("settings v%d for %s: %s; not measuring", version, job, e)
         else:
             self._trials.pop(job, None)
+        self._trials_changed()
         self._ack(job, version, ok=True, applied=applied)
         log.info("applied settings v%d for %s: %s", version, job, settings)
 
@@ -848,7 +856,15 @@ class Agent:
                         "the steps of %s stopped during v%d; leaving the trial", job, trial.version
                     )
                     del self._trials[job]
+                    self._trials_changed()
                     self._publish_report(trial, None, stalled=True)
+
+    def _trials_changed(self) -> None:
+        """The job channel reads steps as they come while a trial is measured (its windows
+        close, and their energy is read, as their last steps arrive), in passes otherwise
+        (``sources.job.BATCH_S``; the step clock keeps each step's own arrival time)."""
+        if self.job_source is not None:
+            self.job_source.prompt = bool(self._trials)
 
     def _on_rank_left(self, job: str, rank: int) -> None:
         clock = self._step_clocks.get(job)
@@ -892,12 +908,17 @@ class Agent:
         go, and a trial still waiting on it ends as stalled."""
         self._step_clocks.pop(job, None)
         trial = self._trials.pop(job, None)
+        self._trials_changed()
         if trial is not None:
             log.warning("%s was released during v%d; leaving the trial", job, trial.version)
             self._publish_report(trial, None, stalled=True)
 
     def _on_step(self, step: StepReport) -> None:
-        self._step_clocks.setdefault(step.job, _StepClock()).tick(step.rank, time.monotonic())
+        clock = self._step_clocks.get(step.job)
+        if clock is None:
+            clock = self._step_clocks[step.job] = _StepClock()
+        source = self.job_source
+        clock.tick(step.rank, source.arrived if source is not None else time.monotonic())
         trial = self._trials.get(step.job)
         if trial is None:
             return
@@ -965,6 +986,7 @@ class Agent:
                 self._publish_report(trial, energy, end_j=end)
                 if self._trials.get(trial.job) is trial:
                     del self._trials[trial.job]
+                    self._trials_changed()
 
     def _xid_total(self) -> float:
         if self.snapshot is None:
@@ -1031,6 +1053,7 @@ class Agent:
         for key in [k for k in self.unconfirmed if k[0] == job and k[1] < version]:
             del self.unconfirmed[key]
         self.unconfirmed[(job, version)] = (topic, payload, time.monotonic())
+        self._resend_wake.set()  # its resend check begins
         while len(self.unconfirmed) > UNCONFIRMED_MAX:
             del self.unconfirmed[next(iter(self.unconfirmed))]
 
@@ -1052,13 +1075,17 @@ class Agent:
     async def _resend_loop(self) -> None:
         """Send again each report unconfirmed for ``RESEND_S`` (each one at once when the
         coordinator comes online), while the link has handed everything before to the broker
-        (a gated or disconnected link does not pile up copies)."""
+        (a gated or disconnected link does not pile up copies). Looked at every
+        ``RESEND_S / 2`` (on the loop's grid, :mod:`hyperagent.ticks`) while a report is
+        unconfirmed; no wake-ups while none is."""
+        loop = asyncio.get_running_loop()
         while True:
+            due = ticks.next_tick(loop.time(), RESEND_S / 2) if self.unconfirmed else None
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RESEND_S / 2):
-                    await self._resend_now.wait()
-            now_too = self._resend_now.is_set()
-            self._resend_now.clear()
+                async with asyncio.timeout_at(due):
+                    await self._resend_wake.wait()
+            self._resend_wake.clear()
+            now_too, self._resend_all = self._resend_all, False
             link = self.link
             if link is None or not link.connected.is_set() or link.spool:
                 continue

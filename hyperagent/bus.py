@@ -27,7 +27,9 @@ from typing import Any
 
 import aiomqtt
 import orjson
+from paho.mqtt.client import MQTT_ERR_SUCCESS
 
+from hyperagent import ticks
 from hyperagent.config import Config
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 from hyperagent.readings import Kind, Reading
@@ -242,6 +244,25 @@ async def _await_mqtt(call: Awaitable[Any]) -> Any:
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
     return result
+
+
+def _housekeep_on_ticks(client: aiomqtt.Client) -> None:
+    """Run paho's once-a-second housekeeping (keepalive pings, timeouts) on whole seconds of
+    the event loop's clock (:mod:`hyperagent.ticks`) instead of a second after the connection
+    opened, so that it shares a wake-up with other timers on that grid (the agent's
+    collection). aiomqtt's own task is replaced where its private attributes are as pinned
+    (below 3); it still cancels this one when the socket closes."""
+    paho: Any = getattr(client, "_client", None)
+    task = getattr(client, "_misc_task", None)
+    if not isinstance(task, asyncio.Task) or task.done() or not hasattr(paho, "loop_misc"):
+        return
+
+    async def housekeep() -> None:
+        while paho.loop_misc() == MQTT_ERR_SUCCESS:
+            await ticks.sleep_to_tick(1.0)
+
+    task.cancel()
+    client._misc_task = asyncio.create_task(housekeep(), name="mqtt-misc")
 
 
 def _retrieve_disconnection(client: aiomqtt.Client) -> None:
@@ -626,6 +647,7 @@ class MqttLink:
         """One session on a connected client: subscribe, say online, send and receive."""
         self._client = client
         self._take_over_receiving(client)
+        _housekeep_on_ticks(client)
         self.connects += 1
         self.open_gate(False)  # a gated link learns again, in every session, who listens
         log.info("mqtt connected to %s as %s", broker.name, self.client_id)

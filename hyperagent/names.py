@@ -13,6 +13,7 @@ import re
 
 MAX_NAME = 64
 NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_NAME}}}")
 SEPARATORS = {
     "/": "the MQTT topic level separator",
     "+": "an MQTT wildcard",
@@ -24,6 +25,8 @@ SEPARATORS = {
 def name_problem(name: str, also: str = "") -> str | None:
     """Why ``name`` cannot be a cluster, node or job name (saying the name), or None;
     ``also``: characters allowed besides (a pattern's wildcards)."""
+    if not also and _NAME.fullmatch(name):
+        return None
     if not 0 < len(name) <= MAX_NAME:
         return f"{name!r} is not 1 to {MAX_NAME} characters long"
     bad = [char for char in name if char not in NAME_CHARS and char not in also]

@@ -56,6 +56,7 @@ class Harness:
         nodes: list[str] | None = None,
         issued_at: float | None = None,
         trial: int | None = None,
+        plan: dict[str, Any] | None = None,
     ) -> None:
         message = {
             "job": "j",
@@ -64,7 +65,7 @@ class Harness:
             "nodes": nodes or ["n1"],
             "settings": settings,
             "backend": {},
-            "plan": None,
+            "plan": plan,
             "issued_at": time.time() if issued_at is None else issued_at,
         }
         async with aiomqtt.Client("127.0.0.1", self.port) as client:
@@ -289,6 +290,20 @@ def test_metrics_port_in_use_is_a_clear_error() -> None:
         )
     assert result.returncode == 2
     assert f"agent.metrics_address: 127.0.0.1:{port}: Address already in use" in result.stderr
+
+
+async def test_the_job_channel_reads_steps_as_they_come_only_while_a_trial_is_measured(
+    harness: Harness,
+) -> None:
+    """Outside trials the job channel reads slow ranks in passes (one wake-up for many
+    steps); a trial's windows and stall check need each step as it comes."""
+    source = harness.agent.job_source
+    assert source is not None and source.prompt is False
+    plan = {"settle_steps": 1, "settle_s": 0, "measure_steps": 4, "measure_s": 0, "windows": 2}
+    await harness.send(1, {"bucket_mb": 8}, trial=1, plan=plan)
+    await until(lambda: source.prompt)
+    await harness.send(2, {"bucket_mb": 16})  # the tuning's choice: nothing to measure
+    await until(lambda: not source.prompt)
 
 
 async def test_coordinator_loss_puts_the_power_limits_back(harness: Harness) -> None:

@@ -127,6 +127,20 @@ async def test_link_publishes_subscribes_and_keeps_status(mosquitto) -> None:  #
         assert await link.flush(10)
 
 
+async def test_an_idle_link_keeps_its_session_with_housekeeping_on_whole_seconds(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    """paho's keepalive pings run from the link's own housekeeping task, on whole seconds of
+    the loop's clock: an idle link with a 2 s keepalive (the broker drops a client silent for
+    3 s) keeps its one session for 5 s."""
+    link = bus.MqttLink("127.0.0.1", mosquitto.port, "idle-node", keepalive_s=2)
+    async with running(link):
+        client = link._client
+        assert client is not None
+        housekeeping = client._misc_task  # type: ignore[attr-defined]
+        assert housekeeping is not None and housekeeping.get_name() == "mqtt-misc"
+        await asyncio.sleep(5)
+        assert link.connects == 1 and link.connected.is_set() and not housekeeping.done()
+
+
 async def test_outbox_is_bounded_while_broker_is_down(persistent_mosquitto) -> None:  # type: ignore[no-untyped-def]
     broker = persistent_mosquitto
     report_topic = "hyperagent/v1/t/job/j/report"

@@ -9,6 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from hyperagent.capture.fake_nvml import FakeNvml
@@ -223,13 +225,45 @@ def test_kept_family_text_follows_every_changed_reading() -> None:
     relabelled = [*power, *(Reading(r.name, r.value, dict(r.labels), kind=r.kind) for r in errors)]
     fewer = [*power[:2], *errors]
     renamed = [*power, *errors[:3], Reading("hyperagent_other_total", 0, gpu(3), kind=Kind.COUNTER)]
+    moved = [*power, *errors[:3], Reading(errors[3].name, 0, {"gpu": "9"}, kind=Kind.COUNTER)]
+    extra_label = [*power[:3], Reading(power[3].name, 103.0, {**gpu(3), "mig": "1g"}), *errors]
+    reordered = [*power[::-1], *errors]
+
+    def valued(*values: float) -> list[Reading]:  # new readings, the same labels
+        pairs = zip(power, values, strict=True)
+        return [Reading(r.name, v, r.labels, kind=r.kind) for r, v in pairs]
+
     render = OpenMetricsText()
     collector = SnapshotCollector()
     bodies = []
-    for readings in (first, first, changed_value, relabelled, fewer, renamed, first):
+    variants = (first, first, changed_value, relabelled, fewer, renamed, first, moved, extra_label)
+    again = (
+        valued(0.0, 1.0, 2.0, 3.0),
+        valued(0.0, 1.0, 2.0, 3.0),  # the same values in new readings
+        valued(-0.0, 1.0, 2.0, 3.0),  # equal, but written otherwise
+        valued(-0.0, 1, True, 3.0),  # an int and a bool: their doubles, so the same text
+        valued(-0.0, 1.0, 2.0, float("nan")),
+        valued(-0.0, 1.0, 2.0, float("nan")),
+    )
+    for readings in (*variants, reordered, first, *again):
         collector.update(readings)
         body = render(collector)
         assert body == openmetrics_latest(collector)
         bodies.append(body)
-    assert bodies[0] == bodies[1] == bodies[6] and b"-0.0" in bodies[2]
-    assert len({bodies[2], bodies[4], bodies[5]} | {bodies[0]}) == 4
+    assert bodies[0] == bodies[1] == bodies[3] == bodies[6] == bodies[10] and b"-0.0" in bodies[2]
+    assert len({bodies[0], bodies[2], bodies[4], bodies[5], bodies[7], bodies[8], bodies[9]}) == 7
+    assert bodies[11] == bodies[12] != bodies[13] and b"-0.0" in bodies[13]
+    assert bodies[14] != bodies[13] and bodies[15] == bodies[16] and b"NaN" in bodies[16]
+
+
+@given(
+    st.floats()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.sampled_from([0.0, -0.0, 1e6, 1234567.0, 9999999.5, 1e16, 1e22, 5e-324, 123456.7])
+)
+def test_a_value_is_written_as_prometheus_client_writes_it(value: float) -> None:
+    from prometheus_client.utils import floatToGoString
+
+    from hyperagent.exporter import _go_float
+
+    assert _go_float(value) == floatToGoString(value)

@@ -13,6 +13,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from hyperagent.job import (
     encode_step,
     parse_step,
 )
+from hyperagent.sources import job as job_source
 from hyperagent.sources.job import GroupCache, JobSource, PeerPolicy, SocketInUse
 
 from conftest import ManualClock
@@ -113,7 +115,7 @@ async def test_reports_and_settings_over_the_socket(tmp_path: Path) -> None:
 
 
 async def test_a_burst_of_reports_from_many_ranks_is_counted_whole(tmp_path: Path) -> None:
-    """Eight ranks report at once: each wake-up takes everything queued on each connection."""
+    """Eight ranks report at once: every packet queued on every connection is read."""
     source = JobSource(tmp_path / "job.sock")
     await source.start()
     try:
@@ -489,5 +491,130 @@ async def test_memory_reports_become_readings(tmp_path: Path) -> None:
             )
         for reporter in reporters:
             reporter.close()
+    finally:
+        await source.close()
+
+
+class Arrivals:
+    """What a source's listener saw: each step, when it was sent (``source.arrived``) and
+    when it was handled."""
+
+    def __init__(self, source: JobSource) -> None:
+        self.source = source
+        self.steps: list[tuple[StepReport, float, float]] = []
+        source.listeners.append(self.seen)
+
+    def seen(self, step: StepReport) -> None:
+        self.steps.append((step, self.source.arrived, asyncio.get_running_loop().time()))
+
+
+async def batched_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[
+    JobSource, JobReporter, Arrivals
+]:
+    """A source that batches, with one rank (5 steps a second) batched; the next pass is
+    far away."""
+    monkeypatch.setattr(job_source, "BATCH_S", 0.3)
+    source = JobSource(tmp_path / "job.sock")
+    await source.start()
+    source.prompt = False
+    arrivals = Arrivals(source)
+    reporter = JobReporter("slow", rank=0, socket_path=tmp_path / "job.sock")
+    await _until(lambda: source.attached("slow") == 1, 2)  # its hello, read at once
+    for _ in range(3):
+        reporter.report_step(samples=1, step_s=0.2, compute_s=0.2, comm_s=0.0)
+        await asyncio.sleep(0.2)
+    await _until(lambda: all(p.batched for p in source.peers.values()), 3)
+    monkeypatch.setattr(job_source, "BATCH_S", 1e9)  # the next multiple: never here
+    await asyncio.sleep(0.35)  # the pass due on the old grid
+    return source, reporter, arrivals
+
+
+async def test_a_rank_that_reports_slowly_is_read_in_passes_with_its_steps_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside trials (not ``prompt``) a slow rank's steps wait in its socket for the next
+    pass (or a read of the source): one wake-up for many steps. Each step keeps the time it
+    was sent, and none is lost."""
+    source, reporter, arrivals = await batched_rank(tmp_path, monkeypatch)
+    try:
+        before = source.jobs["slow"].steps
+        sent = []
+        for _ in range(3):
+            reporter.report_step(samples=1, step_s=0.05, compute_s=0.05, comm_s=0.0)
+            sent.append(time.monotonic())
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert source.jobs["slow"].steps == before  # waiting in the socket
+        readings = {r.name: r.value for r in await source.read()}
+        assert readings["hyperagent_job_steps_total"] == before + 3 == len(arrivals.steps)
+        last = arrivals.steps[-3:]
+        assert max(h for _, _, h in last) - min(h for _, _, h in last) < 0.05  # one pass
+        for (_, arrived, handled), at in zip(last, sent, strict=True):
+            assert abs(arrived - at) < 0.03 and handled - arrived > 0.2
+        assert reporter.dropped == 0
+        reporter.close()
+    finally:
+        await source.close()
+
+
+async def test_a_batched_ranks_close_is_seen_at_once_after_its_last_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, reporter, arrivals = await batched_rank(tmp_path, monkeypatch)
+    left: list[tuple[str, int]] = []
+    source.rank_listeners.append(lambda job, rank: left.append((job, rank)))
+    try:
+        before = len(arrivals.steps)
+        for _ in range(2):
+            reporter.report_step(samples=1, step_s=0.05, compute_s=0.05, comm_s=0.0)
+        reporter.close()
+        began = time.monotonic()
+        await _until(lambda: left == [("slow", 0)], 2)
+        assert time.monotonic() - began < 1.0  # not at a pass: none comes
+        assert len(arrivals.steps) == before + 2 and source.attached("slow") == 0
+    finally:
+        await source.close()
+
+
+async def test_prompt_reads_what_waited_and_then_each_step_as_it_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, reporter, arrivals = await batched_rank(tmp_path, monkeypatch)
+    try:
+        before = len(arrivals.steps)
+        reporter.report_step(samples=1, step_s=0.05, compute_s=0.05, comm_s=0.0)
+        await asyncio.sleep(0.1)
+        assert len(arrivals.steps) == before
+        source.prompt = True  # as the agent does when a trial begins
+        assert len(arrivals.steps) == before + 1
+        reporter.report_step(samples=1, step_s=0.05, compute_s=0.05, comm_s=0.0)
+        await _until(lambda: len(arrivals.steps) == before + 2, 2)
+        _, arrived, handled = arrivals.steps[-1]
+        assert handled - arrived < 0.1 and not any(p.batched for p in source.peers.values())
+        reporter.close()
+    finally:
+        await source.close()
+
+
+async def test_a_rank_that_reports_fast_is_read_as_it_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over ``BATCH_RATE`` packets a second a rank's socket could fill between passes: it is
+    read as it reports, and nothing is lost."""
+    monkeypatch.setattr(job_source, "BATCH_S", 0.3)
+    source = JobSource(tmp_path / "job.sock")
+    await source.start()
+    source.prompt = False
+    arrivals = Arrivals(source)
+    try:
+        reporter = JobReporter("fast", rank=0, socket_path=tmp_path / "job.sock")
+        for _ in range(150):  # 150 steps a second for a second
+            reporter.report_step(samples=1, step_s=0.005, compute_s=0.005, comm_s=0.0)
+            await asyncio.sleep(1 / 150)
+        await _until(lambda: len(arrivals.steps) == 150, 2)
+        assert not any(p.batched for p in source.peers.values())
+        late = [handled - arrived for _, arrived, handled in arrivals.steps[-50:]]
+        assert sorted(late)[25] < 0.05 and reporter.dropped == 0
+        reporter.close()
     finally:
         await source.close()

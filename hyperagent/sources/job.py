@@ -25,6 +25,12 @@ oldest dead job (the one whose last rank left first) at once; only when every sl
 a live job is it refused, and the refusal names those jobs. Per-rank state (a rank's last step
 time, its allocator's retry and OOM counts) is dropped with the rank's connection; its counts
 stay in the job's totals.
+
+Packets are read as they come while the source is ``prompt`` (the agent makes it so while it
+measures a trial). Otherwise a rank that reports at most ``BATCH_RATE`` packets a second, once
+its hello is read, has its packets read in one pass every ``BATCH_S`` and when the source is
+read: a wake-up of the agent costs about as much as handling tens of steps. A step keeps the
+time it was sent (the kernel's stamp on the packet), and a rank's close is seen at once.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import logging
 import math
 import os
 import pwd
+import select
 import socket
 import struct
 import time
@@ -45,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyperagent import job as protocol
+from hyperagent import ticks
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.readings import Kind, Reading
@@ -58,9 +66,30 @@ JobListener = Callable[[str], None]
 """A job released."""
 
 BATCH = 1000
-"""Packets or connections taken per wake-up at most (the rest wait for the next turn)."""
+"""Connections, or peers' packets, taken per turn of the event loop at most (the rest wait
+for the next turn)."""
 
 _PEERCRED = struct.Struct("3i")
+
+BATCH_S = 1.0
+"""While the source is not ``prompt``, a rank that sends at most ``BATCH_RATE`` packets a
+second has them left in its socket and read in one pass every ``BATCH_S`` (on the grid of
+:mod:`hyperagent.ticks`, where the agent's collection ticks) and whenever the source is read,
+instead of one wake-up of the agent per step; its hello is read at once, and so is its
+connection closing."""
+
+BATCH_RATE = 50.0
+"""Packets a second above which a rank's packets are read as they come: its socket (about 270
+small packets) must not fill between two passes."""
+
+_PROMPT = select.EPOLLIN | select.EPOLLRDHUP
+_BATCHED = select.EPOLLRDHUP
+
+SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29)
+"""Linux's option that stamps each packet with the time it was sent (socket.h's value where
+Python does not name it)."""
+_TIMEVAL = struct.Struct("@ll")
+_STAMP_SPACE = socket.CMSG_SPACE(_TIMEVAL.size)
 
 RELEASE_CHECK_S = 1.0
 """How often jobs due for release are looked for (at most; twice per ``release_after_s``)."""
@@ -228,6 +257,11 @@ class Peer:
     hello: protocol.Hello | None = None
     """What the rank said of itself when it attached."""
     memory: protocol.MemoryReport | None = None
+    batched: bool = False
+    """Its packets are read in passes (``BATCH_S``), not as they come."""
+    received: int = 0
+    """Packets read since ``counted_since`` (its rate decides ``batched``)."""
+    counted_since: float = 0.0
 
     @property
     def knobs(self) -> tuple[str, ...] | None:
@@ -401,6 +435,19 @@ class JobSource:
         self._authorising: dict[int, tuple[Peer, asyncio.Task[None]]] = {}
         """fd -> a connecting peer and the group lookup it waits for."""
         self._sock: socket.socket | None = None
+        self._poller: select.epoll | None = None
+        """The connected peers' sockets, polled as one: the event loop sees the poller's
+        descriptor, so a burst of steps from many ranks is one callback, not one per rank."""
+        self._waiting: select.epoll | None = None
+        """The batched peers' sockets, for what they sent (never seen by the event loop: a
+        pass asks it which ones to read)."""
+        self.arrived = 0.0
+        """When the message being handled was sent (monotonic time, from the kernel's stamp
+        on the packet): a step read in a later pass keeps the time it came."""
+        self._prompt = True
+        self._batcher: asyncio.Task[None] | None = None
+        self._batching = asyncio.Event()
+        """Set while peers may be batched (not ``prompt``, and peers connected)."""
         self._last_settings: dict[str, JobSettings] = {}
         self._logged: set[str] = set()
 
@@ -424,8 +471,13 @@ class JobSource:
             raise SocketUnusable(path, e) from e
         sock.setblocking(False)
         self._sock = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+        self._poller = select.epoll()
+        self._waiting = select.epoll()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._accept)
+        loop.add_reader(self._poller.fileno(), self._readable_peers)
         self._releaser = asyncio.create_task(self._release_loop(), name="job-release")
+        self._batcher = asyncio.create_task(self._batch_loop(), name="job-batches")
 
     async def _release_loop(self) -> None:
         while True:
@@ -465,6 +517,8 @@ class JobSource:
                 log.warning("job socket %s: %s", self.socket_path, e)
                 return
             conn.setblocking(False)
+            with contextlib.suppress(OSError):  # without it, a packet arrives when it is read
+                conn.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMP, 1)
             pid, uid, gid = _PEERCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
@@ -499,7 +553,11 @@ class JobSource:
 
     def _admit(self, peer: Peer) -> None:
         self.peers[peer.conn.fileno()] = peer
-        asyncio.get_running_loop().add_reader(peer.conn.fileno(), self._readable, peer)
+        assert self._poller is not None, "peers are admitted once the source has started"
+        self._poller.register(peer.conn.fileno(), _PROMPT)
+        peer.counted_since = asyncio.get_running_loop().time()
+        if not self._prompt:
+            self._batching.set()
 
     def _refuse_unauthorised(self, peer: Peer) -> None:
         self._refuse(peer, "unauthorised", f"uid {peer.uid} gid {peer.gid} may not report jobs")
@@ -522,8 +580,10 @@ class JobSource:
         fd = peer.conn.fileno()
         if fd >= 0 and self.peers.get(fd) is peer:
             del self.peers[fd]
-            with contextlib.suppress(ValueError, RuntimeError):
-                asyncio.get_running_loop().remove_reader(fd)
+            for poller in (self._poller, self._waiting):
+                if poller is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        poller.unregister(fd)
         peer.conn.close()
         if peer.job is not None:
             totals = self.jobs.get(peer.job)
@@ -535,10 +595,44 @@ class JobSource:
                 for listener in self.rank_listeners:
                     listener(peer.job, peer.rank)
 
+    def _readable_peers(self) -> None:
+        """One packet of each peer with one waiting: a rank sends a step at a time, so a
+        second ``recv`` would mostly find nothing; packets still queued are taken at the
+        loop's next turn."""
+        poller = self._poller
+        if poller is None:
+            return
+        peers = self.peers
+        for fd, _ in poller.poll(0, BATCH):
+            peer = peers.get(fd)
+            if peer is None:
+                continue
+            if peer.batched:  # its connection closed: what it sent before, then the close
+                self._drain(peer)
+            else:
+                self._readable(peer)
+
     def _readable(self, peer: Peer) -> None:
+        try:
+            packet, stamp, _, _ = peer.conn.recvmsg(protocol.MAX_DATAGRAM, _STAMP_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(peer)
+            return
+        if not packet:
+            self._drop(peer)
+            return
+        peer.received += 1
+        self.receive(packet, peer, _sent_at(stamp))
+
+    def _drain(self, peer: Peer) -> None:
+        """Read what ``peer`` sent (``BATCH`` packets at most), its close included."""
         for _ in range(BATCH):
+            if peer.conn.fileno() < 0:
+                return
             try:
-                packet = peer.conn.recv(protocol.MAX_DATAGRAM)
+                packet, stamp, _, _ = peer.conn.recvmsg(protocol.MAX_DATAGRAM, _STAMP_SPACE)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -547,14 +641,81 @@ class JobSource:
             if not packet:
                 self._drop(peer)
                 return
-            self.receive(packet, peer)
-            if peer.conn.fileno() < 0:
-                return
+            peer.received += 1
+            self.receive(packet, peer, _sent_at(stamp))
+
+    def drain(self) -> None:
+        """Read what the batched peers sent so far (the source does so when read)."""
+        if self._waiting is None:
+            return
+        peers = self.peers
+        for fd, _ in self._waiting.poll(0, BATCH):
+            peer = peers.get(fd)
+            if peer is not None and peer.batched:
+                self._drain(peer)
+
+    @property
+    def prompt(self) -> bool:
+        """Whether every packet is read as it comes (the agent's choice while it measures a
+        trial, whose windows and stall checks follow the steps' arrival); else ranks that
+        report slowly are read in passes (``BATCH_S``)."""
+        return self._prompt
+
+    @prompt.setter
+    def prompt(self, prompt: bool) -> None:
+        if prompt == self._prompt:
+            return
+        self._prompt = prompt
+        if not prompt:
+            if self.peers:
+                self._batching.set()
+            return
+        self._batching.clear()
+        self.drain()
+        for peer in list(self.peers.values()):
+            self._batch(peer, False)
+
+    def _batch(self, peer: Peer, batched: bool) -> None:
+        if peer.batched == batched or self._poller is None or peer.conn.fileno() < 0:
+            return
+        fd = peer.conn.fileno()
+        with contextlib.suppress(OSError):
+            self._poller.modify(fd, _BATCHED if batched else _PROMPT)
+            if self._waiting is not None:
+                if batched:
+                    self._waiting.register(fd, select.EPOLLIN)
+                else:
+                    self._waiting.unregister(fd)
+            peer.batched = batched
+
+    async def _batch_loop(self) -> None:
+        """Every ``BATCH_S`` while batching: read the batched peers, and batch those that
+        reported at most ``BATCH_RATE`` packets a second since the last pass (prompt again
+        those that reported more)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._prompt or not self.peers:
+                self._batching.clear()
+                await self._batching.wait()
+            await ticks.sleep_to_tick(BATCH_S)
+            if self._prompt:
+                continue
+            self.drain()
+            now = loop.time()
+            for peer in list(self.peers.values()):
+                counted = now - peer.counted_since
+                if counted < BATCH_S / 2:
+                    continue
+                if peer.job is not None:  # said hello: from now on it may wait for a pass
+                    self._batch(peer, peer.received <= BATCH_RATE * counted)
+                peer.received, peer.counted_since = 0, now
 
     # -- messages ------------------------------------------------------------------------
 
-    def receive(self, data: bytes, peer: Peer) -> None:
-        """Handle one message of ``peer`` (public for tests)."""
+    def receive(self, data: bytes, peer: Peer, sent_at: float | None = None) -> None:
+        """Handle one message of ``peer`` (public for tests), sent at ``sent_at`` (monotonic
+        time; None: now), which listeners find in ``arrived``."""
+        self.arrived = time.monotonic() if sent_at is None else sent_at
         try:
             message = protocol.decode(data)
             kind = message["type"]
@@ -734,6 +895,7 @@ class JobSource:
     # -- readings ------------------------------------------------------------------------
 
     async def read(self) -> list[Reading]:
+        self.drain()
         self.release_due()
         out = [Reading("hyperagent_job_invalid_reports_total", self.invalid, {}, Kind.COUNTER)]
         for reason in REFUSALS:
@@ -788,10 +950,11 @@ class JobSource:
         return out
 
     async def close(self) -> None:
-        if self._releaser is not None:
-            self._releaser.cancel()
-            await asyncio.gather(self._releaser, return_exceptions=True)
-            self._releaser = None
+        for task in (self._releaser, self._batcher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._releaser = self._batcher = None
         waiting = list(self._authorising.values())
         self._authorising.clear()
         for peer, task in waiting:
@@ -802,11 +965,28 @@ class JobSource:
         for peer in list(self.peers.values()):
             self._drop(peer)
         if self._sock is not None:
-            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
             with contextlib.suppress(OSError):
                 self.socket_path.unlink()
+        if self._poller is not None:
+            asyncio.get_running_loop().remove_reader(self._poller.fileno())
+            self._poller.close()
+            self._poller = None
+        if self._waiting is not None:
+            self._waiting.close()
+            self._waiting = None
+
+
+def _sent_at(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    """The monotonic time a packet was sent, from its SO_TIMESTAMP (None without one)."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMP and len(data) >= _TIMEVAL.size:
+            seconds, micros = _TIMEVAL.unpack_from(data)
+            return time.monotonic() - (time.time() - seconds - micros / 1e6)
+    return None
 
 
 def _live_jobs(live: list[str], bound: int) -> str:
