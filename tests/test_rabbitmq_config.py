@@ -352,6 +352,22 @@ async def test_the_agent_connects_with_its_config(
     assert settings == [b"to node-1"]  # the agent's user reads the settings topics
 
 
+async def test_a_password_that_begins_with_a_dash_is_a_password(
+    shipped_rabbitmq: ShippedRabbitMq,
+) -> None:
+    """secrets.token_urlsafe begins one password in 64 with "-": the script must hand it to
+    rabbitmqctl as a password, not as an option, both on creating the user and on changing it."""
+    script = SHIPPED / "hyperagent-rabbitmq-users"
+    topics = bus.Topics(CLUSTER)
+    for password in ("-_Cr65Q3lIsERDOtnYUiQA", "--q"):
+        shipped_rabbitmq.ctl(str(ACL), stdin=f"node-9 {password}\n", script=script)
+        async with client(shipped_rabbitmq, "node-9", password) as node:
+            await node.publish(topics.status("node-9"), b"online", qos=1)
+    with pytest.raises(aiomqtt.MqttError):
+        async with client(shipped_rabbitmq, "node-9", "-_Cr65Q3lIsERDOtnYUiQA"):
+            pytest.fail("node-9's first password still works after the change")
+
+
 async def test_run_again_the_script_sets_a_new_password(shipped_rabbitmq: ShippedRabbitMq) -> None:
     script = SHIPPED / "hyperagent-rabbitmq-users"
     try:

@@ -612,37 +612,28 @@ class JobSource:
             else:
                 self._readable(peer)
 
-    def _readable(self, peer: Peer) -> None:
+    def _readable(self, peer: Peer) -> bool:
+        """Read one packet of ``peer``'s; False when none was waiting or the peer is gone (its
+        close, or an error, drops it)."""
         try:
             packet, stamp, _, _ = peer.conn.recvmsg(protocol.MAX_DATAGRAM, _STAMP_SPACE)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             self._drop(peer)
-            return
+            return False
         if not packet:
             self._drop(peer)
-            return
+            return False
         peer.received += 1
         self.receive(packet, peer, _sent_at(stamp))
+        return True
 
     def _drain(self, peer: Peer) -> None:
         """Read what ``peer`` sent (``BATCH`` packets at most), its close included."""
         for _ in range(BATCH):
-            if peer.conn.fileno() < 0:
+            if peer.conn.fileno() < 0 or not self._readable(peer):
                 return
-            try:
-                packet, stamp, _, _ = peer.conn.recvmsg(protocol.MAX_DATAGRAM, _STAMP_SPACE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self._drop(peer)
-                return
-            if not packet:
-                self._drop(peer)
-                return
-            peer.received += 1
-            self.receive(packet, peer, _sent_at(stamp))
 
     def drain(self) -> None:
         """Read what the batched peers sent so far (the source does so when read)."""
