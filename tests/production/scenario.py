@@ -226,10 +226,27 @@ class Scenario:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc and exc[0] is not None:
+            self._print_what_happened()
         for name in reversed(list(self.processes)):
             self.kill(name, signal.SIGTERM)
         self.status.close()
         self.broker.stop()
+
+    def _print_what_happened(self, lines: int = 40) -> None:
+        """On a failure, what a user would look at first (pytest shows it with the failure):
+        each job's journal and the tails of the coordinator's log and status lines."""
+        for job in self.jobs:
+            entries = self.journal(job.id)
+            print(f"--- journal of {job.id}: {len(entries)} entries, the last {lines}")
+            for entry in entries[-lines:]:
+                print(json.dumps(entry, sort_keys=True))
+        print(f"--- status lines, the last {lines}")
+        for at, line in self.status.lines[-lines:]:
+            print(f"{at - self.started_at:8.1f}s {line}")
+        for name in ("coordinator", *(f"agent-{node}" for node in self.nodes)):
+            print(f"--- {name}.log, the last {lines} lines")
+            print("\n".join(self.log(name).splitlines()[-lines:]))
 
     # -- configuration -------------------------------------------------------------------
 
@@ -478,16 +495,22 @@ class Scenario:
         ]
 
     def in_trial(self, job: str, index: int) -> bool:
-        """Trial ``index`` of ``job`` is published and not finished."""
+        """A trial of ``job`` numbered ``index`` or later is published and not finished. (A
+        trial of this shape lasts about a second: a poll starved that long on busy cores
+        misses one trial, never every later one.)"""
+        current = self.trial_in_progress(job)
+        return current is not None and current >= index
+
+    def trial_in_progress(self, job: str) -> int | None:
+        """The index of ``job``'s trial that is published and not finished, if one is."""
         entries = self.journal(job)
-        published = [
-            i
-            for i, e in enumerate(entries)
-            if e.get("type") == "published" and e.get("trial") == index
-        ]
-        return bool(published) and not any(
-            e.get("type") == "trial" and e.get("index") == index for e in entries[published[0] :]
-        )
+        published = [i for i, e in enumerate(entries) if e.get("type") == "published"]
+        if not published:
+            return None
+        current = entries[published[-1]].get("trial")
+        after = entries[published[-1] :]
+        ended = any(e.get("type") == "trial" and e.get("index") == current for e in after)
+        return None if ended or not isinstance(current, int) else current
 
     def log(self, name: str) -> str:
         path = self.logs / f"{name}.log"
