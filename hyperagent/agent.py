@@ -793,19 +793,19 @@ class Agent:
             try:
                 plan = MeasurementPlan.from_dict(plan_data)
                 job_gpus, _ = self.job_gpus(job)
-                self._trials[job] = _Trial(
-                    job,
-                    version,
-                    message.get("trial"),
-                    TrialMeasurement(version, plan),
-                    gpus=None if job_gpus is None else frozenset(job_gpus),
+                self._begin_trial(
+                    _Trial(
+                        job,
+                        version,
+                        message.get("trial"),
+                        TrialMeasurement(version, plan),
+                        gpus=None if job_gpus is None else frozenset(job_gpus),
+                    )
                 )
-                self._measuring.set()
             except ValueError as e:
                 log.warning("settings v%d for %s: %s; not measuring", version, job, e)
         else:
-            self._trials.pop(job, None)
-        self._trials_changed()
+            self._end_trial(job)
         self._ack(job, version, ok=True, applied=applied)
         log.info("applied settings v%d for %s: %s", version, job, settings)
 
@@ -855,9 +855,20 @@ class Agent:
                     log.warning(
                         "the steps of %s stopped during v%d; leaving the trial", job, trial.version
                     )
-                    del self._trials[job]
-                    self._trials_changed()
+                    self._end_trial(job)
                     self._publish_report(trial, None, stalled=True)
+
+    def _begin_trial(self, trial: _Trial) -> None:
+        """Measure ``trial`` (in place of the job's trial before, if one is running)."""
+        self._trials[trial.job] = trial
+        self._measuring.set()
+        self._trials_changed()
+
+    def _end_trial(self, job: str) -> _Trial | None:
+        """Stop measuring ``job``'s trial; the trial, if one was running."""
+        trial = self._trials.pop(job, None)
+        self._trials_changed()
+        return trial
 
     def _trials_changed(self) -> None:
         """The job channel reads steps as they come while a trial is measured (its windows
@@ -907,8 +918,7 @@ class Agent:
         """A job released by the job channel (no rank for ``release_after_s``): its step times
         go, and a trial still waiting on it ends as stalled."""
         self._step_clocks.pop(job, None)
-        trial = self._trials.pop(job, None)
-        self._trials_changed()
+        trial = self._end_trial(job)
         if trial is not None:
             log.warning("%s was released during v%d; leaving the trial", job, trial.version)
             self._publish_report(trial, None, stalled=True)
@@ -985,8 +995,7 @@ class Agent:
                     energy = end - trial.energy_start_j
                 self._publish_report(trial, energy, end_j=end)
                 if self._trials.get(trial.job) is trial:
-                    del self._trials[trial.job]
-                    self._trials_changed()
+                    self._end_trial(trial.job)
 
     def _xid_total(self) -> float:
         if self.snapshot is None:

@@ -28,6 +28,7 @@ from prometheus_client.openmetrics.exposition import UNDERSCORES
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from hyperagent.catalog import help_text
 from hyperagent.errors import ConfigError, ConfigProblem
@@ -138,7 +139,7 @@ class OpenMetricsText:
         if info:
             text = head + "".join([f"{p}1.0\n" for p in prefixes])
         else:
-            values = map(_go_float, [r.value for r in group])
+            values = map(floatToGoString, [r.value for r in group])
             text = head + "".join([f"{p}{v}\n" for p, v in zip(prefixes, values, strict=True)])
         return _RenderedFamily(group, labels, kind, head, prefixes, packed, text)
 
@@ -174,20 +175,6 @@ def _packed(values: list[float]) -> bytes | None:
         return array("d", values).tobytes()
     except (TypeError, OverflowError):
         return None
-
-
-def _go_float(value: float) -> str:
-    """prometheus_client's ``floatToGoString``, the same text for every value, with fewer
-    steps for a finite one."""
-    d = float(value)
-    s = repr(d)
-    if s[-1] > "9":  # inf, -inf, nan
-        return "+Inf" if s == "inf" else "-Inf" if s == "-inf" else "NaN"
-    dot = s.find(".")
-    if dot > 6 and d > 0:
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
-        return f"{mantissa}e+{dot - 1:02d}"
-    return s
 
 
 @dataclass(frozen=True, slots=True)

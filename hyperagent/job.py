@@ -201,8 +201,6 @@ def encode_settings(job: str, settings: JobSettings) -> bytes:
 
 def _number(message: Mapping[str, Any], key: str, minimum: float = 0.0) -> float:
     value = message.get(key)
-    if type(value) is float and minimum <= value < math.inf:  # as JSON gives most of them
-        return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PayloadError(f"{key} must be a number, got {value!r}")
     if not math.isfinite(value) or value < minimum:
@@ -212,8 +210,6 @@ def _number(message: Mapping[str, Any], key: str, minimum: float = 0.0) -> float
 
 def _integer(message: Mapping[str, Any], key: str) -> int:
     value = message.get(key)
-    if type(value) is int and value >= 0:
-        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PayloadError(f"{key} must be a non-negative integer, got {value!r}")
     return value

@@ -13,7 +13,7 @@ import re
 
 MAX_NAME = 64
 NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_NAME}}}")
+_NAME = re.compile(f"[{re.escape(''.join(sorted(NAME_CHARS)))}]{{1,{MAX_NAME}}}")
 SEPARATORS = {
     "/": "the MQTT topic level separator",
     "+": "an MQTT wildcard",

@@ -9,8 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from hyperagent.capture.fake_nvml import FakeNvml
@@ -254,16 +252,3 @@ def test_kept_family_text_follows_every_changed_reading() -> None:
     assert len({bodies[0], bodies[2], bodies[4], bodies[5], bodies[7], bodies[8], bodies[9]}) == 7
     assert bodies[11] == bodies[12] != bodies[13] and b"-0.0" in bodies[13]
     assert bodies[14] != bodies[13] and bodies[15] == bodies[16] and b"NaN" in bodies[16]
-
-
-@given(
-    st.floats()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.sampled_from([0.0, -0.0, 1e6, 1234567.0, 9999999.5, 1e16, 1e22, 5e-324, 123456.7])
-)
-def test_a_value_is_written_as_prometheus_client_writes_it(value: float) -> None:
-    from prometheus_client.utils import floatToGoString
-
-    from hyperagent.exporter import _go_float
-
-    assert _go_float(value) == floatToGoString(value)
