@@ -13,6 +13,7 @@ import grp
 import hashlib
 import os
 import stat
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,7 @@ class TrustedKeys:
         self.fixed = _by_id(keys)
         self.paths = tuple(paths)
         self._seen = _fingerprint(self.paths) if self.paths else None
+        self._reading = threading.Lock()
         self.keys = {**self.fixed, **_by_id(_read_public_keys(self.paths))}
 
     def get(self, kid: str) -> Ed25519PublicKey | None:
@@ -106,20 +108,22 @@ class TrustedKeys:
         """Read the paths again if a file or directory among them changed since they were
         read (a few ``stat`` calls otherwise); True when the set changed. A file that cannot
         be read now keeps the set as it was (lenient at run time). Blocking: call it in a
-        thread."""
+        thread: calls at once take turns, so none answers from the old set while another reads
+        the new one."""
         if not self.paths:
             return False
-        seen = _fingerprint(self.paths)
-        if seen == self._seen:
-            return False
-        self._seen = seen
-        try:
-            keys = {**self.fixed, **_by_id(_read_public_keys(self.paths))}
-        except KeyFileError:
-            return False
-        changed = keys.keys() != self.keys.keys()
-        self.keys = keys
-        return changed
+        with self._reading:
+            seen = _fingerprint(self.paths)
+            if seen == self._seen:
+                return False
+            self._seen = seen
+            try:
+                keys = {**self.fixed, **_by_id(_read_public_keys(self.paths))}
+            except KeyFileError:
+                return False
+            changed = keys.keys() != self.keys.keys()
+            self.keys = keys
+            return changed
 
     def describe(self) -> str:
         return ", ".join(self.ids) if self.keys else "none"

@@ -172,6 +172,40 @@ def test_key_files_are_checked_for_kind_and_mode(tmp_path: Path) -> None:
         load_signing_key(garbage)
 
 
+def test_a_key_added_counts_for_every_check_that_reads_the_files_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two agents' checks (threads) refresh one set while the new key's file is read slowly:
+    the one that finds the files unchanged waits for that read instead of answering from the
+    old set (an unknown key for a message signed by the new one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hyperagent import signing
+
+    trusted_dir = tmp_path / "trusted"
+    trusted_dir.mkdir(mode=0o755)
+    _, _, old_pub = write_key_pair(tmp_path / "keys", "old")
+    new, _, new_pub = write_key_pair(tmp_path / "keys", "new")
+    shutil.copy(old_pub, trusted_dir / "old.pub")
+    trusted = TrustedKeys(paths=[trusted_dir])
+    read = signing._read_public_keys
+
+    def slow_read(paths: Any) -> Any:
+        time.sleep(0.3)
+        return read(paths)
+
+    monkeypatch.setattr(signing, "_read_public_keys", slow_read)
+    shutil.copy(new_pub, trusted_dir / "new.pub")
+
+    def check(delay: float) -> bool:
+        time.sleep(delay)
+        trusted.refresh()
+        return new.key_id in trusted
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(check, (0.0, 0.1))) == [True, True]
+
+
 def test_a_trusted_directory_is_read_again_when_a_key_is_added(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     trusted_dir = tmp_path / "trusted"
