@@ -188,49 +188,23 @@ Point = tuple[Any, ...]
 _LOG2_KNOBS = ("bucket_mb", "chunk_kb")
 
 
+def _prior_of(hyperparameter: Hyperparameter, terms: int) -> tuple[float, float] | None:
+    """(median, log standard deviation) of a kernel hyperparameter's log-normal prior, in a
+    kernel of ``terms`` variances; None: none (the learned noise, a single term's variance, a
+    variance bounded below the prior's median: the interaction's share)."""
+    if hyperparameter.name.endswith("length_scale"):
+        return LENGTH_SCALE_PRIOR
+    variance = hyperparameter.name.endswith("constant_value")
+    if variance and terms > 1 and hyperparameter.bounds[0][1] >= AMPLITUDE_PRIOR[0]:
+        return AMPLITUDE_PRIOR
+    return None
+
+
 class _GaussianProcess(GaussianProcessRegressor):  # type: ignore[misc]
     """skopt's GP with hyperparameters fitted under priors and a batched predictive variance:
     skopt evaluates that with a three-operand einsum, O(candidates x observations^2) in pure
     loops (20 ms for 1400 candidates at 100 observations); a matrix product does the same in
-    well under a millisecond.
-
-    ``additive``: the kernel is a sum of terms, whose variances get :data:`AMPLITUDE_PRIOR`
-    (those bounded below its median excepted)."""
-
-    def __init__(
-        self,
-        kernel: Any = None,
-        alpha: Any = 1e-10,
-        optimizer: Any = "fmin_l_bfgs_b",
-        n_restarts_optimizer: int = 0,
-        normalize_y: bool = False,
-        copy_X_train: bool = True,
-        random_state: Any = None,
-        noise: Any = None,
-        additive: bool = False,
-    ) -> None:
-        super().__init__(
-            kernel=kernel,
-            alpha=alpha,
-            optimizer=optimizer,
-            n_restarts_optimizer=n_restarts_optimizer,
-            normalize_y=normalize_y,
-            copy_X_train=copy_X_train,
-            random_state=random_state,
-            noise=noise,
-        )
-        self.additive = additive
-
-    def _prior_of(self, hyperparameter: Hyperparameter) -> tuple[float, float]:
-        """(median, log standard deviation) of a hyperparameter's log-normal prior; a median of
-        0: none (the learned noise, a single term's variance, the interaction's share)."""
-        if hyperparameter.name.endswith("length_scale"):
-            return LENGTH_SCALE_PRIOR
-        median = AMPLITUDE_PRIOR[0]
-        variance = hyperparameter.name.endswith("constant_value")
-        if self.additive and variance and hyperparameter.bounds[0][1] >= median:
-            return AMPLITUDE_PRIOR
-        return 0.0, 0.0
+    well under a millisecond."""
 
     def _constrained_optimization(self, obj_func: Any, initial_theta: Any, bounds: Any) -> Any:
         """Kernel hyperparameters by their posterior mode: the marginal likelihood times a
@@ -238,14 +212,16 @@ class _GaussianProcess(GaussianProcessRegressor):  # type: ignore[misc]
         terms, on each term's variance (:data:`AMPLITUDE_PRIOR`)."""
         if self.optimizer != "fmin_l_bfgs_b":
             return super()._constrained_optimization(obj_func, initial_theta, bounds)
-        precisions, centres = [], []
-        for h in self.kernel_.hyperparameters:
-            if h.fixed:
-                continue
-            median, spread = self._prior_of(h)
-            precisions.append(np.full(h.n_elements, spread**-2 if median else 0.0))
-            centres.append(np.full(h.n_elements, math.log(median) if median else 0.0))
-        precision, centre = np.concatenate(precisions), np.concatenate(centres)
+        free = [h for h in self.kernel_.hyperparameters if not h.fixed]
+        terms = sum(h.name.endswith("constant_value") for h in free)
+        precision, centre = np.zeros(len(initial_theta)), np.zeros(len(initial_theta))
+        at = 0
+        for h in free:
+            prior = _prior_of(h, terms)
+            if prior is not None:
+                precision[at : at + h.n_elements] = prior[1] ** -2
+                centre[at : at + h.n_elements] = math.log(prior[0])
+            at += h.n_elements
 
         def penalised(theta: np.ndarray) -> tuple[float, np.ndarray]:
             value, gradient = obj_func(theta, eval_gradient=True)
@@ -438,7 +414,6 @@ class Tuner:
             normalize_y=True,
             noise="gaussian",
             n_restarts_optimizer=0,
-            additive=additive,
         )
         # skopt's own acquisition sampling is not used (see _propose): one point keeps it cheap.
         return Optimizer(
