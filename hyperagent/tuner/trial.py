@@ -270,9 +270,10 @@ def score(
     with ``power_budget_w``, infeasible (the nodes' average GPU power is above the budget).
 
     throughput: samples/s of the whole job, the nodes' mean scaled to ``nodes`` (so a trial
-    that lost a node stays comparable); energy: samples per joule of GPU energy.
+    that lost a node stays comparable); energy: samples per joule of GPU energy. A report
+    without ``nonfinite_loss`` (the journal's, of a trial already judged) counts as finite.
     """
-    if not reports or any(r["nonfinite_loss"] for r in reports):
+    if not reports or any(r.get("nonfinite_loss") for r in reports):
         return None
     if power_budget_w is not None:
         powers = [node_power_w(r) for r in reports]

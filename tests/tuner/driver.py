@@ -60,6 +60,8 @@ class Nodes:
     """node -> refusal kind ("settings" or "node") for every version it is sent."""
     silent: set[str] = field(default_factory=set)
     energy: bool = True
+    joules_per_sample: Callable[[Mapping[str, Any]], float] = lambda settings: 0.5
+    """A node's energy per sample at these settings (reported when ``energy``)."""
     measure_s: float = 0.0
     """How long after its ack a node's report comes (the trial's wall time)."""
     refuses: Callable[[str, Mapping[str, Any]], str | None] | None = None
@@ -103,7 +105,9 @@ class Nodes:
                 "throughput": per_node,
                 "windows": windows,
                 "steps": 40,
-                "energy_j": samples / 2.0 if self.energy else None,
+                "energy_j": samples * self.joules_per_sample(publish.settings)
+                if self.energy
+                else None,
                 "nonfinite_loss": False,
                 "xid_errors": 0.0,
                 "partial": False,

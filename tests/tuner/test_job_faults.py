@@ -5,6 +5,7 @@ Each one, as a user would notice it: trials spent or not, what is retried, what 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,28 @@ def test_gpus_shared_with_another_job_leave_the_power_cap_out_and_say_why(
     caps = {p.settings.get("power_cap_w") for p in driver.published}
     assert len(caps) == 1, caps  # never searched: the cap the job started with
     assert any("cannot tell this job's GPUs from another job's" in line for line in driver.said)
+
+
+def test_an_energy_tuning_restarted_after_its_last_confirmation_concludes_as_it_would_have(
+    tmp_path: Path,
+) -> None:
+    """An energy job on agents that report no energy per window (an agent of an earlier
+    version): the coordinator killed after journalling the last confirmation, before it
+    published the chosen settings. Restarted, it judges the confirmations from the journal's
+    reports (which keep no ``nonfinite_loss``: the trials were judged finite) and ends with
+    the same final as the coordinator that was not killed."""
+    section = coordinator_section(
+        objective="energy", trials=4, patience=4, power_limits_w=[100, 250]
+    )
+    whole = begin("j", NODES, tmp_path / "whole.jsonl", section, Nodes(NODES, score))
+    whole.run_until_done()
+    lines = (tmp_path / "whole.jsonl").read_text().splitlines(keepends=True)
+    entries = [json.loads(line) for line in lines]
+    last = max(i for i, e in enumerate(entries) if e.get("confirmation"))
+    expected = next(e for e in entries[last:] if e["type"] == "final")
+    (tmp_path / "killed.jsonl").write_text("".join(lines[: last + 1]))
+    restarted = begin("j", NODES, tmp_path / "killed.jsonl", section, Nodes(NODES, score))
+    restarted.run_until_done()
+    final = Journal(tmp_path / "killed.jsonl").load().final
+    assert final is not None
+    assert (final["settings"], final["gain"]) == (expected["settings"], expected["gain"])

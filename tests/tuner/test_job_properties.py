@@ -12,6 +12,7 @@ import os
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import ClassVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -36,13 +37,24 @@ def score(settings: dict) -> float:
     return 1000.0 + 40.0 * (bucket == 64) + 25.0 * (chunk == 1024)
 
 
+def joules_per_sample(settings: dict) -> float:
+    """Least at a 150 W cap (the power cap searched for energy)."""
+    return 0.5 * (1.0 + abs(float(settings.get("power_cap_w") or 150) - 150) / 300)
+
+
 class JobUnderFaults(RuleBasedStateMachine):
+    """The throughput objective: the tuner's plain model over the DDP knobs."""
+
+    SECTION: ClassVar[dict[str, object]] = {}
+
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.TemporaryDirectory(prefix="hyperagent-props-")
         self.path = Path(self.tmp.name) / "j.jsonl"
-        self.section = coordinator_section(trials=6, trial_timeout_s=60, ack_timeout_s=10)
-        self.nodes = Nodes(NODES, score)
+        self.section = coordinator_section(
+            trials=6, trial_timeout_s=60, ack_timeout_s=10, **self.SECTION
+        )
+        self.nodes = Nodes(NODES, score, joules_per_sample=joules_per_sample)
         self.driver: Driver = begin("j", NODES, self.path, self.section, self.nodes)
         self.offline: set[str] = set()
         self.left: set[str] = set()
@@ -163,10 +175,18 @@ class JobUnderFaults(RuleBasedStateMachine):
             assert self.machine.wake_at() is not None
 
 
-JobUnderFaults.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+class EnergyJobUnderFaults(JobUnderFaults):
+    """The energy objective: the power cap searched too, by the tuner's sum of terms."""
+
+    SECTION: ClassVar[dict[str, object]] = {"objective": "energy", "power_limits_w": [100, 250]}
+
+
+for machine, examples in ((JobUnderFaults, EXAMPLES), (EnergyJobUnderFaults, EXAMPLES // 4)):
+    machine.TestCase.settings = settings(
+        max_examples=examples,
+        stateful_step_count=25,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
 test_job_under_faults = JobUnderFaults.TestCase
+test_energy_job_under_faults = EnergyJobUnderFaults.TestCase
