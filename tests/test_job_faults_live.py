@@ -158,8 +158,12 @@ async def test_a_job_waiting_for_its_ranks_holds_back_no_other_jobs_drift_watch(
         caplog.set_level(logging.WARNING, logger="hyperagent.coordinator")
         run = asyncio.create_task(coordinator.run())
         try:
-            async with asyncio.timeout(60):
-                while not any(e["type"] == "final" for e in journal(state)):
+            async with asyncio.timeout(60):  # tuned, and the final settings applied (their
+                # power cap after this test's would undo it)
+                while not (
+                    (final := next((e for e in journal(state) if e["type"] == "final"), None))
+                    and all(n.agent.applied_versions.get(JOB) == final["version"] for n in nodes)
+                ):
                     await asyncio.sleep(0.1)
             for node in nodes:
                 assert node.nvml is not None
