@@ -20,20 +20,18 @@ such a line appears twice or a node's line names a node outside the job, so that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import re
+import signal
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
-from hyperagent.sources.command import (
-    CommandFailed,
-    CommandTimeout,
-    CommandUnavailable,
-    run_command,
-)
+from hyperagent.sources.command import CommandFailed, CommandTimeout, CommandUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +47,46 @@ _NEEDED = ("UserId", "JobState", "NumNodes", "NodeList")
 """The keys that start a line of every record, exactly once each."""
 
 Run = Callable[[Sequence[str], float], Awaitable[str]]
-"""Runs an argv under a timeout in seconds and returns its stdout (``run_command``'s
-signature); raises CommandUnavailable, CommandTimeout or CommandFailed."""
+"""Runs an argv under a timeout in seconds and returns its stdout; raises
+CommandUnavailable, CommandTimeout or CommandFailed (:func:`run_in_session`)."""
+
+
+async def run_in_session(argv: Sequence[str], timeout_s: float) -> str:
+    """Run ``argv`` without a shell in a session of its own and return its stdout. At the
+    timeout or a cancellation the whole process group is killed and reaped: a wrapper that
+    forks (``runuser``, ``sudo``) would otherwise leave its child holding the output pipe,
+    and the wait for it would outlast the timeout. Raises CommandUnavailable when the program
+    is not installed, CommandTimeout, or CommandFailed (exit status and stderr kept)."""
+    line = " ".join(argv)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except FileNotFoundError as e:
+        raise CommandUnavailable(f"{argv[0]} is not installed") from e
+    except OSError as e:
+        raise CommandFailed(f"{line} could not start: {e}", argv) from e
+    try:
+        async with asyncio.timeout(timeout_s):
+            stdout, stderr = await process.communicate()
+    except BaseException as e:  # the timeout, or the caller cancelled
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        if isinstance(e, TimeoutError):
+            raise CommandTimeout(f"{line} did not finish within {timeout_s:g}s", argv) from e
+        raise
+    if process.returncode != 0:
+        message = stderr.decode(errors="replace").strip()
+        last = next((x for x in reversed(message.splitlines()) if x.strip()), "")
+        raise CommandFailed(
+            f"{line} exited {process.returncode}: {last}", argv, process.returncode, message
+        )
+    return stdout.decode(errors="replace")
 
 
 class SlurmQueryError(SourceError):
@@ -308,7 +344,7 @@ class SlurmJobs:
         max_cached: int = 4096,
         max_concurrent: int = 2,
         clock: Callable[[], float] = time.monotonic,
-        run: Run = run_command,
+        run: Run = run_in_session,
     ) -> None:
         if not scontrol:
             raise ValueError("scontrol: an empty command line")
