@@ -14,6 +14,24 @@ A job that reports through the channel and is also found from its cgroup or a ma
 is one job: a rank's own job id wins for its pid, and a mapping's Slurm job id is the
 channel job of that Slurm job on the same GPU.
 
+What a process's environment or a rank's hello says is user input, and names no GPU that
+NVML puts with another job: NVML's processes win.
+
+- ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` of a job's process give the job those GPUs only
+  where NVML shows no other job's process (logged once per job and GPUs otherwise);
+- ``CUDA_VISIBLE_DEVICES`` is read relative to the job's GPUs (Slurm's ``ConstrainDevices``
+  renumbers them from 0: :func:`~hyperagent.sources.slurm_cgroup.visible_gpus`), under the
+  same rule; an index that cannot be mapped names nothing;
+- the GPU a rank declared in its hello counts for its job only where NVML agrees: no process
+  of another job (by the job channel, its Slurm cgroup, or a mapping file for another Slurm
+  job) nor of another user is on it. A GPU NVML shows no process on counts (NVML cannot tell,
+  which is what the hello's GPU is for); one NVML shows another job on neither counts nor
+  makes the two jobs' GPUs overlap.
+
+A Slurm 26.05 node names job cgroups by SLUID (``CgroupJobIdPaths=no``, the default): such a
+job is ``slurm-<SLUID>-<step>``, its ``slurm_job`` label the SLUID, and the agent says so once
+in its log.
+
 :class:`JobLedger` is the lifecycle, pure and driven by a clock: a job is live while
 something holds a GPU for it; when nothing does it has *ended*, and for ``release_after_s``
 its ``hyperagent_job_gpus`` is 0 and its energy counter keeps its final value (as the job
@@ -40,7 +58,12 @@ from hyperagent.scheduler import SchedulerJob, slurm_parts
 from hyperagent.sources import ipmi
 from hyperagent.sources.job_mapping import MappingRead, read_mapping_dir
 from hyperagent.sources.pdu import metrics as pdu_metrics
-from hyperagent.sources.slurm_cgroup import CgroupFormatError, ProcessJob, read_process
+from hyperagent.sources.slurm_cgroup import (
+    CgroupFormatError,
+    ProcessJob,
+    read_process,
+    visible_gpus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +384,7 @@ class Attribution:
         self._gpu_pids: dict[str, list[int]] = {}
         self._logged: set[str] = set()
         self._warned_hidden = False
+        self._told_sluid = False
         self._pending: (
             asyncio.Future[
                 tuple[dict[int, ProcessJob | None], MappingRead | None, dict[int, str | None]]
@@ -388,6 +412,13 @@ class Attribution:
                 self._logged.clear()
             self._logged.add(message)
             log.error("job attribution: %s", message)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._logged:
+            if len(self._logged) > MAX_USERS:
+                self._logged.clear()
+            self._logged.add(message)
+            log.warning("job attribution: %s", message)
 
     async def poll(self, gpu_pids: Mapping[str, list[int]], owner_uids: Iterable[int]) -> None:
         """Read what the scheduler says of the processes on the GPUs (their proc files, new
@@ -437,6 +468,7 @@ class Attribution:
                     self.proc_root,
                     hidden[0],
                 )
+            self._tell_sluid(found)
         mapped = None
         if self.mode == "mapping" and self.mapping_dir is not None:
             mapped = read_mapping_dir(self.mapping_dir)
@@ -448,6 +480,29 @@ class Attribution:
 
     def _visible(self, pid: int) -> bool:
         return (self.proc_root / str(pid)).exists()
+
+    def _tell_sluid(self, found: Mapping[int, ProcessJob | None]) -> None:
+        """Say once that Slurm names this node's job cgroups by SLUID, and what follows."""
+        if self._told_sluid:
+            return
+        first = next(
+            (p for p in found.values() if p is not None and p.job is not None and p.job.sluid),
+            None,
+        )
+        if first is None or first.job is None:
+            return
+        self._told_sluid = True
+        job = first.job
+        log.warning(
+            "job attribution: Slurm names this node's job cgroups by SLUID (Slurm 26.05's"
+            " cgroup/v2 default; pid %d is in %s, step %s): such a job is %s, its slurm_job"
+            " label the SLUID, which scontrol show job and squeue take for the job id; set"
+            " CgroupJobIdPaths=yes in cgroup.conf for job_<id> paths",
+            first.pid,
+            job.sluid,
+            job.job.step or "(none)",
+            job.job.id,
+        )
 
     def user(self, uid: int | None) -> str:
         """The user name of ``uid`` as looked up (the uid itself for one the database does
@@ -461,9 +516,14 @@ class Attribution:
         self, channel: ChannelJobs, uuids: Mapping[str, str]
     ) -> dict[str, tuple[JobIdentity, frozenset[str]]]:
         """Job id -> (identity, GPU indices) of every job holding a GPU now; ``uuids`` maps a
-        GPU uuid to its index (a ``CUDA_VISIBLE_DEVICES`` of uuids)."""
+        GPU uuid to its index (a ``CUDA_VISIBLE_DEVICES`` of uuids). NVML's processes first;
+        then what environments and hellos say, where NVML does not put the GPU with another
+        job (see the module doc)."""
         gpus: dict[str, set[str]] = {}
         who: dict[str, JobIdentity] = {}
+        seen: dict[str, set[str]] = {}
+        """GPU -> the jobs NVML shows a process of there."""
+        environs: list[tuple[JobIdentity, ProcessJob]] = []
 
         def take(job: JobIdentity, indices: Iterable[str]) -> None:
             known = who.get(job.job_id)
@@ -480,16 +540,84 @@ class Attribution:
                 process = self._processes.get(pid)
                 job_id = channel.pids.get(pid)
                 if job_id is not None:
-                    take(channel_identity(job_id, process), [index])
+                    job = channel_identity(job_id, process)
                 elif self.mode == "cgroup" and process is not None and process.job is not None:
                     scheduler = process.job.job
                     job = identity(scheduler.id, self.user(process.uid), scheduler)
-                    take(job, [index, *_indices(process.gpus, uuids)])
+                    environs.append((job, process))
+                else:
+                    continue
+                take(job, [index])
+                seen.setdefault(index, set()).add(job.job_id)
+        on_nvml = {job: set(held) for job, held in gpus.items()}
+        for job, process in environs:
+            self._take_environ(take, job, process, on_nvml.get(job.job_id, set()), seen, uuids)
         for declared, job_id in channel.declared.items():
-            take(channel_identity(job_id, None), [str(declared)])
+            index = str(declared)
+            other = self._other_holder(index, job_id, channel, seen)
+            if other is None:
+                take(channel_identity(job_id, None), [index])
+            else:
+                self._warn_once(
+                    f"{job_id} declared GPU {index}, where NVML shows {other}: not its GPU"
+                )
         if self.mode == "mapping":
             self._take_mapped(take, gpus, who, uuids)
         return {job: (who[job], frozenset(held)) for job, held in gpus.items() if held}
+
+    def _take_environ(
+        self,
+        take: Callable[[JobIdentity, Iterable[str]], None],
+        job: JobIdentity,
+        process: ProcessJob,
+        on_nvml: set[str],
+        seen: Mapping[str, set[str]],
+        uuids: Mapping[str, str],
+    ) -> None:
+        """Give ``job`` the GPUs its process's environment names that NVML puts with no other
+        job: ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``, and ``CUDA_VISIBLE_DEVICES`` read relative
+        to them (else to the GPUs NVML shows the job on)."""
+        allotted = _indices(process.slurm_gpus, uuids)
+        known = allotted or sorted(on_nvml, key=_index_order)
+        named = allotted + visible_gpus(process.visible_gpus, known, uuids)
+        mine = {job.job_id}
+        free = [g for g in named if seen.get(g, mine) <= mine]
+        taken = set(named) - set(free)
+        if taken:
+            others = sorted({j for g in taken for j in seen[g]} - mine)
+            self._warn_once(
+                f"pid {process.pid} of {job.job_id} names GPU(s)"
+                f" {', '.join(sorted(taken, key=_index_order))} in its environment, where NVML"
+                f" shows {', '.join(others)}: not given to {job.job_id}"
+            )
+        take(job, free)
+
+    def _other_holder(
+        self, index: str, job_id: str, channel: ChannelJobs, seen: Mapping[str, set[str]]
+    ) -> str | None:
+        """Who NVML (or the scheduler's mapping) puts on GPU ``index`` besides ``job_id``:
+        another job, or another user's process; None where nothing contradicts ``job_id``."""
+        others = sorted(seen.get(index, set()) - {job_id})
+        if others:
+            return ", ".join(others)
+        owner = channel.owners.get(job_id)
+        for pid in self._gpu_pids.get(index, ()):
+            if channel.pids.get(pid) == job_id:
+                continue
+            process = self._processes.get(pid)
+            if process is None:
+                continue  # gone, or hidden from the agent: says nothing either way
+            if process.job is not None and process.job.job.id != job_id:
+                return process.job.job.id
+            if process.uid is not None and owner is not None and process.uid != owner:
+                return f"a process of {self.user(process.uid)}"
+        mapped = self._mapped.get(index, ()) if self.mode == "mapping" else ()
+        slurm = slurm_parts(job_id)[0]
+        if mapped and not any(
+            m.id == job_id or (slurm and m.scheduler_id == slurm) for m in mapped
+        ):
+            return ", ".join(m.id for m in mapped)
+        return None
 
     def _take_mapped(
         self,

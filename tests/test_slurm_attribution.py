@@ -24,7 +24,7 @@ import pytest
 from test_agent_device_calls import scrape
 
 from hyperagent.agent import Agent
-from hyperagent.attribution import GpuValues, JobIdentity, JobLedger
+from hyperagent.attribution import Attribution, ChannelJobs, GpuValues, JobIdentity, JobLedger
 from hyperagent.capture.directory import capture_sources
 from hyperagent.config import build_config
 from hyperagent.errors import ConfigError
@@ -397,6 +397,196 @@ async def test_a_cgroup_v1_node_names_the_owner_in_the_path(tmp_path: Path) -> N
         _node,
     ):
         await check_two_jobs(port, ALICE, BOB)
+
+
+def _node_copy(tmp_path: Path, name: str) -> Path:
+    node = tmp_path / name
+    shutil.copytree(NODE, node)
+    return node
+
+
+def _edit_environ(folder: Path, **values: str | None) -> None:
+    """Set (or, for None, remove) variables of a fixture process's ``environ``."""
+    entries = [e for e in (folder / "environ").read_bytes().split(b"\0") if e]
+    kept = [e for e in entries if e.split(b"=", 1)[0].decode() not in values]
+    kept += [f"{k}={v}".encode() for k, v in values.items() if v is not None]
+    (folder / "environ").write_bytes(b"\0".join(kept) + b"\0")
+
+
+async def test_a_slurm_26_05_node_names_its_jobs_by_sluid(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Slurm 26.05 names a job's cgroup v2 directory by its SLUID (the SLUIDs of
+    fixtures/slurm-cgroup): both jobs are attributed, under their SLUIDs, and the log says
+    once why they are not job numbers. Before, no job was found and nothing was logged."""
+    caplog.set_level(logging.WARNING, logger="hyperagent.attribution")
+    node = _node_copy(tmp_path, "v2605")
+    sluids = {"job_4242": "s5K1KKYAYG5D00", "job_4243": "sEKNKTV3WPV500"}
+    for folder in (node / "proc").iterdir():
+        text = (folder / "cgroup").read_text()
+        for job, sluid in sluids.items():
+            text = text.replace(f"/{job}/", f"/{sluid}/")
+        (folder / "cgroup").write_text(text)
+    alice = {**ALICE, "job_id": "slurm-s5K1KKYAYG5D00-0", "slurm_job": "s5K1KKYAYG5D00"}
+    bob = {**BOB, "job_id": "slurm-sEKNKTV3WPV500-0", "slurm_job": "sEKNKTV3WPV500"}
+    async with replayed(tmp_path, {"mode": "cgroup", "proc_root": str(node / "proc")}) as (
+        _,
+        port,
+        _node,
+    ):
+        await check_two_jobs(port, alice, bob)
+    assert caplog.text.count("names this node's job cgroups by SLUID") == 1
+    assert "CgroupJobIdPaths=yes" in caplog.text
+
+
+async def test_a_cgroup_v1_job_line_before_the_step_lines_gives_the_step(tmp_path: Path) -> None:
+    """cgroup v1 with each process's devices line stopping at its job, before the lines that go
+    down to the step: the jobs are their steps (before: ``slurm-4242``, ``slurm-4243``)."""
+    node = _node_copy(tmp_path, "v1-job-lines")
+    for folder in (node / "proc").iterdir():
+        parts = (folder / "cgroup").read_text().strip().split("/")
+        job, step, task = parts[3], parts[4], parts[6]
+        uid = "1001" if job == "job_4242" else "1002"
+        lines = [f"11:devices:/slurm/uid_{uid}/{job}"]
+        lines += [f"{n}:{c}:/slurm/uid_{uid}/{job}/{step}/{task}" for n, c in ((7, "memory"),)]
+        lines += [f"3:cpuset:/slurm/uid_{uid}/{job}/{step}", "1:name=systemd:/system.slice"]
+        (folder / "cgroup").write_text("\n".join(lines) + "\n")
+    async with replayed(tmp_path, {"mode": "cgroup", "proc_root": str(node / "proc")}) as (
+        _,
+        port,
+        _node,
+    ):
+        await check_two_jobs(port, ALICE, BOB)
+
+
+async def test_environment_gpus_that_nvml_shows_another_job_on_are_not_given(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """alice's rank 0 says SLURM_STEP_GPUS=0,1,2,3,5,6 and bob's rank 0 says 0,1,4,5,6,7:
+    NVML shows bob's processes on GPUs 5 and 6 and alice's on 0 and 1, so each job keeps its
+    own four GPUs and no energy is split (before: alice credited GPUs 5 and 6 she never
+    touched, both jobs "holding" GPUs 0, 1, 5 and 6)."""
+    caplog.set_level(logging.WARNING, logger="hyperagent.attribution")
+    node = _node_copy(tmp_path, "env-gpus")
+    proc = node / "proc"
+    _edit_environ(proc / "51001", SLURM_STEP_GPUS="0,1,2,3,5,6", SLURM_JOB_GPUS="0,1,2,3,5,6")
+    _edit_environ(proc / "52101", SLURM_STEP_GPUS="0,1,4,5,6,7")
+    async with replayed(tmp_path, {"mode": "cgroup", "proc_root": str(proc)}) as (_, port, _n):
+        await check_two_jobs(port, ALICE, BOB)
+    assert caplog.text.count("pid 51001 of slurm-4242-0 names GPU(s) 5, 6") == 1
+    assert "where NVML shows slurm-4243-0: not given to slurm-4242-0" in caplog.text
+    assert caplog.text.count("pid 52101 of slurm-4243-0 names GPU(s) 0, 1") == 1
+
+
+async def test_cuda_visible_devices_counts_from_the_job_s_own_gpus(tmp_path: Path) -> None:
+    """bob's step sees its GPUs 4-7 as CUDA_VISIBLE_DEVICES=0,1,2,3 (ConstrainDevices), and
+    his processes' environments hold no SLURM_*_GPUS; alice's job has ended, GPUs 0-3 are idle.
+    bob's job holds GPUs 4-7 (before: 0-7, the indices taken as the node's)."""
+    node = _node_copy(tmp_path, "visible")
+    proc = node / "proc"
+    for pid in range(51001, 51005):
+        shutil.rmtree(proc / str(pid))
+    for pid in range(52101, 52105):
+        _edit_environ(proc / str(pid), SLURM_STEP_GPUS=None, SLURM_JOB_GPUS=None)
+    async with replayed(tmp_path, {"mode": "cgroup", "proc_root": str(proc)}) as (
+        agent,
+        port,
+        _n,
+    ):
+        for gpu in range(4):
+            agent.hardware.nvml.set_processes(gpu, [])
+        await until(lambda: per_job(scrape(port), "hyperagent_job_gpus") == {BOB["job_id"]: 4})
+        await asyncio.sleep(0.6)  # a few attribution rounds: still GPUs 4-7
+        samples = scrape(port)
+        assert per_job(samples, "hyperagent_job_gpus") == {BOB["job_id"]: 4.0}
+        info = {dict(k)["gpu"] for (n, k), _ in samples.items() if n == "hyperagent_gpu_job_info"}
+        assert info == {"4", "5", "6", "7"}
+
+
+async def test_a_gpu_declared_where_nvml_shows_another_job_is_not_the_rank_s(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank (this test process, job ``squat``) declares GPU 0 in its hello, where NVML shows
+    alice's Slurm job: GPU 0 stays alice's alone and the rank's job holds no GPU, so the two
+    jobs' GPUs do not overlap (before: both held GPU 0 and split its energy)."""
+    caplog.set_level(logging.WARNING, logger="hyperagent.attribution")
+    async with replayed(tmp_path, {"mode": "cgroup"}) as (agent, port, _node):
+        reporter = JobReporter("squat", rank=0, socket_path=tmp_path / "job.sock", gpu=0)
+        try:
+            reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+            source = agent.job_source
+            assert source is not None
+            await until(lambda: source.declared_gpus() != {})
+            (job,) = set(source.declared_gpus().values())
+            await until(lambda: f"{job} declared GPU 0" in caplog.text)
+            collections = agent.collections
+            await until(lambda: agent.collections > collections + 3)
+            samples = scrape(port)
+            assert job not in per_job(samples, "hyperagent_job_gpus")
+            owners = [
+                dict(k)["job_id"]
+                for (n, k), _ in samples.items()
+                if n == "hyperagent_gpu_job_info" and dict(k)["gpu"] == "0"
+            ]
+            assert owners == [ALICE["job_id"]]
+            assert per_job(samples, "hyperagent_job_gpus")[ALICE["job_id"]] == 4.0
+            assert agent.job_gpus(job) == (set(), False)
+        finally:
+            reporter.close()
+    assert f"{job} declared GPU 0, where NVML shows slurm-4242-0: not its GPU" in caplog.text
+
+
+def _process(proc: Path, pid: int, uid: int, cgroup: str = "0::/user.slice\n") -> None:
+    folder = proc / str(pid)
+    folder.mkdir(parents=True)
+    (folder / "cgroup").write_text(cgroup)
+    (folder / "status").write_text(f"Name:\tpython\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+
+
+async def test_a_declared_gpu_counts_where_nvml_does_not_put_it_with_another(
+    tmp_path: Path,
+) -> None:
+    """Which declared GPUs count: NVML shows alice's Slurm job on GPU 0 and mallory's own
+    process (no job) on GPU 2, nobody on GPU 1, a process the agent cannot see on GPU 3."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, 1001, "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n")
+    _process(proc, 200, 1003)
+    attribution = Attribution("cgroup", JobLedger(60.0, 16), proc_root=proc, users=str)
+    await attribution.poll({"0": [100], "1": [], "2": [200], "3": [300]}, [1003, 1004])
+    channel = ChannelJobs(
+        pids={900: "mallory-a", 901: "mallory-b", 902: "eve", 903: "mallory-c"},
+        declared={0: "mallory-a", 1: "mallory-b", 2: "eve", 3: "mallory-c"},
+        owners={"mallory-a": 1003, "mallory-b": 1003, "eve": 1004, "mallory-c": 1003},
+    )
+    held = {j: set(g) for j, (_, g) in attribution.holders(channel, {}).items()}
+    assert held == {
+        "slurm-4242-0": {"0"},  # NVML's processes win
+        "mallory-b": {"1"},  # no process there: NVML cannot tell, the hello can
+        "mallory-c": {"3"},  # a process the agent cannot see says nothing either way
+    }
+    channel.declared[2] = "mallory-b"  # her own process is on GPU 2: it agrees
+    held = {j: set(g) for j, (_, g) in attribution.holders(channel, {}).items()}
+    assert held["mallory-b"] == {"1", "2"}
+
+
+async def test_a_declared_gpu_the_mapping_gives_another_slurm_job_is_not_the_rank_s(
+    tmp_path: Path,
+) -> None:
+    mapping = tmp_path / "job-mapping"
+    mapping.mkdir()
+    (mapping / "5").write_text("4243\n")
+    attribution = Attribution(
+        "mapping", JobLedger(60.0, 16), proc_root=tmp_path, mapping_dir=mapping, users=str
+    )
+    await attribution.poll({"5": []}, [])
+    channel = ChannelJobs(pids={900: "squat"}, declared={5: "squat"}, owners={"squat": 1003})
+    held = {j: set(g) for j, (_, g) in attribution.holders(channel, {}).items()}
+    assert held == {"slurm-4243": {"5"}}
+    channel = ChannelJobs(
+        pids={901: "slurm-4243-0"}, declared={5: "slurm-4243-0"}, owners={"slurm-4243-0": 1002}
+    )
+    held = {j: set(g) for j, (_, g) in attribution.holders(channel, {}).items()}
+    assert held == {"slurm-4243-0": {"5"}}  # the mapping's job is the rank's: one job
 
 
 async def test_the_same_from_a_job_mapping_directory(tmp_path: Path) -> None:
