@@ -59,7 +59,8 @@ from cluster.harness import Unavailable  # noqa: E402
 
 __all__ = ["NODES", "USERS", "Slurm", "SlurmHost", "Unavailable", "check_host", "slurm_cluster"]
 
-NODES = ("gpu-1", "gpu-2", "gpu-3")
+NODES = ("gpu-1", "gpu-2", "gpu-3", "gpu-4")
+"""Four nodes: a job on two and another on three sharing one of them fit beside each other."""
 USERS = ("alice", "bob", "mallory", "eve")
 """Ordinary Unix users who run jobs (made where missing, removed at the end)."""
 GPUS_PER_NODE = 8
