@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,8 @@ def _run(*argv: str, timeout_s: float = CLIENT_TIMEOUT_S, **kw: Any) -> str:
 @dataclass
 class SlurmHost:
     """One host: a network namespace, an address on the bridge, and a process holding a mount
-    namespace in which ``BOUND`` are the host's own directories under ``root``."""
+    namespace in which ``BOUND`` (and ``Slurm.host_dirs``) are the host's own directories
+    under ``root``."""
 
     name: str
     netns: str
@@ -139,13 +140,17 @@ class SlurmHost:
 @dataclass
 class Slurm:
     """A Slurm cluster; use :func:`slurm_cluster`, or ``with Slurm(root, nodes) as s:
-    s.start()``. ``etc`` is the cluster's /etc/slurm (the hosts' ``/etc/slurm``)."""
+    s.prepare(); s.start()``. ``etc`` is the cluster's /etc/slurm (every host's
+    ``/etc/slurm``), ``logs`` the daemons' logs, ``jobs`` a folder every job may write."""
 
     root: Path
     nodes: tuple[str, ...] = NODES
     gpus_per_node: int = GPUS_PER_NODE
     cpus_per_node: int = CPUS_PER_NODE
     users: tuple[str, ...] = USERS
+    host_dirs: tuple[Path, ...] = ()
+    """More paths each host sees as a folder of its own (``/run/hyperagent``,
+    ``/etc/hyperagent`` for an agent on each node), beside ``BOUND``; see :meth:`host_path`."""
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     hosts: dict[str, SlurmHost] = field(default_factory=dict)
     """``ctl`` and every node name -> its host."""
@@ -176,6 +181,11 @@ class Slurm:
         """World-writable (sticky), for batch scripts' output."""
 
     # -- the whole cluster ---------------------------------------------------------------
+
+    @property
+    def bound(self) -> tuple[Path, ...]:
+        """Every path a host sees as its own: ``BOUND`` and ``host_dirs``."""
+        return (*BOUND, *self.host_dirs)
 
     def __enter__(self) -> Slurm:
         check_host()
@@ -270,13 +280,14 @@ class Slurm:
 
     def _directories(self) -> None:
         slurm = pwd.getpwnam("slurm")
-        for path in BOUND:  # mount points on the machine (left empty there)
+        for path in self.bound:  # mount points on the machine (left empty there)
             if not path.exists():
                 missing = [p for p in (path, *path.parents) if not p.exists()]
                 path.mkdir(parents=True)
                 self._made_dirs += reversed(missing)
         for host in self.hosts.values():
-            self.host_path(host.name, MAPPING_DIR).mkdir(parents=True)
+            for path in (MAPPING_DIR, *self.host_dirs):
+                self.host_path(host.name, path).mkdir(parents=True)
         self.etc.mkdir(mode=0o755)
         for name in ("state", "log", "run"):
             folder = self.root / name
@@ -292,7 +303,7 @@ class Slurm:
         os.chown(folder, munge.pw_uid, munge.pw_gid)
 
     def host_path(self, host: str, path: Path) -> Path:
-        """Where ``path`` (one of ``BOUND``) of host ``host`` is on the machine: the cluster's
+        """Where ``path`` (in ``bound``) of host ``host`` is on the machine: the cluster's
         ``etc`` for /etc/slurm, the one munged's folder for /run/munge, else the host's own
         folder (``node_path``)."""
         if path == ETC_SLURM:
@@ -324,10 +335,10 @@ class Slurm:
             _run("ip", "-n", host.netns, "link", "set", "lo", "up")
 
     def _hold(self, host: SlurmHost) -> None:
-        """A process in ``host``'s network namespace and a new mount namespace with ``BOUND``
+        """A process in ``host``'s network namespace and a new mount namespace with ``bound``
         bound to the host's folders (``nsenter --net``, not ``ip netns exec``: that remounts
         /sys, and slurmd then finds no cgroup hierarchy)."""
-        binds = [f"mount --bind '{self.host_path(host.name, p)}' '{p}'" for p in BOUND]
+        binds = [f"mount --bind '{self.host_path(host.name, p)}' '{p}'" for p in self.bound]
         script = "\n".join([*binds, "echo ready", "exec sleep infinity"])
         host.holder = subprocess.Popen(
             [
@@ -695,18 +706,25 @@ def slurm_cluster(
     root: Path | None = None,
     gpus_per_node: int = GPUS_PER_NODE,
     users: Sequence[str] = USERS,
-    install: Any = None,
+    host_dirs: Sequence[Path] = (),
+    install: Callable[[Slurm], object] | None = None,
     keep: bool = False,
 ) -> Iterator[Slurm]:
     """A started Slurm of ``nodes``, every node idle; stopped and removed at the end (its
-    root kept with ``keep``). ``install(slurm)``, if given, runs after the cluster's own
-    configuration is written and before the daemons start (an operator's steps: files in
-    ``slurm.etc``, run on a host with ``slurm.client(None)``). Raises Unavailable where this
-    machine cannot run it."""
+    root kept with ``keep``); each host sees ``host_dirs`` as folders of its own.
+    ``install(slurm)``, if given, runs after the cluster's own configuration is written and
+    before the daemons start (an operator's steps: files in ``slurm.etc``, run on a host with
+    ``slurm.client(None)``). Raises Unavailable where this machine cannot run it."""
     check_host()
     base = root or new_root()
     try:
-        with Slurm(base, tuple(nodes), gpus_per_node=gpus_per_node, users=tuple(users)) as s:
+        with Slurm(
+            base,
+            tuple(nodes),
+            gpus_per_node=gpus_per_node,
+            users=tuple(users),
+            host_dirs=tuple(host_dirs),
+        ) as s:
             s.prepare()
             if install is not None:
                 install(s)
