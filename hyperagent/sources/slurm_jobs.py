@@ -362,6 +362,8 @@ class SlurmJobs:
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._inflight: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._unavailable: _Entry | None = None
+        self._failing = False
+        """The last query that reached no answer timed out or failed (logged once)."""
         self.queries = 0
         """scontrol processes started so far."""
 
@@ -378,16 +380,15 @@ class SlurmJobs:
         self._cache.pop(job_id, None)
 
     async def get(self, job_id: str) -> SlurmJobInfo | None:
-        """The job as the controller says, None when it cannot say (the reason logged: at
-        warning for a missing scontrol, a timeout or a refused answer, at debug for a job the
-        controller does not know)."""
+        """The job as the controller says, None when it cannot say. The reason is logged
+        when the query fails, not at each answer from the cache: a missing scontrol and a
+        refused answer at warning; a timeout or a failing scontrol at warning when the
+        controller stops answering, at debug while it still does not (and at info once it
+        answers again); a job the controller does not know at debug."""
         try:
             return await self.lookup(job_id)
-        except UnknownJob as e:
-            log.debug("Slurm job %s: %s", job_id, e)
-        except SlurmQueryError as e:
-            log.warning("Slurm job %s: no answer from the controller: %s", job_id, e)
-        return None
+        except SlurmQueryError:
+            return None
 
     async def lookup(self, job_id: str) -> SlurmJobInfo:
         """The job as the controller says (cached). Raises ValueError for an id that is no
@@ -443,8 +444,20 @@ class SlurmJobs:
             self._unavailable = _Entry(self._clock() + self.unavailable_ttl_s, None, e)
             log.warning("Slurm: %s; jobs are not looked up for %gs", e, self.unavailable_ttl_s)
             return self._unavailable
-        except SlurmQueryError as e:
+        except (UnknownJob, SlurmParseError) as e:
+            if isinstance(e, UnknownJob):
+                log.debug("Slurm job %s: %s", job_id, e)
+            else:
+                log.warning("Slurm job %s: the controller's answer is refused: %s", job_id, e)
             return self._store(job_id, _Entry(self._clock() + self.failure_ttl_s, None, e))
+        except SlurmQueryError as e:
+            level = logging.DEBUG if self._failing else logging.WARNING
+            log.log(level, "Slurm job %s: no answer from the controller: %s", job_id, e)
+            self._failing = True
+            return self._store(job_id, _Entry(self._clock() + self.failure_ttl_s, None, e))
+        if self._failing:
+            log.info("Slurm: the controller answers again")
+            self._failing = False
         return self._store(job_id, _Entry(self._clock() + self.ttl_s, info, None))
 
     def _store(self, job_id: str, entry: _Entry) -> _Entry:

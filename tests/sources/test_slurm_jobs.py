@@ -248,21 +248,25 @@ async def test_a_job_the_controller_does_not_know_is_none_and_asked_again_soon(
     clock = ManualClock()
     fake = FakeScontrol({"999999": invalid_job(["scontrol"])})
     jobs = SlurmJobs(failure_ttl_s=5, clock=clock, run=fake)
-    with pytest.raises(UnknownJob, match="knows no job 999999") as raised:
-        await jobs.lookup("999999")
-    assert "Invalid job id specified" in raised.value.detail
     with caplog.at_level(logging.DEBUG, "hyperagent.sources.slurm_jobs"):
+        with pytest.raises(UnknownJob, match="knows no job 999999") as raised:
+            await jobs.lookup("999999")
         assert await jobs.get("999999") is None
+    assert "Invalid job id specified" in raised.value.detail
     assert len(fake.calls) == 1, "the failure is cached"
-    assert "knows no job 999999" in caplog.text
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("DEBUG", "Slurm job 999999: the controller knows no job 999999")
+    ]
     clock.now = 5
     assert await jobs.get("999999") is None
     assert len(fake.calls) == 2
 
 
-async def test_timeouts_and_other_failures_are_logged_and_cached_briefly(
+async def test_timeouts_and_other_failures_are_cached_briefly_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A controller that stops answering is one warning, not one per job and query; its
+    return is logged too."""
     clock = ManualClock()
     down = CommandFailed(
         "exited 1",
@@ -272,16 +276,39 @@ async def test_timeouts_and_other_failures_are_logged_and_cached_briefly(
     )
     fake = FakeScontrol({"1": CommandTimeout("slow", ["scontrol"]), "2": down})
     jobs = SlurmJobs(clock=clock, run=fake)
-    with caplog.at_level(logging.WARNING, "hyperagent.sources.slurm_jobs"):
+    with caplog.at_level(logging.DEBUG, "hyperagent.sources.slurm_jobs"):
         assert await jobs.get("1") is None
         assert await jobs.get("2") is None
-    assert "did not answer within 5s" in caplog.text
-    assert "Unable to contact slurm controller" in caplog.text
-    with pytest.raises(SlurmTimeout):
-        await jobs.lookup("1")
-    with pytest.raises(SlurmQueryError, match="Unable to contact"):
-        await jobs.lookup("2")
-    assert len(fake.calls) == 2
+        with pytest.raises(SlurmTimeout):
+            await jobs.lookup("1")
+        with pytest.raises(SlurmQueryError, match="Unable to contact"):
+            await jobs.lookup("2")
+        assert len(fake.calls) == 2, "each failure is cached for failure_ttl_s"
+        fake.answers["3"] = "running-mallory-batch"
+        assert await jobs.get("3") is not None
+    levels = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert levels == [
+        (
+            "WARNING",
+            "Slurm job 1: no answer from the controller: scontrol show job 1 did not"
+            " answer within 5s",
+        ),
+        (
+            "DEBUG",
+            "Slurm job 2: no answer from the controller: scontrol show job 2: slurm_load"
+            "_jobs error: Unable to contact slurm controller (connect failure)",
+        ),
+        ("INFO", "Slurm: the controller answers again"),
+    ]
+
+
+async def test_a_refused_answer_is_a_warning_naming_the_job(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeScontrol({"5": "running-mallory-forged-name-comment"})
+    with caplog.at_level(logging.WARNING, "hyperagent.sources.slurm_jobs"):
+        assert await SlurmJobs(run=fake).get("5") is None
+    assert "Slurm job 5: the controller's answer is refused: job 5: 2 lines" in caplog.text
 
 
 async def test_a_missing_scontrol_stops_every_lookup_for_a_while() -> None:
