@@ -593,7 +593,9 @@ PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         match = re.search(r"\bJobState=(\S+)", text)
         return match.group(1) if match else ""
 
-    def wait_job(self, job_id: str, states: Sequence[str] = ("RUNNING",), timeout_s=30.0) -> str:
+    def wait_job(
+        self, job_id: str, states: Sequence[str] = ("RUNNING",), timeout_s: float = 30.0
+    ) -> str:
         """Wait until job ``job_id`` is in one of ``states``; that state."""
         return str(
             _until(
