@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hyperagent.devices import metrics as gpu_metrics
 from hyperagent.readings import Kind, Reading
@@ -523,7 +524,8 @@ class Attribution:
         who: dict[str, JobIdentity] = {}
         seen: dict[str, set[str]] = {}
         """GPU -> the jobs NVML shows a process of there."""
-        environs: list[tuple[JobIdentity, ProcessJob]] = []
+        environs: dict[tuple[str, Any, Any], tuple[JobIdentity, ProcessJob]] = {}
+        """One process per job and environment's GPUs: a job's ranks mostly share theirs."""
 
         def take(job: JobIdentity, indices: Iterable[str]) -> None:
             known = who.get(job.job_id)
@@ -544,13 +546,14 @@ class Attribution:
                 elif self.mode == "cgroup" and process is not None and process.job is not None:
                     scheduler = process.job.job
                     job = identity(scheduler.id, self.user(process.uid), scheduler)
-                    environs.append((job, process))
+                    key = (job.job_id, process.slurm_gpus, process.visible_gpus)
+                    environs.setdefault(key, (job, process))
                 else:
                     continue
                 take(job, [index])
                 seen.setdefault(index, set()).add(job.job_id)
         on_nvml = {job: set(held) for job, held in gpus.items()}
-        for job, process in environs:
+        for job, process in environs.values():
             self._take_environ(take, job, process, on_nvml.get(job.job_id, set()), seen, uuids)
         for declared, job_id in channel.declared.items():
             index = str(declared)
