@@ -106,8 +106,9 @@ class _Trial:
     energy_start_j: float | None = None
     xid_start: float = 0.0
     windows_reported: int = 0
-    gpus: frozenset[int] | None = None
-    """The job's GPUs on this node, whose energy the trial counts (None: every GPU)."""
+    gpus: frozenset[int] = frozenset()
+    """The job's GPUs on this node, whose energy and XIDs the trial counts (none known: the
+    trial has no energy here)."""
     energy_marks: list[float | None] = field(default_factory=list)
     """The energy counter as each measurement window closed (None: it did not answer)."""
 
@@ -211,8 +212,8 @@ class Agent:
         """job -> the GPU indices its ranks run on (their processes, or what they declared)."""
         self.attribution = _attribution(config, hardware)
         """Which job holds each GPU, and the per-job GPU series (``[attribution]``)."""
-        self._capped: dict[str, set[int] | None] = {}
-        """job -> the GPUs its settings capped (None: every GPU of the node)."""
+        self._capped: dict[str, set[int]] = {}
+        """job -> the GPUs its settings capped."""
         self._limits_w: tuple[float, float] | None = None
         self._gpu_model: str | None = None
         self._job_events: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
@@ -463,14 +464,16 @@ class Agent:
             if user is not None:
                 entry["user"] = user
             gpus, separable = self.job_gpus(j, live)
-            entry["gpus"] = sorted(gpus) if gpus is not None else []
+            entry["gpus"] = sorted(gpus)
             entry["gpus_separable"] = separable
             jobs[j] = entry
         return jobs
 
-    def job_gpus(self, job: str, live: list[str] | None = None) -> tuple[set[int] | None, bool]:
-        """The GPU indices ``job`` runs on here (None: every GPU, the job being alone on the
-        node with no GPU known), and whether they can be told from the other live jobs'."""
+    def job_gpus(self, job: str, live: list[str] | None = None) -> tuple[set[int], bool]:
+        """The GPU indices ``job`` is known to hold here (from NVML's processes, its cgroup or
+        the scheduler: none known is none, never "every GPU"), and whether they are its own
+        (no other live job is known on any of them). A live job on no known GPU (another
+        user's CPU-only rank) shares none."""
         if live is None:
             live = (
                 []
@@ -478,12 +481,10 @@ class Agent:
                 else [j for j, t in self.job_source.jobs.items() if t.ranks]
             )
         mine = self._job_gpus.get(job, set())
-        others = [j for j in live if j != job]
-        if not others:
-            return (set(mine) if mine else None), True
-        sets = [self._job_gpus.get(j, set()) for j in others]
-        separable = bool(mine) and all(s and not (s & mine) for s in sets)
-        return (set(mine) if separable else None), separable
+        separable = bool(mine) and not any(
+            self._job_gpus.get(j, set()) & mine for j in live if j != job
+        )
+        return set(mine), separable
 
     def _actuation(self) -> dict[str, Any]:
         """What this node can apply: the coordinator narrows a job's space to it."""
@@ -527,11 +528,15 @@ class Agent:
             await attribution.poll(self._gpu_pids, owner_uids)
         out, held = attribution.collect(readings, channel)
         channel_jobs = set(channel.pids.values()) | set(channel.declared.values())
+        known = self._job_gpus
         self._job_gpus = {
             job: {int(g) for g in gpus if g.isdigit()}
             for job, gpus in held.items()
             if job in channel_jobs
         }
+        for job in self._job_gpus.keys() - known.keys():
+            if self.live_versions.get(job) is None and job in self.applied_messages:
+                self._job_events.put_nowait((job, "back"))  # its cap can go on now
         return out
 
     async def _device_call(self, library: Any, call: Callable[[], _T], what: str) -> _T | None:
@@ -700,6 +705,7 @@ class Agent:
             return
         if self.link is not None:
             self.link.open_gate(state == "online")
+        attached = self.job_source.attached if self.job_source is not None else None
         trial_capped = any(
             m["settings"].get("power_cap_w") and m.get("trial") is not None
             for m in self.applied_messages.values()
@@ -716,6 +722,8 @@ class Agent:
             self._resend_all = True
             self._resend_wake.set()
             for job, message in list(self.applied_messages.items()):
+                if attached is None or not attached(job):
+                    continue  # no rank here: nothing to apply them to (its GPUs are unknown)
                 if self.live_versions.get(job) != message["version"]:
                     log.info(
                         "coordinator online: applying v%d for %s again", message["version"], job
@@ -740,15 +748,16 @@ class Agent:
     async def _apply(self, job: str, message: dict[str, Any], again: bool = False) -> None:
         """Apply ``message``'s settings (``again``: the version already applied, after a
         restart or after the power limits were restored) and ack them. A power cap goes on
-        the job's own GPUs only (every GPU when the job is alone on the node)."""
+        the GPUs the job is known to hold here, none when none is known."""
         version, settings = message["version"], message["settings"]
         problem = self._check_bounds(settings)
         refusal = "settings" if problem is not None else "node"
         applied: dict[str, Any] = {}
-        gpus: set[int] | None = None
         if problem is None and settings.get("power_cap_w") is not None and self.actuator:
             gpus, separable = self.job_gpus(job)
-            if not separable:
+            if not gpus:
+                problem = f"no GPU of {job} is known on this node: no power cap for it"
+            elif not separable:
                 problem = f"cannot tell the GPUs of {job} from another job's on this node"
             else:
                 try:
@@ -799,7 +808,7 @@ class Agent:
                         version,
                         message.get("trial"),
                         TrialMeasurement(version, plan),
-                        gpus=None if job_gpus is None else frozenset(job_gpus),
+                        gpus=frozenset(job_gpus),
                     )
                 )
             except ValueError as e:
@@ -899,8 +908,8 @@ class Agent:
 
     async def _job_loop(self) -> None:
         """A job whose ranks all left gets its GPUs' original power limits back at once (the
-        next job on them must not inherit its cap); when a rank comes back, its applied
-        settings are applied again."""
+        next job on them must not inherit its cap); when a rank comes back, or its GPUs become
+        known, its applied settings are applied again."""
         while True:
             job, what = await self._job_events.get()
             if what == "left" and job in self._capped and self.actuator is not None:
@@ -916,8 +925,12 @@ class Agent:
 
     def _on_job_released(self, job: str) -> None:
         """A job released by the job channel (no rank for ``release_after_s``): its step times
-        go, and a trial still waiting on it ends as stalled."""
+        and its applied settings go (never applied again: the job is over), and a trial still
+        waiting on it ends as stalled."""
         self._step_clocks.pop(job, None)
+        self.live_versions.pop(job, None)
+        if self.applied_messages.pop(job, None) is not None:
+            self._save_applied()
         trial = self._end_trial(job)
         if trial is not None:
             log.warning("%s was released during v%d; leaving the trial", job, trial.version)
@@ -941,7 +954,8 @@ class Agent:
             self._trial_events.put_nowait((trial, trial.windows_reported))
 
     async def _energy_j(self, gpus: frozenset[int] | None = None) -> float | None:
-        """The energy counter of ``gpus`` (None: every GPU) now (None when NVML did not answer
+        """The energy counter of ``gpus`` (None: every GPU; none: no energy) now (None when NVML
+        did not answer
         within ``sources.timeout_s``); without an NVML source (GPU readings replayed as
         recorded), as of the latest collection; a text tool with an energy counter (xpu-smi) is
         run for it."""
@@ -958,8 +972,9 @@ class Agent:
         return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
 
     def _gpus_energy_j(self, gpus: frozenset[int]) -> float | None:
-        """The energy counters of ``gpus`` summed, as of the latest collection."""
-        if self.snapshot is None:
+        """The energy counters of ``gpus`` summed, as of the latest collection (None for no
+        GPU)."""
+        if self.snapshot is None or not gpus:
             return None
         values = [
             r.value
@@ -979,7 +994,7 @@ class Agent:
             trial, what = await self._trial_events.get()
             if what is Phase.MEASURING:
                 trial.energy_start_j = await self._energy_j(trial.gpus)
-                trial.xid_start = self._xid_total()
+                trial.xid_start = self._xid_total(trial.gpus)
             elif isinstance(what, int) and not isinstance(what, Phase):
                 if self._trials.get(trial.job) is not trial:
                     continue
@@ -997,10 +1012,17 @@ class Agent:
                 if self._trials.get(trial.job) is trial:
                     self._end_trial(trial.job)
 
-    def _xid_total(self) -> float:
-        if self.snapshot is None:
+    def _xid_total(self, gpus: frozenset[int]) -> float:
+        """The XIDs counted so far on ``gpus`` (a trial's own: another job's GPU failing is
+        not this job's trial failing)."""
+        if self.snapshot is None or not gpus:
             return 0.0
-        return self.snapshot.total("hyperagent_gpu_xid_errors_total") or 0.0
+        wanted = {str(g) for g in gpus}
+        return sum(
+            r.value
+            for r in self.snapshot.readings
+            if r.name == "hyperagent_gpu_xid_errors_total" and r.labels.get("gpu") in wanted
+        )
 
     def _publish_report(
         self,
@@ -1021,7 +1043,7 @@ class Agent:
         result = measurement.so_far() if partial else measurement.result()
         if stalled:
             result = Measurement(0, 0.0, 0.0, [], 0, False)
-        xid = 0.0 if partial else self._xid_total() - trial.xid_start
+        xid = 0.0 if partial else self._xid_total(trial.gpus) - trial.xid_start
         windows = len(result.windows)
         energy_windows = None
         if not stalled and windows:

@@ -215,6 +215,10 @@ class JobSection(_Model):
     max_jobs: Annotated[int, Field(ge=1, le=4096)] = 16
     max_ranks: Annotated[int, Field(ge=1, le=4096)] = 64
     """Connected ranks per job at most."""
+    max_jobs_per_user: Annotated[int, Field(ge=1, le=4096)] = 8
+    """Live jobs of one user at most (so that one user cannot take every job slot)."""
+    max_connections_per_user: Annotated[int, Field(ge=1, le=65536)] = 128
+    """Connections of one user at most, whether they said hello or not."""
     release_after_s: Annotated[float, Field(ge=0)] = 600.0
     """A job id stays bound to its user this long after its last rank disconnected."""
 

@@ -158,6 +158,9 @@ class Coordinator:
         self.tuned: dict[str, TunedJob] = {}
         """The jobs being tuned (and, for ``release_after_s``, those that ended)."""
         self.ignored: dict[str, str] = {}
+        self.foreign: set[tuple[str, str, int]] = set()
+        """(job, node, uid) of every node seen carrying a job's id under another uid than the
+        job's owner's (logged once each; not part of the job)."""
         """Jobs found but not tuned, and why (said once; forgotten when they go)."""
         self.versions: dict[str, int] = {}
         """Highest settings version seen retained per job not (yet) tuned here."""
@@ -264,6 +267,7 @@ class Coordinator:
         """A job's picture changed: tell its machine, or decide whether to tune it."""
         entry = self.tuned.get(job)
         view = self._view(job, now)
+        self._note_foreign(view)
         if entry is not None:
             entry.tell(tuning.Seen(now, view))
             return
@@ -299,6 +303,21 @@ class Coordinator:
         entry.tell(tuning.Seen(now, self._view(job, now)))
         if self._tasks is not None:
             entry.task = self._tasks.create_task(self._drive(entry), name=f"job-{job}")
+
+    def _note_foreign(self, view: JobView) -> None:
+        """Log, once each, a node carrying the job's id under another user's uid."""
+        owner = self.registry.owners.get(view.job)
+        for node, uid in view.foreign.items():
+            if (view.job, node, uid) not in self.foreign:
+                self.foreign.add((view.job, node, uid))
+                log.warning(
+                    "%s: node %s carries it under uid %d, not its owner's (uid %s): "
+                    "that node is not part of the job",
+                    view.job,
+                    node,
+                    uid,
+                    owner,
+                )
 
     def _view(self, job: str, now: float) -> JobView:
         """The job as the agents see it, on the nodes it must have: its rule's, else (a job
@@ -564,6 +583,12 @@ class Coordinator:
             ),
             Reading("hyperagent_coordinator_jobs_found_total", self.found, {}, Kind.COUNTER),
             Reading("hyperagent_coordinator_jobs_not_tuned", len(self.ignored), {}),
+            Reading(
+                "hyperagent_coordinator_foreign_sightings_total",
+                len(self.foreign),
+                {},
+                Kind.COUNTER,
+            ),
             *self.link.broker_readings(),
             *self.link.handler_error_readings(),
         ]

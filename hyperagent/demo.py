@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
 import socket
 import tempfile
@@ -370,6 +371,8 @@ async def simulated_cluster(
                 },
             )
             agent = Agent.from_config(config, node_hw.hardware, trusted)
+            if node_hw.nvml is not None:  # the simulated job runs on every GPU of its node
+                node_hw.nvml.run_on_every_device(os.getpid())
             reporter = JobReporter(
                 JOB,
                 rank=i,

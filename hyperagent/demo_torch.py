@@ -518,7 +518,11 @@ def train(args: argparse.Namespace) -> int:
         for _ in range(8)
     ]
     tuned = TunedDDP(
-        model, job=args.job, socket_path=args.socket, job_world_size=args.job_world_size
+        model,
+        job=args.job,
+        socket_path=args.socket,
+        job_world_size=args.job_world_size,
+        gpu=args.gpu,
     )
     signal.signal(signal.SIGTERM, lambda *_: tuned.request_stop())
     signal.signal(signal.SIGINT, lambda *_: tuned.request_stop())
@@ -567,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--job-world-size", type=int, default=None, help="the job's ranks, beyond this world's"
     )
     parser.add_argument("--socket", type=Path, required=True, help="the agent's job socket")
+    parser.add_argument("--gpu", type=int, default=None, help="the node's GPU the rank declares")
     parser.add_argument("--log", type=Path, required=True, help="JSON lines, one per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=0, help="0: until SIGTERM")

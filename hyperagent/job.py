@@ -301,10 +301,11 @@ def parse_hello(message: Mapping[str, Any]) -> Hello:
     )
 
 
-def parse_step(message: Mapping[str, Any]) -> StepReport:
-    """A validated StepReport from a decoded ``step`` message; raises PayloadError."""
+def parse_step(message: Mapping[str, Any], job: str | None = None) -> StepReport:
+    """A validated StepReport from a decoded ``step`` message (``job``: the job it is, in place
+    of the id it names, which the caller checked); raises PayloadError."""
     return StepReport(
-        job=_job_name(message),
+        job=_job_name(message) if job is None else job,
         rank=_integer(message, "rank"),
         samples=_integer(message, "samples"),
         step_s=_number(message, "step_s"),
@@ -476,8 +477,10 @@ class JobReporter:
                 packet = self._sock.recv(MAX_DATAGRAM)
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionResetError:
+                continue  # the agent closed with packets of ours unread; its own still wait
             except OSError:
-                self._disconnect()
+                self._disconnect(REFUSED_RETRY_S if self.refused else RECONNECT_S)
                 return
             if not packet:  # the agent closed the connection
                 self._disconnect(REFUSED_RETRY_S if self.refused else RECONNECT_S)

@@ -10,6 +10,9 @@ process's cgroup path, a dcgm-exporter job-mapping file), so that a job that rep
 - torchrun: ``torchrun-<TORCHELASTIC_RUN_ID>`` (the rendezvous id; torchrun's default
   ``none`` is no id).
 
+A rank outside any scheduler job is bound to its uid by the agent: its job is
+``u<uid>-<id>`` (:func:`qualified`; :mod:`hyperagent.sources.job_identity`).
+
 Ids use only ``[A-Za-z0-9_-]``: no ``/``, ``+``, ``#`` (MQTT) and no ``.`` (a level separator
 on RabbitMQ), at most 64 characters. Which wins when several are there: an explicit job id,
 then ``HYPERAGENT_JOB_ID``, then Slurm, then torchrun.
@@ -17,11 +20,14 @@ then ``HYPERAGENT_JOB_ID``, then Slurm, then torchrun.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 MAX_ID = 64
+_DIGEST = 8
+"""Hex digits of the said id's hash that end a qualified id cut to ``MAX_ID``."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _SLURM_JOB = re.compile(r"^[0-9]+$")
 _SLURM_ID = re.compile(r"^slurm-([0-9]+)(?:-([A-Za-z0-9_]+))?$")
@@ -133,3 +139,21 @@ def world_size(environ: Mapping[str, str]) -> tuple[int | None, int | None]:
         number("WORLD_SIZE", "SLURM_NTASKS"),
         number("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"),
     )
+
+
+def qualified(job: str, uid: int) -> str:
+    """``job`` bound to ``uid``: ``u<uid>-<job>``, at most ``MAX_ID`` characters (a longer
+    one keeps its start and ends with a hash of the whole id, so two ids never meet)."""
+    name = f"u{uid}-{job}"
+    if len(name) <= MAX_ID:
+        return name
+    digest = hashlib.sha256(job.encode()).hexdigest()[:_DIGEST]
+    return f"{name[: MAX_ID - _DIGEST - 1]}-{digest}"
+
+
+def owner_of(job: str) -> int | None:
+    """The uid a job id made by :func:`qualified` is bound to; None for any other id."""
+    if not job.startswith("u"):
+        return None
+    uid, sep, _ = job[1:].partition("-")
+    return int(uid) if sep and uid.isdigit() else None

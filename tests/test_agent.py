@@ -47,6 +47,19 @@ class Harness:
         self.agent, self.nvml, self.port, self.socket_path = agent, nvml, port, socket_path
         self.topics = bus.Topics("c")
         self.acks: list[dict[str, Any]] = []
+        self.ranks: list[JobReporter] = []
+
+    async def job_on_every_gpu(self) -> JobReporter:
+        """Job ``j``'s rank: this test process, which NVML shows on every GPU (a power cap
+        goes only on the GPUs a job is known to hold); returns once the agent knows them."""
+        gpus = set(range(self.nvml.nvmlDeviceGetCount()))
+        for gpu in gpus:
+            self.nvml.set_processes(gpu, [os.getpid()])
+        reporter = JobReporter("j", rank=0, socket_path=self.socket_path)
+        reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+        await until(lambda: self.agent.job_gpus("j")[0] == gpus)
+        self.ranks.append(reporter)  # connected while the harness lives
+        return reporter
 
     async def send(
         self,
@@ -127,9 +140,7 @@ async def until(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-un
 
 
 async def test_settings_applied_acked_and_handed_to_the_job(harness: Harness) -> None:
-    reporter = JobReporter("j", socket_path=harness.socket_path)
-    reporter.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
-    await until(lambda: "j" in harness.agent.job_source.jobs)  # type: ignore[union-attr]
+    reporter = await harness.job_on_every_gpu()
     async with aiomqtt.Client("127.0.0.1", harness.port) as listener:
         await listener.subscribe(harness.topics.ack("j", "n1"), qos=1)
         await harness.send(
@@ -150,6 +161,7 @@ async def test_forged_stale_foreign_and_out_of_bounds_settings_change_nothing(
     harness: Harness,
 ) -> None:
     agent = harness.agent
+    await harness.job_on_every_gpu()
     await harness.send(5, {"power_cap_w": 150})
     await until(lambda: agent.applied_versions.get("j") == 5)
     await harness.send(6, {"power_cap_w": 100}, key=SigningKey.generate())
@@ -195,6 +207,7 @@ async def test_power_limits_restored_when_the_agent_stops(
     task = asyncio.create_task(agent.run())
     await until(lambda: agent.link.connected.is_set())  # type: ignore[union-attr]
     h = Harness(agent, nvml, mosquitto.port, tmp_path / "j.sock")
+    await h.job_on_every_gpu()
     await h.send(1, {"power_cap_w": 125})
     await until(lambda: limits_w(nvml) == {125.0})
     task.cancel()
@@ -307,6 +320,7 @@ async def test_the_job_channel_reads_steps_as_they_come_only_while_a_trial_is_me
 
 
 async def test_coordinator_loss_puts_the_power_limits_back(harness: Harness) -> None:
+    await harness.job_on_every_gpu()
     await harness.send(1, {"power_cap_w": 150}, trial=3)
     await until(lambda: limits_w(harness.nvml) == {150.0})
     offline = bus.status_message(
@@ -330,6 +344,7 @@ async def test_a_tuned_jobs_final_power_cap_stays_when_the_coordinator_goes(
 ) -> None:
     """The final settings of a tuning (no trial) are what the job runs on: a coordinator that
     ends or is lost after it leaves them in place."""
+    await harness.job_on_every_gpu()
     await harness.send(1, {"power_cap_w": 150})
     await until(lambda: limits_w(harness.nvml) == {150.0})
     offline = bus.status_message(
@@ -360,6 +375,7 @@ async def test_the_applied_version_survives_a_restart(
         return Harness(agent, nvml, mosquitto.port, tmp_path / "job.sock"), task
 
     first, task = await run_agent(FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml"))
+    rank = await first.job_on_every_gpu()
     await first.send(5, {"power_cap_w": 175})
     await until(lambda: limits_w(first.nvml) == {175.0})
     task.cancel()
@@ -367,7 +383,12 @@ async def test_the_applied_version_survives_a_restart(
     assert limits_w(first.nvml) == {250.0}  # put back on the way out
 
     again, task = await run_agent(FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml"))
+    for gpu in range(again.nvml.nvmlDeviceGetCount()):
+        again.nvml.set_processes(gpu, [os.getpid()])
     try:
+        while not again.agent.job_source.attached("j"):  # type: ignore[union-attr]
+            rank.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)  # it reconnects
+            await asyncio.sleep(0.1)
         assert again.agent.applied_versions == {"j": 5}
         await until(lambda: limits_w(again.nvml) == {175.0})  # its retained v5, applied again
         async with aiomqtt.Client("127.0.0.1", mosquitto.port) as listener:
@@ -387,6 +408,7 @@ async def test_the_applied_version_survives_a_restart(
 
 
 async def test_old_or_future_settings_are_refused(harness: Harness) -> None:
+    await harness.job_on_every_gpu()
     for issued_at in (time.time() - 2 * 86400, time.time() + 3600):
         await harness.send(1, {"power_cap_w": 150}, issued_at=issued_at)
     await until(lambda: harness.agent.stats.rejected["expired"] == 2)

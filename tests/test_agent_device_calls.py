@@ -139,6 +139,7 @@ async def harness(
     )
     capture = nvidia_smi_dir / "gtx-8card.xml"
     async with running_agent(config, capture, mosquitto.port, tmp_path / "job.sock") as h:
+        await h.job_on_every_gpu()
         yield h
 
 

@@ -26,7 +26,6 @@ from hyperagent.tuner.lifecycle import MEASURED
 
 from conftest import BUSY, unavailable
 
-JOB = "llama-ft"
 TORCH_NODE = NODES[0]
 UNCAPPED_W = 700.0
 """The replayed H200's power limit."""
@@ -158,7 +157,11 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     # tuning: versions newer than this read of the journal, and the newest in flight, aside)
     published = [e["version"] for e in c.journal() if e.get("type") == "published"]
     for key in (n2, n3):
-        ranks = [v for lb, v in agent_metric(c, key, "hyperagent_job_ranks") if lb["job_id"] == JOB]
+        ranks = [
+            v
+            for lb, v in agent_metric(c, key, "hyperagent_job_ranks")
+            if lb["job_id"] == c.job_id()
+        ]
         assert ranks == [RANKS_PER_NODE], (key, ranks)
         log = c.node_log(key, "job-ha-train.jsonl")
         by_rank: dict[int, list[int]] = {}
@@ -193,7 +196,7 @@ def test_the_loop_closes_as_deployed(deployed: Cluster) -> None:
     assert c.query('ALERTS{alertstate="firing"}') == []
 
     missing = {}
-    for where, expr in panel_queries(instances, cluster="prod", job_id=JOB):
+    for where, expr in panel_queries(instances, cluster="prod", job_id=c.job_id()):
         if any(metric in expr for metric in NOT_HERE):
             continue
         if not c.query(expr):

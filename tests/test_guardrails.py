@@ -274,6 +274,7 @@ def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path
         f'cluster = "g"\nnode = "node-1"\n[mqtt]\nurl = "{mosquitto.url}"\n'
         f'[agent]\nstate_dir = "{tmp_path / "agent"}"\n'
         f'[security]\ntrusted_keys = ["{public}"]\n'
+        f'[sources.job]\nsocket = "{tmp_path / "job.sock"}"\n'
     )
     agent = subprocess.Popen(
         [
@@ -293,39 +294,48 @@ def test_sigterm_puts_the_power_limits_back(mosquitto: Mosquitto, tmp_path: Path
     )
 
     async def cap() -> int:
-        """Publish a signed 150 W cap as the coordinator would, and read the node's ack."""
+        """Publish a signed 150 W cap as the coordinator would, and read the node's ack (a
+        version again while the agent does not know the job's GPUs yet)."""
         topics = bus.Topics("g")
         settings = {"bucket_mb": 32, "chunk_kb": 4096, "power_cap_w": 150, "allreduce": "ring"}
-        message = bus.sign(
-            {
-                "job": "j",
-                "version": 1,
-                "trial": None,
-                "nodes": ["node-1"],
-                "settings": settings,
-                "backend": {},
-                "plan": None,
-                "issued_at": time.time(),
-            },
-            key,
-        )
         async with aiomqtt.Client("127.0.0.1", mosquitto.port, identifier="coordinator") as c:
             online = bus.encode({"state": "online", "node": "coordinator", "ts": time.time()})
             await c.publish(topics.coordinator_status(), online, qos=1, retain=True)
             await c.subscribe(topics.ack("j", "node-1"), qos=1)
-            await c.publish(topics.settings("j"), bus.encode(message), qos=1, retain=True)
             async with asyncio.timeout(30):
-                async for incoming in c.messages:
+                for version in range(1, 100):
+                    for rank in ranks:
+                        rank.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+                    message = {
+                        "job": "j",
+                        "version": version,
+                        "trial": None,
+                        "nodes": ["node-1"],
+                        "settings": settings,
+                        "backend": {},
+                        "plan": None,
+                        "issued_at": time.time(),
+                    }
+                    signed = bus.encode(bus.sign(message, key))
+                    await c.publish(topics.settings("j"), signed, qos=1, retain=True)
+                    incoming = await anext(aiter(c.messages))
                     ack = bus.decode(bytes(incoming.payload), "ack")  # type: ignore[arg-type]
-                    return int(ack["applied"]["power_cap_w"][0])
+                    if ack["ok"]:
+                        return len([w for w in ack["applied"]["power_cap_w"] if w == 150])
+                    assert ack["error"].startswith("no GPU of j"), ack
+                    await asyncio.sleep(0.5)
         raise AssertionError("no ack")
 
+    # the job's 8 ranks, one per GPU (the replay's NVML shows no process: each declares its own)
+    ranks = [JobReporter("j", rank=i, gpu=i, socket_path=tmp_path / "job.sock") for i in range(8)]
     try:
-        assert asyncio.run(cap()) == 150
+        assert asyncio.run(cap()) == 8
         agent.send_signal(signal.SIGTERM)
         _, err = agent.communicate(timeout=30)
     finally:
         if agent.poll() is None:
             agent.kill()
+        for rank in ranks:
+            rank.close()
     assert agent.returncode == 0
     assert "restored the original power limit of 8 GPU(s)" in err

@@ -266,7 +266,10 @@ async def test_a_user_outside_the_policy_is_refused_and_counted(shared_dir: Path
 
 
 @needs_root
-async def test_a_job_id_belongs_to_the_user_that_claimed_it(shared_dir: Path) -> None:
+async def test_another_users_rank_under_a_jobs_id_is_a_job_of_its_own(shared_dir: Path) -> None:
+    """A rank outside any scheduler job is bound to its uid: another user saying the agent's
+    user's job id runs a job of its own, ``u<uid>-<id>``; none of its steps count for the
+    other job, the other job's settings never reach it, and its own do, under the id it said."""
     source = JobSource(shared_dir / "job.sock", PeerPolicy(users=frozenset({NOBODY})))
     await source.start()
     try:
@@ -275,15 +278,14 @@ async def test_a_job_id_belongs_to_the_user_that_claimed_it(shared_dir: Path) ->
         await _until(lambda: "train" in source.jobs and source.jobs["train"].steps == 1)
         source.send_settings("train", JobSettings(3, {"bucket_mb": 8}))
 
-        told = await _rank_as(NOBODY, shared_dir / "job.sock", "train")
-        assert told.startswith("job_claimed"), told
-        assert source.jobs["train"].steps == 1  # nothing it sent was counted
-        # the same user may run a job of its own: its steps count, its settings reach it
-        its_own = asyncio.create_task(_rank_as(NOBODY, shared_dir / "job.sock", "its-own"))
-        await _until(lambda: "its-own" in source.jobs and source.jobs["its-own"].steps, 30)
-        assert source.jobs["its-own"].owner == NOBODY
-        source.send_settings("its-own", JobSettings(5, {"bucket_mb": 16}))
-        assert await its_own == "settings v5"
+        squatter = asyncio.create_task(_rank_as(NOBODY, shared_dir / "job.sock", "train"))
+        own = f"u{NOBODY}-train"
+        await _until(lambda: own in source.jobs and source.jobs[own].steps, 30)
+        assert source.jobs[own].owner == NOBODY and source.jobs["train"].owner == os.geteuid()
+        assert source.jobs["train"].steps == 1  # nothing it sent was counted for "train"
+        assert source.jobs["train"].version == 3 and source.jobs[own].version == 0
+        source.send_settings(own, JobSettings(5, {"bucket_mb": 16}))
+        assert await squatter == "settings v5"
         owner.close()
     finally:
         await source.close()
@@ -333,8 +335,9 @@ async def test_group_lookups_leave_the_event_loop_running_and_are_kept_a_while(
         began = turns
         await _until(lambda: turns >= began + 20)
         release.set()
-        await _until(lambda: "ldap-job" in source.jobs and source.jobs["ldap-job"].steps > 0)
-        source.send_settings("ldap-job", JobSettings(1, {}))
+        job = f"u{NOBODY}-ldap-job"  # outside any scheduler: bound to its user
+        await _until(lambda: job in source.jobs and source.jobs[job].steps > 0)
+        source.send_settings(job, JobSettings(1, {}))
         assert await first == "settings v1"
         assert await _rank_as(NOBODY, path, "ldap-job") == "settings v1"
         assert source.refused["unauthorised"] == 0

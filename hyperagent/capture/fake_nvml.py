@@ -643,6 +643,13 @@ class FakeNvml:
         with self._lock:
             self._control(index).processes = tuple(pids)
 
+    def run_on_every_device(self, pid: int) -> None:
+        """Make ``pid`` the compute process running on every device (one process driving the
+        node's GPUs, as a simulated job's rank does)."""
+        with self._lock:
+            for device in self._devices:
+                device.processes = (pid,)
+
     def fail(self, index: int, code: int) -> None:
         """Make every call on device `index` raise `pynvml.NVMLError(code)` until `recover`."""
         with self._lock:

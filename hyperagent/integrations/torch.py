@@ -511,7 +511,9 @@ class TunedDDP:
     module's first parameter (``clock`` on the CPU, CUDA events on a GPU). Other keyword
     arguments go to DistributedDataParallel on every (re-)wrap. Call as the module is called.
     ``job_world_size``: the world size the agent is told, where the job has more ranks than
-    this torch world (default: the default group's size).
+    this torch world (default: the default group's size). ``gpu``: the node's GPU index the rank
+    runs on, declared to the agent (it counts where NVML shows no other job there; on GPUs
+    NVML lists the rank's own process, which is how the agent knows it without this).
 
     ``nccl_plugin`` is the NCCL tuner plugin that sets ``allreduce`` and ``protocol``; by
     default :func:`nccl_plugin_for` DDP's process group and the environment. Passing one says
@@ -535,6 +537,7 @@ class TunedDDP:
         nccl_plugin: TunerPlugin | None = None,
         tune: bool = True,
         job_world_size: int | None = None,
+        gpu: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -559,6 +562,7 @@ class TunedDDP:
             rank=self.rank,
             socket_path=socket_path,
             knobs=knobs,
+            gpu=gpu,
             world_size=job_world_size or dist.get_world_size(),
             tune=tune,
             backend=backend if backend in BACKENDS else None,

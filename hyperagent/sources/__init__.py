@@ -122,6 +122,8 @@ def job_source(config: Config) -> JobSource:
         job.allowed_groups,
         max_jobs=job.max_jobs,
         max_ranks=job.max_ranks,
+        max_jobs_per_user=job.max_jobs_per_user,
+        max_connections_per_user=job.max_connections_per_user,
         release_after_s=job.release_after_s,
     )
     return JobSource(job.socket, policy)

@@ -7,7 +7,13 @@ supplementary group, from the user database: NSS, which may ask LDAP or SSSD, so
 runs in a thread and its answer is kept ``NSS_CACHE_S`` per uid). The first peer that says
 hello for a job id binds it to its uid; nobody else can report for that job while any of its
 ranks is connected (and for ``release_after_s`` after the last one left). Refusals are answered
-with a reason, counted and logged once per reason.
+with a reason (the peer's unread packets are read first, so that the reason reaches it rather
+than a reset), counted and logged once per reason.
+
+A rank's job is who the kernel says it is (:mod:`hyperagent.sources.job_identity`): the Slurm
+job step its cgroup names, else the id it gives bound to its uid (``u<uid>-<id>``; the agent's
+own user keeps its ids). Each user holds at most ``max_connections_per_user`` connections and
+``max_jobs_per_user`` live jobs, so that no user locks the others out.
 
 A job whose last rank left is *released* ``release_after_s`` later, on the source's own clock
 (checked every ``release_check_s``, whether or not another job arrives): its id, its owner
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import logging
 import math
@@ -56,6 +63,7 @@ from hyperagent import ticks
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.readings import Kind, Reading
+from hyperagent.sources.job_identity import identify
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,9 @@ _STAMP_SPACE = socket.CMSG_SPACE(_TIMEVAL.size)
 
 RELEASE_CHECK_S = 1.0
 """How often jobs due for release are looked for (at most; twice per ``release_after_s``)."""
+
+UNREAD_AT_REFUSAL = 1024
+"""Packets of a refused peer read (and dropped) at most before its connection closes."""
 
 REFUSAL_NAMES = 16
 """Live jobs named in a ``too_many_jobs`` refusal at most (the rest are counted)."""
@@ -143,6 +154,10 @@ class PeerPolicy:
     groups: frozenset[int] = frozenset()
     max_jobs: int = 16
     max_ranks: int = 64
+    max_jobs_per_user: int = 8
+    """Live jobs of one uid at most."""
+    max_connections_per_user: int = 128
+    """Connections of one uid at most (said hello or not)."""
     release_after_s: float = 600.0
     """How long a job whose last rank left stays bound to its user (and exported)."""
 
@@ -253,9 +268,12 @@ class Peer:
     uid: int
     gid: int
     job: str | None = None
+    """The job the kernel says the rank is (its cgroup's, or its id bound to its uid)."""
     rank: int = 0
     hello: protocol.Hello | None = None
-    """What the rank said of itself when it attached."""
+    """What the rank said of itself when it attached (``hello.job``: the id it answers to)."""
+    counted: bool = False
+    """It holds one of its uid's connections."""
     memory: protocol.MemoryReport | None = None
     batched: bool = False
     """Its packets are read in passes (``BATCH_S``), not as they come."""
@@ -405,10 +423,16 @@ class JobSource:
         policy: PeerPolicy | None = None,
         groups: GroupCache | None = None,
         clock: Callable[[], float] = time.monotonic,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         """``groups`` answers the policy's group questions (default: the user database);
-        ``clock`` times jobs' release."""
+        ``clock`` times jobs' release; ``proc_root`` holds the peers' cgroup files."""
         self.socket_path = socket_path
+        self.proc_root = proc_root
+        self.trusted_uid = os.geteuid()
+        """The agent's own user, whose ranks keep the job ids they give."""
+        self._connections: Counter[int] = Counter()
+        """uid -> its connections (admitted or waiting for their groups)."""
         self.target = str(socket_path)
         self.policy = policy or PeerPolicy()
         self.groups = groups or GroupCache()
@@ -525,12 +549,21 @@ class JobSource:
             peer = Peer(conn, pid, uid, gid)
             allowed = self.policy.decides(uid, gid)
             connected = len(self.peers) + len(self._authorising)
+            mine = self._connections[uid]
             if allowed is False:
                 self._refuse_unauthorised(peer)
             elif connected >= 2 * self.policy.max_jobs * self.policy.max_ranks:
                 # ranks that said hello are bounded per job; this bounds the ones that did not
                 self._refuse(peer, "too_many_connections", f"{connected} connected")
-            elif allowed:
+            elif mine >= self.policy.max_connections_per_user:
+                detail = f"uid {uid} holds {mine} connections (max_connections_per_user)"
+                self._refuse(peer, "too_many_connections", detail)
+            else:
+                self._connections[uid] += 1
+                peer.counted = True
+            if not peer.counted:
+                continue
+            if allowed:
                 self._admit(peer)
             else:
                 fd = conn.fileno()
@@ -563,9 +596,16 @@ class JobSource:
         self._refuse(peer, "unauthorised", f"uid {peer.uid} gid {peer.gid} may not report jobs")
 
     def _refuse(self, peer: Peer, reason: str, detail: str) -> None:
+        """Tell ``peer`` why, then close its connection. What it sent and the agent did not
+        read is read first: closing a unix socket with packets unread resets the peer's end,
+        and the peer would see the reset instead of the reason."""
         self.refused[reason] += 1
         refused = "job channel: refused pid %d uid %d (%s): %s"
         self._warn_once(reason, refused, peer.pid, peer.uid, reason, detail)
+        with contextlib.suppress(OSError):
+            for _ in range(UNREAD_AT_REFUSAL):
+                if not peer.conn.recv(protocol.MAX_DATAGRAM, socket.MSG_DONTWAIT):
+                    break
         with contextlib.suppress(OSError):
             peer.conn.send(protocol.encode_refused(reason, detail))
         self._drop(peer)
@@ -577,6 +617,11 @@ class JobSource:
             log.warning(message, *args)
 
     def _drop(self, peer: Peer) -> None:
+        if peer.counted:
+            peer.counted = False
+            self._connections[peer.uid] -= 1
+            if self._connections[peer.uid] <= 0:
+                del self._connections[peer.uid]
         fd = peer.conn.fileno()
         if fd >= 0 and self.peers.get(fd) is peer:
             del self.peers[fd]
@@ -715,7 +760,11 @@ class JobSource:
             if kind == "hello":
                 self._hello(peer, protocol.parse_hello(message))
                 return
-            step = protocol.parse_step(message)
+            hello = peer.hello
+            said = message.get("job")
+            step = protocol.parse_step(
+                message, peer.job if hello is not None and said == hello.job else None
+            )
         except PayloadError as e:
             self.invalid += 1
             self._warn_once(str(e).split(":")[0], "dropped an invalid job report: %s", e)
@@ -724,6 +773,7 @@ class JobSource:
             self._hello(peer, protocol.Hello(step.job, step.rank))
             if peer.job is None:
                 return
+            step = dataclasses.replace(step, job=peer.job)
         if step.job != peer.job or step.rank != peer.rank:
             self.refused["not_claimed"] += 1
             self._warn_once(
@@ -732,7 +782,7 @@ class JobSource:
                 peer.pid,
                 peer.job,
                 peer.rank,
-                step.job,
+                said,
                 step.rank,
             )
             return
@@ -744,15 +794,25 @@ class JobSource:
             listener(step)
 
     def _hello(self, peer: Peer, hello: protocol.Hello) -> None:
-        job, rank = hello.job, hello.rank
-        if peer.job is not None and (peer.job, peer.rank) != (job, rank):
-            self._refuse(peer, "not_claimed", f"connection is job {peer.job} rank {peer.rank}")
-            return
+        rank = hello.rank
+        if peer.job is not None and peer.hello is not None:
+            if (peer.hello.job, peer.rank) != (hello.job, rank):
+                said = f"connection is job {peer.hello.job} rank {peer.rank}"
+                self._refuse(peer, "not_claimed", said)
+                return
+            job = peer.job
+        else:
+            job = self._identify(peer, hello.job)
         totals = self.jobs.get(job)
         if totals is not None and self._due(totals):
             self.release(job)
             totals = None
         if totals is None:
+            held = self._live_jobs_of(peer.uid)
+            if held >= self.policy.max_jobs_per_user:
+                detail = f"uid {peer.uid} holds {held} live jobs (max_jobs_per_user)"
+                self._refuse(peer, "too_many_jobs", detail)
+                return
             live = self._make_room()
             if live:
                 self._refuse(peer, "too_many_jobs", _live_jobs(live, self.policy.max_jobs))
@@ -776,6 +836,23 @@ class JobSource:
             self._send(peer, job, known)
         for listener in self.attach_listeners:
             listener(job, rank)
+
+    def _identify(self, peer: Peer, said: str) -> str:
+        """The job ``peer`` is, from its cgroup and uid (once per connection)."""
+        identity = identify(said, peer.pid, peer.uid, self.trusted_uid, self.proc_root)
+        if identity.contradicted:
+            self._warn_once(
+                f"contradicted {identity.job}",
+                "job channel: pid %d uid %d says it is job %s; its cgroup says %s, which it is",
+                peer.pid,
+                peer.uid,
+                said,
+                identity.job,
+            )
+        return identity.job
+
+    def _live_jobs_of(self, uid: int) -> int:
+        return sum(1 for t in self.jobs.values() if t.owner == uid and t.ranks)
 
     # -- jobs' lifetime ------------------------------------------------------------------
 
@@ -838,8 +915,10 @@ class JobSource:
         return sum(self._send(peer, job, settings) for peer in list(totals.ranks.values()))
 
     def _send(self, peer: Peer, job: str, settings: JobSettings) -> bool:
+        """Settings of ``job`` to ``peer``, under the id the rank itself gave."""
+        said = job if peer.hello is None else peer.hello.job
         try:
-            peer.conn.send(protocol.encode_settings(job, settings))
+            peer.conn.send(protocol.encode_settings(said, settings))
         except OSError as e:
             log.warning(
                 "settings v%d for %s not delivered to rank %d (pid %d): %s",

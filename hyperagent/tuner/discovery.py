@@ -8,18 +8,24 @@ node's sightings and answers, per job, :class:`JobView`: its nodes, whether its 
 complete, what is missing. :func:`admission` applies the coordinator's policy;
 :func:`plan_space` intersects the job's search space with what every node can apply. Pure:
 time comes in as arguments.
+
+A job has one owner across the cluster: the uid its id is bound to (``u<uid>-<id>``, see
+:mod:`hyperagent.sources.job_identity`), else the uid of the first node's sighting (an agent
+takes a Slurm job's id from the rank's cgroup, so its uid is the job's user). A node that
+carries the id under another uid is not part of the job: its ranks count for nothing (world
+size, attached ranks, opt-in and opt-out), and the job's rounds leave it out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hyperagent.config import CoordinatorSection, JobTuningSection
 from hyperagent.job import ANNOUNCEABLE, BACKENDS, common_knobs
+from hyperagent.scheduler import owner_of
 from hyperagent.tuner.space import SearchSpace
 
 STALE_AFTER_S = 30.0
@@ -136,6 +142,9 @@ class JobView:
     """Which ranks (or configured nodes) are not attached; empty when none."""
     sightings: Mapping[str, Sighting]
     bounds: Mapping[str, NodeBounds]
+    foreign: Mapping[str, int] = field(default_factory=dict)
+    """Nodes that carry the job's id under another uid than its owner's -> that uid (not part
+    of the job)."""
 
     @property
     def complete(self) -> bool:
@@ -192,6 +201,8 @@ class Registry:
     def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self.jobs: dict[str, dict[str, Sighting]] = {}
+        self.owners: dict[str, int] = {}
+        """job -> the uid that owns it (see the module doc), while a node carries it."""
         self.bounds: dict[str, NodeBounds] = {}
         self._on_node: dict[str, set[str]] = {}
 
@@ -212,6 +223,12 @@ class Registry:
             if not isinstance(entry, Mapping):
                 continue
             new = sighting(node, now, entry)
+            if job not in self.owners:
+                owner = owner_of(job)
+                if owner is None and new.attached > 0:
+                    owner = new.uid
+                if owner is not None:
+                    self.owners[job] = owner
             seen = self.jobs.setdefault(job, {})
             old = seen.get(node)
             seen[node] = new
@@ -225,6 +242,7 @@ class Registry:
                 changed.append(job)
             if not seen:
                 self.jobs.pop(job, None)
+                self.owners.pop(job, None)
         return changed
 
     def forget_node(self, node: str) -> list[str]:
@@ -236,11 +254,16 @@ class Registry:
     ) -> JobView:
         """``job`` as seen now; ``nodes`` (a node set, ``why`` says whose: configured, or
         the journal's round) must all carry it."""
-        seen = {
-            n: s
-            for n, s in self.jobs.get(job, {}).items()
-            if s.attached > 0 and now - s.seen <= self.stale_after_s
-        }
+        owner = self.owners.get(job)
+        seen: dict[str, Sighting] = {}
+        foreign: dict[str, int] = {}
+        for n, s in self.jobs.get(job, {}).items():
+            if s.attached == 0 or now - s.seen > self.stale_after_s:
+                continue
+            if owner is not None and s.uid is not None and s.uid != owner:
+                foreign[n] = s.uid
+            else:
+                seen[n] = s
         attached = sum(s.attached for s in seen.values())
         world = max((s.world_size for s in seen.values() if s.world_size), default=None)
         missing = ""
@@ -264,12 +287,16 @@ class Registry:
             missing,
             seen,
             {n: self.bounds[n] for n in ordered if n in self.bounds},
+            foreign,
         )
 
     def live(self, job: str, now: float) -> bool:
-        """Some node has ranks of ``job`` attached (by a fresh sighting)."""
+        """Some node has ranks of ``job``'s owner attached (by a fresh sighting)."""
+        owner = self.owners.get(job)
         return any(
-            s.attached > 0 and now - s.seen <= self.stale_after_s
+            s.attached > 0
+            and now - s.seen <= self.stale_after_s
+            and (owner is None or s.uid is None or s.uid == owner)
             for s in self.jobs.get(job, {}).values()
         )
 
@@ -303,9 +330,10 @@ class SpacePlan:
 
 def plan_space(cfg: JobTuningSection, view: JobView | None = None) -> SpacePlan:
     """The job's space (:func:`job_space`), narrowed to the knobs its ranks announced and to
-    the power caps every node can apply: a node that cannot cap, or cannot tell the job's GPUs
-    from another job's, leaves the power cap out; each node's bounds and its GPUs' range
-    narrow it (a note each); none left is a failure."""
+    the power caps every node can apply: a node that cannot cap, knows no GPU of the job, or
+    cannot tell the job's GPUs from another job's, leaves the power cap out; each node's
+    bounds and its GPUs' range narrow it (a note each), and a node where none of the job's
+    caps is inside them leaves the power cap out too (a cap is never outside either)."""
     space = job_space(cfg)
     notes: list[str] = []
     if view is None:
@@ -321,7 +349,9 @@ def plan_space(cfg: JobTuningSection, view: JobView | None = None) -> SpacePlan:
     for node in view.nodes:
         if node in bounds and not bounds[node].power_cap:
             why_not.append(f"{node} does not cap power (actuation.power_cap = false)")
-        if not view.sightings[node].separable:
+        if not view.sightings[node].gpus:
+            why_not.append(f"{node} knows no GPU of this job")
+        elif not view.sightings[node].separable:
             why_not.append(f"{node} cannot tell this job's GPUs from another job's")
     if why_not:
         notes.append("the power cap is not tuned: " + "; ".join(why_not))
@@ -340,19 +370,15 @@ def plan_space(cfg: JobTuningSection, view: JobView | None = None) -> SpacePlan:
         kept = [c for c in caps if low <= c <= high]
         if len(kept) < len(caps):
             shown = f"[{low:g}, {high:g}] W" if high != float("inf") else f"at least {low:g} W"
-            if not kept and len(caps) == 1:
-                kept = [math.floor(high) if caps[0] > high else math.ceil(low)]
-                notes.append(f"node {node} applies power caps in {shown}: holding {kept[0]} W")
-            elif kept:
+            if not kept:
                 notes.append(
-                    f"node {node} applies power caps in {shown}: searching {kept[0]}-{kept[-1]} W"
+                    f"the power cap is not tuned: no cap of {caps[0]:g}-{caps[-1]:g} W is "
+                    f"inside node {node}'s {shown}"
                 )
-            else:
-                return SpacePlan(
-                    None,
-                    tuple(notes),
-                    f"no power cap of {caps[0]}-{caps[-1]} W is inside node {node}'s {shown}",
-                )
+                return SpacePlan(dataclasses.replace(space, power_cap_w=()), tuple(notes))
+            notes.append(
+                f"node {node} applies power caps in {shown}: searching {kept[0]:g}-{kept[-1]:g} W"
+            )
         caps = kept
     return SpacePlan(dataclasses.replace(space, power_cap_w=tuple(caps)), tuple(notes))
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO / "tests"))  # run as a script too
 from access import open_the_way, put_back  # noqa: E402
 from pki import make_certificates  # noqa: E402
 
+from hyperagent.scheduler import qualified  # noqa: E402
 from hyperagent.signing import write_key_pair  # noqa: E402
 
 SYSTEMD = REPO / "systemd"
@@ -634,9 +635,7 @@ class Cluster:
         )
 
     def rabbitmqctl(self, key: str, *args: str, stdin: str | None = None) -> str:
-        return run(
-            *self.hosts[key].enter(), "rabbitmqctl", *args, input=stdin, timeout=120
-        ).stdout
+        return run(*self.hosts[key].enter(), "rabbitmqctl", *args, input=stdin, timeout=120).stdout
 
     def start_rabbitmq(self) -> None:
         """Three nodes joined into one cluster, then the users of README's RabbitMQ section."""
@@ -774,6 +773,8 @@ class Cluster:
                     *(["--job-world-size", str(job_world_size)] if job_world_size else []),
                     "--socket",
                     "/run/hyperagent/job.sock",
+                    "--gpu",
+                    str(rank),
                     "--log",
                     str(log),
                 ],
@@ -840,8 +841,14 @@ class Cluster:
         result: list[dict[str, Any]] = json.loads(body)["data"]["result"]
         return result
 
+    @staticmethod
+    def job_id(job: str = "llama-ft", user: str = JOB_USER) -> str:
+        """The id the cluster knows ``user``'s job ``job`` by (bound to the user: it runs
+        outside any scheduler)."""
+        return qualified(job, pwd.getpwnam(user).pw_uid)
+
     def journal(self) -> list[dict[str, Any]]:
-        path = self.hosts["ctl"].root / "var/lib/hyperagent-coordinator" / "llama-ft.jsonl"
+        path = self.hosts["ctl"].root / "var/lib/hyperagent-coordinator" / f"{self.job_id()}.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from hyperagent.scheduler import qualified
 from hyperagent.signing import write_key_pair
 
 from conftest import Mosquitto, free_port
@@ -62,7 +64,8 @@ MEASURED = {"ok", "aborted"}
 
 @dataclass(frozen=True)
 class JobShape:
-    id: str
+    name: str
+    """The id its ranks give (``--job``)."""
     nodes: tuple[str, ...]
     step_s: float
     """The step time the ranks report."""
@@ -77,6 +80,14 @@ class JobShape:
     scheduler_id: str | None = None
     """A Slurm job id its ranks take their job id from (``SLURM_JOB_ID``, step 0) instead of
     ``id``, which is then the id the scheduler's gives (``slurm-<id>-0``)."""
+
+    @property
+    def id(self) -> str:
+        """The id the cluster knows the job by: the ranks' id, bound to their user where they
+        run as another user than the agents' (:func:`hyperagent.scheduler.qualified`)."""
+        if self.user is None or pwd.getpwnam(self.user).pw_uid == os.geteuid():
+            return self.name
+        return qualified(self.name, pwd.getpwnam(self.user).pw_uid)
 
     def slot(self, node: str) -> tuple[int, int]:
         """(first GPU, ranks) of the job on ``node``."""
@@ -396,7 +407,7 @@ class Scenario:
         argv = [sys.executable, str(REPO / "tests" / "production" / "ranks.py")]
         env: dict[str, str] = {}
         if job.scheduler_id is None:
-            argv += ["--job", job.id]
+            argv += ["--job", job.name]
         else:
             env = {"SLURM_JOB_ID": job.scheduler_id, "SLURM_STEP_ID": "0"}
         argv += ["--node-rank", str(job.nodes.index(node)), "--ranks", str(ranks)]

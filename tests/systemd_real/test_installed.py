@@ -31,6 +31,8 @@ from pki import make_certificates
 from systemd_real.nspawn import Container, Unavailable, check_host, copy_tree, debian_rootfs
 from test_cluster import until
 
+from hyperagent.scheduler import qualified
+
 from conftest import REPO, unavailable
 
 pytestmark = pytest.mark.timeout(1800)
@@ -38,6 +40,10 @@ pytestmark = pytest.mark.timeout(1800)
 NODE = "gpu-017"
 """The container's host name: the GPU node the README's steps name."""
 JOB = "llama-ft"
+"""The id the job's ranks give."""
+JOB_UID = 2001
+JOB_ID = qualified(JOB, JOB_UID)
+"""The id the cluster knows the job by: a job outside any scheduler is bound to its user."""
 TRIALS = 6
 """The job's trial budget in the node list the test supplies (the shipped file says 30)."""
 JOB_USER = "alice"
@@ -56,7 +62,7 @@ JOURNAL_ERRORS = re.compile(
     r"seccomp|SIGSYS|EPERM|Operation not permitted|Read-only file system|Permission denied",
     re.I,
 )
-RESULT = re.compile(rf'{JOB}: ([^"]* over the baseline, confirmed|no setting was better[^"]*)')
+RESULT = re.compile(rf'{JOB_ID}: ([^"]* over the baseline, confirmed|no setting was better[^"]*)')
 """The coordinator's log line with the tuning's result."""
 
 
@@ -104,7 +110,7 @@ class Installed:
         return self.host.sh(f"curl -sf --max-time 10 {url}", check=False).stdout
 
     def coordinator_journal(self) -> list[dict[str, Any]]:
-        text = self.host.sh(f"cat /var/lib/hyperagent-coordinator/{JOB}.jsonl", check=False)
+        text = self.host.sh(f"cat /var/lib/hyperagent-coordinator/{JOB_ID}.jsonl", check=False)
         return [json.loads(line) for line in text.stdout.splitlines() if line.strip()]
 
     def diagnostics(self) -> str:
@@ -206,7 +212,7 @@ def booted_install(
     with host:
         host.boot()
         installed = Installed(host, broker=broker, broker_log=broker_log)
-        host.sh(f"useradd --create-home --shell /bin/bash {JOB_USER}")  # a user who trains
+        host.sh(f"useradd --uid {JOB_UID} --create-home --shell /bin/bash {JOB_USER}")
         for block in steps:
             try:
                 host.sh(block, env=passwords, cwd=CHECKOUT, timeout_s=180)
@@ -312,7 +318,7 @@ def start_job(installed: Installed) -> None:
         lambda: [
             v
             for labels, v in metric_values(installed.metrics(10478), "hyperagent_job_ranks")
-            if labels.get("job_id") == JOB and v == 8
+            if labels.get("job_id") == JOB_ID and v == 8
         ],
         60,
         f"the agent counting {JOB}'s 8 ranks",
@@ -349,7 +355,7 @@ def test_the_coordinator_resumes_its_journal_after_a_sigkill(installed: Installe
     seconds = sigkill_and_wait(installed, "hyperagent-coordinator")
     installed.figures["coordinator back after SIGKILL"] = f"{seconds:.1f} s"
     resumed = until(
-        lambda: re.search(rf"{JOB}: resumed (\d+) trials", installed.journal(DAEMONS[1])),
+        lambda: re.search(rf"{JOB_ID}: resumed (\d+) trials", installed.journal(DAEMONS[1])),
         60,
         "the coordinator resuming its journal",
     )
@@ -408,7 +414,9 @@ def test_restarts_and_a_sigkilled_agent_come_back(installed: Installed) -> None:
         assert installed.running(unit)
         installed.figures[f"{unit} restart"] = f"{time.monotonic() - started:.1f} s"
     until(
-        lambda: len(re.findall(rf"{JOB}: resumed \d+ trials", installed.journal(DAEMONS[1]))) >= 2,
+        lambda: (
+            len(re.findall(rf"{JOB_ID}: resumed \d+ trials", installed.journal(DAEMONS[1]))) >= 2
+        ),
         60,
         "the restarted coordinator resuming its journal",
     )

@@ -37,7 +37,7 @@ def view(
             tuple(range(i * ranks_per_node, (i + 1) * ranks_per_node)),
             world,
             ranks_per_node,
-            **said,
+            **{"gpus": tuple(range(ranks_per_node)), **said},
         )
         for i, n in enumerate(nodes)
     }
