@@ -36,8 +36,10 @@ from hyperagent.signing import TrustedKeys
 from hyperagent.sources import Hardware, build_sources
 from hyperagent.sources.base import Source
 from hyperagent.sources.job import JobSource
+from hyperagent.sources.job_scheduler import ScheduledJobs
 from hyperagent.sources.nvml import NvmlSource
 from hyperagent.sources.runner import DUE_FRACTION, SourceRunner
+from hyperagent.sources.slurm_jobs import SlurmJobs
 from hyperagent.sources.smi_text import SmiTextSource
 from hyperagent.tuner.trial import Measurement, MeasurementPlan, Phase, TrialMeasurement
 
@@ -169,6 +171,12 @@ class Agent:
             sources = build_sources(config, hardware)
         self.runner = SourceRunner(sources, config.sources.timeout_s, config.sources.intervals)
         self.job_source = next((s for s in self.runner.sources if isinstance(s, JobSource)), None)
+        job_config = config.sources.job
+        self.scheduled = ScheduledJobs(
+            SlurmJobs(job_config.scontrol) if job_config.scontrol else None,
+            job_config.slurm_node or config.node,
+        )
+        """What Slurm says of the jobs whose ranks' cgroups name a Slurm job."""
         self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
         self.accelerator_source = next(
             (s for s in self.runner.sources if isinstance(s, AcceleratorSource)), None
@@ -380,6 +388,7 @@ class Agent:
         if self.actuator is not None and self.actuator.original_mw:
             restored = await asyncio.to_thread(self.actuator.restore)
             log.info("restored the original power limit of %d GPU(s)", restored)
+        await self.scheduled.close()
         await self.runner.close()
         if self.metrics is not None:
             self.metrics.stop()
@@ -463,6 +472,9 @@ class Agent:
             user = self.job_source.user_name(t.owner)
             if user is not None:
                 entry["user"] = user
+            scheduler = self.scheduled.describe(j)
+            if scheduler is not None:
+                entry["scheduler"] = scheduler
             gpus, separable = self.job_gpus(j, live)
             entry["gpus"] = sorted(gpus)
             entry["gpus_separable"] = separable
@@ -534,6 +546,10 @@ class Agent:
             for job, gpus in held.items()
             if job in channel_jobs
         }
+        for job in channel.owners:
+            scheduled = self.scheduled.gpus(job)
+            if scheduled is not None:  # the scheduler's word: the GPUs it gave the job here
+                self._job_gpus[job] = scheduled
         for job in self._job_gpus.keys() - known.keys():
             if self.live_versions.get(job) is None and job in self.applied_messages:
                 self._job_events.put_nowait((job, "back"))  # its cap can go on now
@@ -903,6 +919,9 @@ class Agent:
 
     def _on_rank_attached(self, job: str, rank: int) -> None:
         self._follow_job(job)
+        totals = self.job_source.jobs.get(job) if self.job_source is not None else None
+        if totals is not None and totals.slurm_job:
+            self.scheduled.follow(job, totals.slurm_job)
         if self.live_versions.get(job) is None and job in self.applied_messages:
             self._job_events.put_nowait((job, "back"))
 
@@ -928,6 +947,7 @@ class Agent:
         and its applied settings go (never applied again: the job is over), and a trial still
         waiting on it ends as stalled."""
         self._step_clocks.pop(job, None)
+        self.scheduled.forget(job)
         self.live_versions.pop(job, None)
         if self.applied_messages.pop(job, None) is not None:
             self._save_applied()

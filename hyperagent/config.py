@@ -221,6 +221,11 @@ class JobSection(_Model):
     """Connections of one user at most, whether they said hello or not."""
     release_after_s: Annotated[float, Field(ge=0)] = 600.0
     """A job id stays bound to its user this long after its last rank disconnected."""
+    scontrol: tuple[str, ...] = ("scontrol",)
+    """How to ask Slurm's controller about a job whose ranks' cgroup names one (``scontrol
+    show job -d``: its user, nodes and GPUs); empty: never ask."""
+    slurm_node: str | None = None
+    """This node's name in Slurm (default: ``node``)."""
 
 
 class IpmiSection(_Model):

@@ -311,12 +311,13 @@ class Coordinator:
             if (view.job, node, uid) not in self.foreign:
                 self.foreign.add((view.job, node, uid))
                 log.warning(
-                    "%s: node %s carries it under uid %d, not its owner's (uid %s): "
-                    "that node is not part of the job",
+                    "%s: node %s carries it under uid %d, while its owner is uid %s and its "
+                    "nodes are %s: that node is not part of the job",
                     view.job,
                     node,
                     uid,
                     owner,
+                    ", ".join(sorted(self.registry.scheduled.get(view.job, ()))) or "any",
                 )
 
     def _view(self, job: str, now: float) -> JobView:

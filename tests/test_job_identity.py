@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from hyperagent.agent import Agent
+from hyperagent.capture.fake_nvml import FakeNvml
+from hyperagent.config import build_config
 from hyperagent.job import (
     REFUSED_RETRY_S,
     JobReporter,
@@ -36,7 +39,10 @@ from hyperagent.job import (
     encode_step,
 )
 from hyperagent.scheduler import qualified
+from hyperagent.sources import Hardware
 from hyperagent.sources.job import JobSource, PeerPolicy
+
+from conftest import FIXTURES
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("root_only")]
 
@@ -47,10 +53,11 @@ RANKS = """
 import json, os, sys, time
 from hyperagent.job import JobReporter
 socket_path, job, count, hold_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+gpu = None if sys.argv[5] == "-" else int(sys.argv[5])
 print(os.getpid(), flush=True)
 sys.stdin.readline()  # the test's go-ahead (it has written what it needs for this pid)
 reporters = [
-    JobReporter(None if job == "-" else job, rank=i, socket_path=socket_path)
+    JobReporter(None if job == "-" else job, rank=i, socket_path=socket_path, gpu=gpu)
     for i in range(count)
 ]
 deadline = time.monotonic() + hold_s
@@ -108,6 +115,7 @@ class Ranks:
         count: int = 1,
         hold_s: float = 10.0,
         env: dict[str, str] | None = None,
+        gpu: int | None = None,
     ) -> Ranks:
         uid = user(name)
         process = await asyncio.create_subprocess_exec(
@@ -123,6 +131,7 @@ class Ranks:
             job,
             str(count),
             str(hold_s),
+            "-" if gpu is None else str(gpu),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -312,3 +321,52 @@ def test_a_reporter_reads_the_reason_after_a_reset(tmp_path: Path) -> None:
         assert reporter._retry_at - time.monotonic() > REFUSED_RETRY_S - 5
     finally:
         listener.close()
+
+
+ALICE_ON_TWO_NODES = FIXTURES / "slurm" / "scontrol-show-job-d-running-alice-2-nodes.txt"
+"""Slurm 22.05's ``scontrol show job -d 1``: job 1 on gpu-[1-2], GPUs 0-1 of each."""
+
+
+async def test_a_slurm_jobs_gpus_are_the_ones_the_scheduler_gave_it(
+    shared_dir: Path, nvidia_smi_dir: Path
+) -> None:
+    """alice's rank in Slurm job 1's cgroup declares GPU 5; the controller (its recorded
+    answer) gave job 1 GPUs 0 and 1 of this node, gpu-1: those are the job's GPUs here, and
+    its telemetry says the scheduler's user and nodes."""
+    proc_root = shared_dir / "proc"
+    config = build_config(
+        {
+            "node": "gpu-1",
+            "mqtt": {"enabled": False},
+            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(shared_dir)},
+            "sources": {
+                "ipmi": {"enabled": False},
+                "rdma": {"enabled": False},
+                "job": {"scontrol": ["sh", "-c", f"cat {ALICE_ON_TWO_NODES}", "scontrol"]},
+            },
+        }
+    )
+    source = JobSource(shared_dir / "job.sock", open_policy(), proc_root=proc_root)
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    agent = Agent(config, Hardware(nvml=nvml), sources=[source])
+    running = asyncio.create_task(agent.run())
+    try:
+        async with asyncio.timeout(10):
+            await agent.ready.wait()
+        alice = await Ranks.start(ALICE, shared_dir / "job.sock", "mine", hold_s=10, gpu=5)
+        uid = user(ALICE)
+        write_cgroup(
+            proc_root,
+            alice.pid,
+            f"7:freezer:/slurm_gpu-1/uid_{uid}/job_1/step_0\n"
+            f"5:devices:/slurm_gpu-1/uid_{uid}/job_1/step_0/task_0\n",
+        )
+        alice.go()
+        await _until(lambda: agent.job_gpus("slurm-1-0") == ({0, 1}, True))
+        summary = agent._jobs_summary()["slurm-1-0"]
+        assert summary["gpus"] == [0, 1]
+        assert summary["scheduler"] == {"user": "alice", "uid": 1001, "nodes": ["gpu-1", "gpu-2"]}
+        await alice.told()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)

@@ -63,7 +63,7 @@ from hyperagent import ticks
 from hyperagent.errors import ConfigError, ConfigProblem, PayloadError
 from hyperagent.job import JobSettings, StepReport
 from hyperagent.readings import Kind, Reading
-from hyperagent.sources.job_identity import identify
+from hyperagent.sources.job_identity import RankIdentity, identify
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +306,8 @@ class JobTotals:
     version: int = 0
     owner: int | None = None
     """The uid the job id is bound to."""
+    slurm_job: str = ""
+    """The Slurm job id its ranks' cgroup names (empty: outside Slurm)."""
     ranks: dict[int, Peer] = field(default_factory=dict)
     """rank -> its live connection, where settings go."""
     left_at: float = 0.0
@@ -800,9 +802,11 @@ class JobSource:
                 said = f"connection is job {peer.hello.job} rank {peer.rank}"
                 self._refuse(peer, "not_claimed", said)
                 return
-            job = peer.job
+            job, slurm_job = peer.job, None
         else:
-            job = self._identify(peer, hello.job)
+            identity = self._identify(peer, hello.job)
+            job = identity.job
+            slurm_job = None if identity.cgroup is None else identity.cgroup.job.scheduler_id
         totals = self.jobs.get(job)
         if totals is not None and self._due(totals):
             self.release(job)
@@ -818,6 +822,8 @@ class JobSource:
                 self._refuse(peer, "too_many_jobs", _live_jobs(live, self.policy.max_jobs))
                 return
             totals = self._new_job(job)
+        if slurm_job:
+            totals.slurm_job = slurm_job
         if totals.owner is None:
             totals.owner = peer.uid
         elif totals.owner != peer.uid:
@@ -837,8 +843,8 @@ class JobSource:
         for listener in self.attach_listeners:
             listener(job, rank)
 
-    def _identify(self, peer: Peer, said: str) -> str:
-        """The job ``peer`` is, from its cgroup and uid (once per connection)."""
+    def _identify(self, peer: Peer, said: str) -> RankIdentity:
+        """Who ``peer`` is, from its cgroup and uid (once per connection)."""
         identity = identify(said, peer.pid, peer.uid, self.trusted_uid, self.proc_root)
         if identity.contradicted:
             self._warn_once(
@@ -849,7 +855,7 @@ class JobSource:
                 said,
                 identity.job,
             )
-        return identity.job
+        return identity
 
     def _live_jobs_of(self, uid: int) -> int:
         return sum(1 for t in self.jobs.values() if t.owner == uid and t.ranks)

@@ -9,11 +9,12 @@ complete, what is missing. :func:`admission` applies the coordinator's policy;
 :func:`plan_space` intersects the job's search space with what every node can apply. Pure:
 time comes in as arguments.
 
-A job has one owner across the cluster: the uid its id is bound to (``u<uid>-<id>``, see
-:mod:`hyperagent.sources.job_identity`), else the uid of the first node's sighting (an agent
-takes a Slurm job's id from the rank's cgroup, so its uid is the job's user). A node that
-carries the id under another uid is not part of the job: its ranks count for nothing (world
-size, attached ranks, opt-in and opt-out), and the job's rounds leave it out.
+A job has one owner across the cluster: the uid the scheduler names (an agent asks Slurm about
+a job its ranks' cgroup names, and says what it answered), else the uid its id is bound to
+(``u<uid>-<id>``, see :mod:`hyperagent.sources.job_identity`), else the uid of the first
+node's sighting. A node that carries the id under another uid, or that the scheduler does not
+list among the job's nodes, is not part of the job: its ranks count for nothing (world size,
+attached ranks, opt-in and opt-out), and the job's rounds leave it out.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class Sighting:
     gpus: tuple[int, ...] = ()
     separable: bool = True
     """The job's GPUs on the node can be told from another job's (or it is alone there)."""
+    scheduler_uid: int | None = None
+    """The job's user as its scheduler names it (None: not asked, or no answer)."""
+    scheduler_nodes: tuple[str, ...] | None = None
+    """The job's nodes as its scheduler lists them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,13 @@ def sighting(node: str, seen: float, entry: Mapping[str, Any]) -> Sighting:
     tune = entry.get("tune")
     user = entry.get("user")
     attached = _int(entry.get("attached"))
+    scheduler = entry.get("scheduler")
+    scheduler_uid, scheduler_nodes = None, None
+    if isinstance(scheduler, Mapping):
+        scheduler_uid = _int(scheduler.get("uid"))
+        listed = scheduler.get("nodes")
+        if isinstance(listed, list) and all(isinstance(n, str) for n in listed):
+            scheduler_nodes = tuple(listed)
     return Sighting(
         node,
         seen,
@@ -106,6 +118,8 @@ def sighting(node: str, seen: float, entry: Mapping[str, Any]) -> Sighting:
         announced,
         tuple(g for g in gpus if _int(g) is not None) if isinstance(gpus, list) else (),
         entry.get("gpus_separable") is not False,
+        scheduler_uid,
+        scheduler_nodes,
     )
 
 
@@ -203,6 +217,9 @@ class Registry:
         self.jobs: dict[str, dict[str, Sighting]] = {}
         self.owners: dict[str, int] = {}
         """job -> the uid that owns it (see the module doc), while a node carries it."""
+        self.scheduled: dict[str, frozenset[str]] = {}
+        """job -> its nodes as the scheduler lists them (first answer), while a node carries
+        it."""
         self.bounds: dict[str, NodeBounds] = {}
         self._on_node: dict[str, set[str]] = {}
 
@@ -223,6 +240,9 @@ class Registry:
             if not isinstance(entry, Mapping):
                 continue
             new = sighting(node, now, entry)
+            if new.scheduler_uid is not None and job not in self.scheduled:
+                self.owners[job] = new.scheduler_uid
+                self.scheduled[job] = frozenset(new.scheduler_nodes or ())
             if job not in self.owners:
                 owner = owner_of(job)
                 if owner is None and new.attached > 0:
@@ -243,6 +263,7 @@ class Registry:
             if not seen:
                 self.jobs.pop(job, None)
                 self.owners.pop(job, None)
+                self.scheduled.pop(job, None)
         return changed
 
     def forget_node(self, node: str) -> list[str]:
@@ -254,14 +275,13 @@ class Registry:
     ) -> JobView:
         """``job`` as seen now; ``nodes`` (a node set, ``why`` says whose: configured, or
         the journal's round) must all carry it."""
-        owner = self.owners.get(job)
         seen: dict[str, Sighting] = {}
         foreign: dict[str, int] = {}
         for n, s in self.jobs.get(job, {}).items():
             if s.attached == 0 or now - s.seen > self.stale_after_s:
                 continue
-            if owner is not None and s.uid is not None and s.uid != owner:
-                foreign[n] = s.uid
+            if self._foreign(job, n, s):
+                foreign[n] = s.uid if s.uid is not None else -1
             else:
                 seen[n] = s
         attached = sum(s.attached for s in seen.values())
@@ -292,13 +312,19 @@ class Registry:
 
     def live(self, job: str, now: float) -> bool:
         """Some node has ranks of ``job``'s owner attached (by a fresh sighting)."""
-        owner = self.owners.get(job)
         return any(
-            s.attached > 0
-            and now - s.seen <= self.stale_after_s
-            and (owner is None or s.uid is None or s.uid == owner)
-            for s in self.jobs.get(job, {}).values()
+            s.attached > 0 and now - s.seen <= self.stale_after_s and not self._foreign(job, n, s)
+            for n, s in self.jobs.get(job, {}).items()
         )
+
+    def _foreign(self, job: str, node: str, seen: Sighting) -> bool:
+        """``node``'s sighting is not of ``job``: another uid than its owner's, or a node the
+        scheduler does not list as the job's."""
+        owner = self.owners.get(job)
+        if owner is not None and seen.uid is not None and seen.uid != owner:
+            return True
+        listed = self.scheduled.get(job)
+        return listed is not None and bool(listed) and node not in listed
 
 
 def admission(coordinator: CoordinatorSection, view: JobView) -> str | None:
