@@ -630,6 +630,12 @@ class JobTuning:
         elif isinstance(action, lifecycle.Rollback):
             good = self.last_good or self._first_settings()
             level = logging.DEBUG if quiet else logging.WARNING
+            missing = self._view.missing if self._view is not None else ""
+            if missing or self._empty_since is not None:
+                # a rank died: the job is over or restarting; nothing to roll back on it
+                gone = missing or "no rank attached"
+                out.append(Say(level, f"{job}: {action.why}; {gone}: not rolling back"))
+                return
             out.append(Say(level, f"{job}: {action.why}; rolling back to {good}"))
             self._publish(good, None, None, out)
         elif isinstance(action, lifecycle.Pause):

@@ -5,11 +5,12 @@ Each one, as a user would notice it: trials spent or not, what is retried, what 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-from tuner.driver import Nodes, begin, coordinator_section
+from tuner.driver import Nodes, begin, coordinator_section, empty_view, view
 
 from hyperagent.tuner import lifecycle, tuning
 from hyperagent.tuner.discovery import NodeBounds
@@ -153,3 +154,38 @@ def test_an_energy_tuning_restarted_after_its_last_confirmation_concludes_as_it_
     final = Journal(tmp_path / "killed.jsonl").load().final
     assert final is not None
     assert (final["settings"], final["gain"]) == (expected["settings"], expected["gain"])
+
+
+def test_a_rank_dying_mid_trial_publishes_nothing_more_for_its_job(tmp_path: Path) -> None:
+    """Trial 0 is measuring when a rank on n2 dies (its node's steps stop; the job is no longer
+    whole) and then the rest of the job ends: no rollback version or any other goes out for
+    it, and its journal says it ended."""
+    section = coordinator_section(
+        trials=4, patience=4, end_after_s=5, max_retries=5, ack_timeout_s=5, trial_timeout_s=20
+    )
+    nodes = Nodes(NODES, score)  # answered by hand
+    driver = begin("j", NODES, tmp_path / "j.jsonl", section)
+    (trial,) = driver.published
+    for node in NODES:
+        driver.feed(nodes.ack(driver.now, trial, node))
+    driver.advance(1.0)
+    broken = view("j", NODES)
+    n2 = dataclasses.replace(broken.sightings["n2"], attached=7, rank_ids=tuple(range(16, 23)))
+    sightings = {**broken.sightings, "n2": n2}
+    missing = "ranks 23 (23 of 24 attached)"
+    driver.feed(
+        tuning.Seen(
+            driver.now,
+            dataclasses.replace(broken, sightings=sightings, attached=23, missing=missing),
+        )
+    )
+    stalled = nodes.report(driver.now, trial, "n2")
+    driver.feed(tuning.Report(driver.now, {**stalled.message, "stalled": True, "windows": []}))
+    for _ in range(60):  # past the trial's deadline: it ends unmeasured
+        driver.advance(1.0)
+    assert driver.published == [trial], [p.settings for p in driver.published]
+    assert any("not rolling back" in line for line in driver.said), driver.said
+    driver.feed(tuning.Seen(driver.now, empty_view("j")))
+    driver.run_until_done()
+    assert driver.published == [trial]
+    assert Journal(tmp_path / "j.jsonl").load().ended is not None
