@@ -124,6 +124,21 @@ _CORE: dict[str, str] = {
     "hyperagent_reports_unconfirmed": "Measurement reports the coordinator has not confirmed yet.",
     # Coordinator
     "hyperagent_coordinator_invalid_payloads_total": "MQTT payloads the coordinator dropped.",
+    "hyperagent_coordinator_jobs": (
+        "Jobs the coordinator holds, by lifecycle state (waiting_for_ranks, searching,"
+        " confirming, tuned, retuning, paused, waiting_for_quorum, ended, failed)."
+    ),
+    "hyperagent_coordinator_jobs_found_total": (
+        "Jobs found in the agents' telemetry and taken to tune."
+    ),
+    "hyperagent_coordinator_jobs_not_tuned": (
+        "Jobs with ranks attached that the coordinator does not tune (its policy, or"
+        " coordinator.max_jobs), each said once in its log."
+    ),
+    "hyperagent_coordinator_foreign_sightings_total": (
+        "Nodes seen carrying a job's id under another uid than its owner's, or not among the"
+        " scheduler's nodes of the job: not part of the job (each logged once)."
+    ),
     "hyperagent_node_online": "1 while the node's retained MQTT status says online.",
     "hyperagent_node_status_timestamp_seconds": "Unix time of the node's last status message.",
     "hyperagent_tuner_settings_version": "Version of the settings last published for the job.",
@@ -132,6 +147,7 @@ _CORE: dict[str, str] = {
         "How long a trial may take: the ack and measurement time-outs together."
     ),
     "hyperagent_tuner_lost_nodes": "Nodes of the job excluded from scoring (offline or silent).",
+    "hyperagent_tuner_nodes": "Nodes the job's tuning runs on (the nodes that carry it).",
     "hyperagent_tuner_recommended_setting": (
         "Numeric knob the recommend mode would set (bucket, chunk, cap)."
     ),
