@@ -66,12 +66,19 @@ def _check_address(value: str) -> str:
 
 class AgentSection(_Model):
     interval_s: PositiveSeconds = 1.0
+    """A collection cycle this often: every source read (or its last readings repeated, for a source
+    with its own interval), the indicators computed, /metrics updated."""
     telemetry_interval_s: PositiveSeconds = 1.0
     """Publish telemetry over MQTT at most this often (the latest cycle's): an agent collecting
     at 10 Hz serves /metrics from every cycle but costs the broker and the coordinator one
     message a second."""
     metrics_address: str = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
+    """Where /metrics listens, HOST:PORT; "" serves none. The shipped file listens on all addresses
+    (``0.0.0.0:10478``) for Prometheus."""
     state_dir: Path = Path("/var/lib/hyperagent")
+    """The agent's state: the original power limits it changed (``power-limits.json``), the
+    settings applied per job (``applied-settings.json``) and the on-disk spool of acks and
+    reports (``spool/``); an agent that may not create it exits 2."""
 
     _address = field_validator("metrics_address")(_check_address)
 
@@ -101,21 +108,35 @@ def _broker_url(value: str) -> BrokerUrl:
 
 class MqttSection(_Model):
     enabled: bool = True
+    """Connect to the broker; false (``--no-broker``): /metrics only, no telemetry and no tuning."""
     url: str | tuple[str, ...] = "mqtt://127.0.0.1:1883"
     """The broker, or several addresses of one (clustered) broker: the daemons connect to
     them in turn, and to the next one at once when the connection drops."""
     client_id: str | None = None
+    """The MQTT client id (default: ``hyperagent-agent-<node>`` or
+    ``hyperagent-coordinator-<cluster>``; on RabbitMQ leave it unset: the broker's permissions name
+    these ids)."""
     username: str | None = None
+    """The broker user (default: the node name on an agent, ``coordinator`` on the coordinator),
+    used with ``password_file``."""
     password_file: Path | None = None
+    """A file holding the broker user's password; none: connect without one."""
     tls_ca_file: Path | None = None
     """CA that signed the broker's certificate; required by mqtts:// URLs."""
     tls_cert_file: Path | None = None
     """This client's certificate, when the broker asks for one."""
     tls_key_file: Path | None = None
+    """The key of ``tls_cert_file``."""
     keepalive_s: Annotated[int, Field(ge=5, le=3600)] = 30
+    """MQTT keep-alive: the broker drops (and publishes the last will of) a client it has not heard
+    from in 1.5 times this."""
     outbox_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    """Telemetry messages waiting for the broker at most; beyond it the oldest is dropped
+    (``hyperagent_mqtt_dropped_total``). Acks and reports wait in the on-disk spool instead."""
     reconnect_min_s: PositiveSeconds = 0.5
+    """The first wait after every address of ``url`` failed in a row ..."""
     reconnect_max_s: PositiveSeconds = 30.0
+    """... doubling up to this (jittered)."""
     persistent_session: bool | None = None
     """Keep the MQTT session (subscriptions, queued messages) across connections; default: the
     coordinator does, an agent does not. On a RabbitMQ cluster set it on the agents too: a
@@ -172,6 +193,7 @@ class MqttSection(_Model):
 
 class NvmlSection(_Model):
     enabled: bool = True
+    """Read NVIDIA GPUs through NVML (``nvidia-ml-py``); without a driver the source is up 0."""
     dump: Path | None = None
     """Replay this ``nvidia-smi -q -x`` dump (or query-gpu capture) instead of the driver."""
     health_interval_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
@@ -186,6 +208,8 @@ class AcceleratorSection(_Model):
     unless enabled; enabled where the library is missing, it reports no devices (up 0)."""
 
     enabled: bool = False
+    """Read this vendor's devices (needs its library: ``hyperagent[amd]`` or
+    ``hyperagent[gaudi]``)."""
 
 
 class SmiTextSection(_Model):
@@ -193,26 +217,34 @@ class SmiTextSection(_Model):
     ``[sources.xpu_smi]``): telemetry only."""
 
     enabled: bool = False
+    """Read this vendor tool's table (telemetry only: no power caps)."""
     command: tuple[str, ...] = ()
     """The command line (default: the tool's own, ``npu-smi info``, ``cnmon`` or ``xpu-smi dump
     -d -1 -m 0,1,2,3,4,8,17,18 -n 1``)."""
     timeout_s: PositiveSeconds = 1.5
     """Bound of one run of the tool (below ``sources.timeout_s``)."""
     interval_s: PositiveSeconds = 5.0
+    """Run the tool at most this often; cycles in between repeat its last readings."""
 
 
 class HostSection(_Model):
     enabled: bool = True
+    """Read the host's CPU, memory, swap, memory stall time and NUMA balancing from procfs."""
 
 
 class JobSection(_Model):
     enabled: bool = True
+    """Serve the job channel: training ranks report steps and take settings over ``socket``."""
     socket: Path = Path("/run/hyperagent/job.sock")
+    """The job channel's unix socket (``SOCK_SEQPACKET``); the ranks' ``HYPERAGENT_JOB_SOCKET``
+    names another. An agent that cannot listen on it exits 2."""
     allowed_users: tuple[str | int, ...] = ()
     """Users (names or uids) whose processes may report jobs, besides the agent's own user."""
     allowed_groups: tuple[str | int, ...] = ()
     """Groups (names or gids) whose members may report jobs (primary or supplementary)."""
     max_jobs: Annotated[int, Field(ge=1, le=4096)] = 16
+    """Live jobs (a rank connected) at most; a new job over the bound releases the oldest dead job
+    at once, and is refused (``too_many_jobs``) only while live jobs hold every slot."""
     max_ranks: Annotated[int, Field(ge=1, le=4096)] = 64
     """Connected ranks per job at most."""
     max_jobs_per_user: Annotated[int, Field(ge=1, le=4096)] = 8
@@ -234,15 +266,25 @@ class IpmiSection(_Model):
     backend: Literal["ipmitool", "rmcp"] = "ipmitool"
     """ipmitool: runs `ipmitool sdr elist` and `dcmi power reading`; rmcp: python-ipmi."""
     interface: Literal["open", "lan", "lanplus"] = "open"
+    """``open``: the local BMC (``/dev/ipmi0``); ``lan``/``lanplus``: a BMC over the network at
+    ``host``."""
     host: str | None = None
+    """The BMC's address, for ``lan``/``lanplus``."""
     port: Annotated[int, Field(gt=0, lt=65536)] = 623
+    """The BMC's RMCP port."""
     username: str | None = None
+    """The BMC user, over the LAN."""
     password_file: Path | None = None
+    """A file holding the BMC user's password (given to ipmitool as ``-f``, never on its command
+    line)."""
     cipher_suite: Literal[1, 2, 3, 15, 16, 17] | None = None
+    """RMCP+ cipher suite (``lanplus``); unset: ipmitool's default, python-ipmi tries 17 then 3."""
     privilege: Literal["user", "operator", "administrator"] = "user"
+    """The privilege level asked for over the LAN (sensor reads need ``user``)."""
     timeout_s: PositiveSeconds = 1.5
     """Bound of one read; keep it below sources.timeout_s."""
     dcmi: bool = True
+    """Also read the DCMI power reading (a BMC that refuses DCMI is not asked again)."""
     interval_s: PositiveSeconds = 5.0
     """Read the BMC at most this often: its fans, temperatures and DCMI power change over
     seconds, and a full SDR read over KCS keeps many BMCs busy for a second or more. Cycles in
@@ -261,11 +303,13 @@ class RdmaSection(_Model):
     enabled: bool = True
     """Without /sys/class/infiniband the source is quietly up 0."""
     sysfs_root: Path = Path("/sys")
+    """Where ``class/infiniband`` and ``class/net`` are read (a replay reads its capture's copy)."""
     netdevs: tuple[str, ...] = ()
     """RoCE netdevs the sysfs tree does not link to a port (added to the discovered ones)."""
     commands: bool = True
     """Run `rdma -j resource show` and `ethtool -S`; false reads sysfs only."""
     command_timeout_s: PositiveSeconds = 1.5
+    """Bound of one run of ``rdma`` or ``ethtool`` (below ``sources.timeout_s``)."""
     commands_interval_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
     """Run the commands at most this often (each run starts processes); the sysfs counters are
     read every cycle. 0 runs them every cycle."""
@@ -279,9 +323,13 @@ class RdmaSection(_Model):
 
 class PduTargetSection(_Model):
     name: Name
+    """The PDU's name: the ``pdu`` label of its series, unique among the targets."""
     host: Annotated[str, Field(min_length=1)]
+    """The PDU's address (SNMPv2c)."""
     port: Annotated[int, Field(gt=0, lt=65536)] = 161
+    """The PDU's SNMP port."""
     community: str = "public"
+    """SNMPv2c community."""
     vendor: Literal[
         "auto",
         "apc",
@@ -301,6 +349,8 @@ class PduTargetSection(_Model):
         "schleifenbauer",
         "entity",
     ] = "auto"
+    """The PDU's MIB profile; ``auto`` chooses it from the PDU's sysObjectID (a PDU no profile knows
+    reports ENTITY-SENSOR-MIB sensors, if any)."""
     outlets: tuple[str, ...] = ()
     """This node's outlets on the PDU (ids or names): their sum is the node's wall power. The
     node reads only these rows; ``["*"]`` reads every outlet."""
@@ -318,11 +368,14 @@ class PduTargetSection(_Model):
 
 class PduSection(_Model):
     enabled: bool = True
+    """Read the ``targets``; with none, the source reads nothing."""
     timeout_s: Annotated[float, Field(gt=0, le=30)] = 1.0
     """Bound of one SNMP request (a node's read is one or two GETs; the inlets node walks its
     inlet and phase tables, a few requests more)."""
     retries: Annotated[int, Field(ge=0, le=5)] = 1
+    """SNMP retries of a request that timed out."""
     targets: tuple[PduTargetSection, ...] = ()
+    """The PDUs this node reads (``[[sources.pdu.targets]]``)."""
     interval_s: PositiveSeconds = 5.0
     """Poll the PDUs at most this often: PDU agents are slow and update their meters every
     few seconds, and every node of a rack asks the same PDU."""
@@ -330,6 +383,8 @@ class PduSection(_Model):
 
 class SourcesSection(_Model):
     timeout_s: PositiveSeconds = 2.0
+    """Bound of every source's read and of every NVML call; a source or call over it is reported (up
+    0, ``hyperagent_device_call_failures_total``), never waited on."""
     nvml: NvmlSection = NvmlSection()
     host: HostSection = HostSection()
     job: JobSection = JobSection()
@@ -377,12 +432,19 @@ class IndicatorsSection(_Model):
     quantum_coefficients: dict[str, Annotated[float, Field(gt=0, le=100)]] = Field(
         default_factory=lambda: dict(DEFAULT_QUANTUM_COEFFICIENTS)
     )
+    """Compute quanta one fully busy GPU of a model is worth (A100 = 1), by model key (a model
+    matches the longest key in its name); these replace the shipped table, so name every model the
+    cluster has. A model no key matches counts as 1 and is warned about."""
 
 
 class ActuationSection(_Model):
     power_cap: bool = True
+    """Apply the coordinator's power caps through the device library (and give the original limits
+    back); false: this node leaves the power cap out of its jobs' tuning."""
     min_power_w: Annotated[float, Field(gt=0)] | None = None
+    """This node's lowest power cap (W): settings below it are refused."""
     max_power_w: Annotated[float, Field(gt=0)] | None = None
+    """This node's highest power cap (W): settings above it are refused."""
     allowed_jobs: tuple[TopicName, ...] = ()
     """Jobs whose settings this node applies; empty means every job in its cluster."""
 
@@ -451,17 +513,30 @@ Objective = Literal["throughput", "energy"]
 
 class StartSettings(_Model):
     bucket_mb: Annotated[int, Field(ge=1, le=256)] = 25
+    """DDP gradient bucket (MiB) the job runs before tuning: the baseline measured first, kept
+    unless a setting is confirmed better (a finished tuning of the same fingerprint starts from its
+    result instead)."""
     chunk_kb: Annotated[int, Field(ge=64, le=65536)] = 4096
+    """Gradient chunk (KiB) the job starts with."""
     power_cap_w: Annotated[float, Field(gt=0)] | None = None
+    """GPU power cap (W) the job starts with; unset: the top of ``power_limits_w``."""
     allreduce: Literal["ring", "tree", "halving_doubling"] = "ring"
+    """AllReduce algorithm the job starts with."""
 
 
 class TrialPlanSection(_Model):
     settle_steps: Annotated[int, Field(ge=0)] = 10
+    """After a settings change, let at least this many steps pass ..."""
     settle_s: Annotated[float, Field(ge=0)] = 3.0
+    """... and this many seconds (a power change waits longer: the slowest cap latency measured,
+    plus NVML's averaging window) before measuring."""
     measure_steps: Annotated[int, Field(ge=1)] = 40
+    """Measure at least this many steps in all ..."""
     measure_s: Annotated[float, Field(ge=0)] = 5.0
+    """... and this many seconds, split over ``windows`` windows."""
     windows: Annotated[int, Field(ge=1, le=64)] = 4
+    """Windows measured at least: their spread gives the score's standard error, which the optimiser
+    is told."""
     target_rel_se: Annotated[float, Field(ge=0, le=1)] = 0.02
     """After ``windows`` windows, measure on until the score's standard error is this fraction
     of it ..."""
@@ -500,6 +575,7 @@ class JobPolicy(_Model):
     gradient_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     """Gradient element type (DeepSpeed's bucket sizes are in elements)."""
     objective: Objective = "throughput"
+    """throughput: samples per second; energy: samples per joule of the job's GPUs."""
     mode: Literal["tune", "recommend"] = "tune"
     """recommend: publish nothing; report what would be set, and why."""
     power_budget_w: Annotated[float, Field(gt=0)] | None = None
@@ -522,19 +598,30 @@ class JobPolicy(_Model):
     drift_sustained_s: PositiveSeconds = 300.0
     """... for this long."""
     model_params_b: Annotated[float, Field(gt=0)] | None = None
+    """The model's size in billions of parameters, part of the job's fingerprint (default: as the
+    ranks say)."""
     gpu_model: str | None = None
     """With the node count and backend, identify the job: a finished tuning of the same
     fingerprint warm-starts the next one (default: as the ranks and the nodes say)."""
     trials: Annotated[int, Field(ge=1, le=10_000)] = 30
+    """Search trials at most in a tuning round (the confirmations come on top)."""
     patience: Annotated[int, Field(ge=1)] = 10
+    """End the search early when the best score has not improved by more than 1% over this many
+    trials."""
     power_limits_w: tuple[float, float] | None = None
     """The power caps searched (W); default: the range every node's GPUs take, as the agents
     say."""
     start: StartSettings = StartSettings()
+    """The settings a job starts from (``[coordinator.defaults.start]``)."""
     plan: TrialPlanSection = TrialPlanSection()
+    """How each trial settles and measures (``[coordinator.defaults.plan]``)."""
     ack_timeout_s: PositiveSeconds = 30.0
+    """Every node acks a settings version within this, or the trial is a pause, not a trial (the
+    time counts only while connected to the broker)."""
     trial_timeout_s: PositiveSeconds = 600.0
+    """A trial whose nodes measure nothing within this is a pause, not a trial."""
     seed: int = 0
+    """The optimiser's random seed (each round adds its number)."""
     ranks_wait_s: PositiveSeconds = 120.0
     """A job tunes once every rank of its world size is attached; after this long without
     them it says which are missing (and keeps waiting)."""
@@ -588,10 +675,14 @@ class JobTuningSection(JobPolicy):
 
 class CoordinatorSection(_Model):
     metrics_address: str = f"127.0.0.1:{DEFAULT_METRICS_PORT + 1}"
+    """Where the coordinator's /metrics listens, HOST:PORT; "" serves none."""
     state_dir: Path = Path("/var/lib/hyperagent-coordinator")
     """Where the tuning journals live (one file per job)."""
     defaults: JobPolicy = JobPolicy()
+    """How every job found is tuned (``[coordinator.defaults]``)."""
     jobs: tuple[JobRule, ...] = ()
+    """Rules by job id that override the defaults (``[[coordinator.jobs]]``): optional, jobs are
+    found without them."""
     max_jobs: Annotated[int, Field(ge=1, le=100_000)] = 1000
     """Jobs tuned at once at most; a job found beyond it waits for a slot (said once)."""
     journal_keep_days: Annotated[float, Field(gt=0)] = 30.0
@@ -649,7 +740,10 @@ class Config(_Model):
     """The whole configuration. Unknown keys are errors."""
 
     node: TopicName = Field(default_factory=lambda: safe_name(socket.gethostname().split(".")[0]))
+    """This node's name: its topic level and its broker user (default: the short host name)."""
     cluster: TopicName = "default"
+    """The cluster's name: every topic lives under ``hyperagent/v1/<cluster>/``, so a coordinator
+    tunes the jobs of its cluster only."""
     agent: AgentSection = AgentSection()
     mqtt: MqttSection = MqttSection()
     sources: SourcesSection = SourcesSection()
