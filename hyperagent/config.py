@@ -646,6 +646,7 @@ class JobRule(JobPolicy):
     first rule that matches applies), with what they override of the defaults."""
 
     id: JobPattern
+    """The jobs this rule applies to: one job id, or a shell pattern of ids (``slurm-*``)."""
     nodes: tuple[TopicName, ...] = ()
     """A fixed node set (optional: a job's nodes are the agents that carry it)."""
 
