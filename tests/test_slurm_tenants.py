@@ -172,8 +172,11 @@ class Run:
     problems: list[str] = field(default_factory=list)
     """What did not happen in time (each test says what it needs of it)."""
 
-    def holder(self, node: str, gpu: int) -> Job | None:
-        """The Slurm job Slurm gave ``gpu`` of ``node`` to, if any."""
+    def holder(self, node: str, gpu: int, at: float | None = None) -> Job | None:
+        """The Slurm job Slurm gave ``gpu`` of ``node`` to, if any (at ``at``: every job was
+        cancelled at ``ended``)."""
+        if at is not None and self.ended and at >= self.ended:
+            return None
         return next((j for j in self.jobs.values() if gpu in j.gpus.get(node, ())), None)
 
     def caps_published(self, job: str, until: float | None = None) -> set[float]:
@@ -516,7 +519,7 @@ def test_no_cap_ever_lands_on_a_gpu_its_job_does_not_hold(run: Run) -> None:
         for gpu, limit in sample.limits.items():
             if limit == DEFAULT_LIMIT_W:
                 continue
-            holder = run.holder(sample.node, gpu)
+            holder = run.holder(sample.node, gpu, sample.at)
             if holder is None or limit not in run.caps_published(holder.id, sample.at):
                 name = holder.id if holder is not None else "no job"
                 off.setdefault((sample.node, gpu, name), []).append((sample.at - run.began, limit))
@@ -576,13 +579,25 @@ def test_every_gpu_is_back_at_its_default_and_stays_there_once_its_jobs_ended(ru
     watched: list[LimitSample] = [
         s for s in run.watch.limits_since(run.released) if s.at <= run.watch_end
     ]
-    off = [
-        f"{s.node} GPU {g} at {v} W, {s.at - run.released:.1f}s after the release"
-        for s in watched
-        for g, v in s.limits.items()
-        if v != DEFAULT_LIMIT_W
-    ]
-    assert not off, off[:20]
+    off: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for sample in watched:
+        for gpu, limit in sample.limits.items():
+            if limit != DEFAULT_LIMIT_W:
+                off.setdefault((sample.node, gpu), []).append((sample.at - run.released, limit))
+    lines = []
+    for (node, gpu), times in off.items():
+        lines.append(
+            f"{node} GPU {gpu} at {sorted({v for _, v in times})} W in {len(times)} samples from"
+            f" {times[0][0]:.1f}s to {times[-1][0]:.1f}s after the release; the last caps applied"
+            " there (seconds after the jobs' end: job, version, applied):"
+        )
+        lines += [
+            f"    {m.at - run.ended:.1f}s {m.payload['job']} v{m.payload['version']}"
+            f" {m.payload.get('applied')}"
+            for m in acks(run)
+            if m.payload["node"] == node and gpu in m.payload.get("applied", {}).get("gpus", [])
+        ][-3:]
+    assert not off, "\n".join(lines)
     for node in run.slurm.nodes:
         times = [s.at for s in watched if s.node == node and len(s.limits) == 8]
         assert times and times[-1] >= run.watch_end - 3, (node, "not watched to the end")
