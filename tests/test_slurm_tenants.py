@@ -579,6 +579,20 @@ def test_every_gpu_is_back_at_its_default_and_stays_there_once_its_jobs_ended(ru
     watched: list[LimitSample] = [
         s for s in run.watch.limits_since(run.released) if s.at <= run.watch_end
     ]
+    for node in run.slurm.nodes:
+        times = [s.at for s in watched if s.node == node and len(s.limits) == 8]
+        assert times and times[-1] >= run.watch_end - 3, (node, "not watched to the end")
+        gaps = [b - a for a, b in zip([run.released, *times], times, strict=False)]
+        assert max(gaps) < 10, (node, max(gaps))
+    # the coordinator said "online" again and again over the watch, and after its restart
+    online = [
+        m
+        for m in run.watch.messages_of("status", run.watched)
+        if m.payload.get("state") == "online"
+    ]
+    assert any(m.at > run.restarted for m in online), online
+    assert len(online) >= 4, [(m.at - run.watched, m.payload) for m in online]
+    # every GPU at its default limit all along
     off: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for sample in watched:
         for gpu, limit in sample.limits.items():
@@ -598,19 +612,6 @@ def test_every_gpu_is_back_at_its_default_and_stays_there_once_its_jobs_ended(ru
             if m.payload["node"] == node and gpu in m.payload.get("applied", {}).get("gpus", [])
         ][-3:]
     assert not off, "\n".join(lines)
-    for node in run.slurm.nodes:
-        times = [s.at for s in watched if s.node == node and len(s.limits) == 8]
-        assert times and times[-1] >= run.watch_end - 3, (node, "not watched to the end")
-        gaps = [b - a for a, b in zip([run.released, *times], times, strict=False)]
-        assert max(gaps) < 10, (node, max(gaps))
-    # the coordinator said "online" again and again over the watch, and after its restart
-    online = [
-        m
-        for m in run.watch.messages_of("status", run.watched)
-        if m.payload.get("state") == "online"
-    ]
-    assert any(m.at > run.restarted for m in online), online
-    assert len(online) >= 4, [(m.at - run.watched, m.payload) for m in online]
 
 
 def test_the_attribution_names_each_rank_slurm_job_and_user(run: Run) -> None:
