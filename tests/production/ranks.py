@@ -10,6 +10,10 @@ time the ranks report (the model's step time scaled to it); ``--wall-step-s`` is
 step takes in real time (default: ``--step-s``). The agent measures trials and the
 coordinator watches drift from the reported step times only; the agent's stall check uses
 when steps arrive, in real time. SIGSTOP stalls the job (a hung filesystem); SIGTERM ends it.
+
+What a rank says of itself is its own to say, as any user's code: ``--tune 1``/``0`` asks to be
+tuned or not to be, ``--world-size`` and ``--first-rank`` may claim any world, ``--no-gpu``
+declares no GPU (a CPU-only rank), ``--idle`` says hello and never reports a step.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=8, help="ranks on this node")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the job")
     parser.add_argument("--first-gpu", type=int, default=0, help="this node's first GPU of the job")
+    parser.add_argument("--no-gpu", action="store_true", help="CPU-only ranks: declare no GPU")
+    parser.add_argument("--tune", choices=("0", "1"), default=None, help="ask (not) to be tuned")
+    parser.add_argument("--idle", action="store_true", help="stay connected, report no step")
     parser.add_argument("--first-rank", type=int, default=None, help="default: node rank x ranks")
     parser.add_argument("--world-size", type=int, default=None, help="default: the scheduler's")
     parser.add_argument("--socket", type=Path, required=True)
@@ -63,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             rank=first + i,
             socket_path=args.socket,
             knobs=KNOBS,
-            gpu=args.first_gpu + i,
+            gpu=None if args.no_gpu else args.first_gpu + i,
             world_size=args.world_size,
             local_world_size=args.ranks,
+            tune=None if args.tune is None else args.tune == "1",
         )
         for i in range(args.ranks)
     ]
@@ -79,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                 new = reporter.poll_settings()
                 if new is not None:
                     knobs[i] = {**JOB_DEFAULTS, **new.settings}
-                    log.write(json.dumps({"rank": reporter.rank, "received": new.version}) + "\n")
+                    entry = {"rank": reporter.rank, "received": new.version}
+                    log.write(json.dumps({**entry, "settings": dict(new.settings)}) + "\n")
+            if args.idle:
+                time.sleep(wall_step_s)
+                continue
             for i, reporter in enumerate(reporters):
                 step = model.step({**knobs[i], "power_cap_w": 250.0}, rng)
                 reporter.report_step(

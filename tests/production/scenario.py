@@ -32,13 +32,14 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from hyperagent.capture.nvidia_smi import COMPUTE_APPS_FILE, parse_capture
 from hyperagent.scheduler import qualified
 from hyperagent.signing import write_key_pair
 
@@ -80,6 +81,20 @@ class JobShape:
     scheduler_id: str | None = None
     """A Slurm job id its ranks take their job id from (``SLURM_JOB_ID``, step 0) instead of
     ``id``, which is then the id the scheduler's gives (``slurm-<id>-0``)."""
+    tune: bool | None = None
+    """What its ranks say of being tuned (``--tune 1``/``0``; None: nothing, the policy
+    decides)."""
+    gpus: bool = True
+    """Its ranks declare their GPUs (``--first-gpu``); False: CPU-only ranks (``--no-gpu``)."""
+    idle: bool = False
+    """Its ranks say hello and stay connected without reporting a step (``--idle``)."""
+    claimed_world_size: int | None = None
+    """The world size its ranks say (default: ``world_size``, their own count): a rank that
+    joins another job's id says that job's, or any number."""
+    claimed_first_rank: int | None = None
+    """The rank its first rank on each node says (default: by node order)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables its ranks run with besides the harness's."""
 
     @property
     def id(self) -> str:
@@ -200,6 +215,19 @@ class Scenario:
     """Users besides the agent's own whose ranks may attach (``sources.job.allowed_users``)."""
     job_release_after_s: float = 600.0
     """How long an agent keeps an ended job's series (``sources.job.release_after_s``)."""
+    rules: tuple[dict[str, Any], ...] = ()
+    """With ``policy``: ``[[coordinator.jobs]]`` rules (an ``id`` pattern and what it
+    overrides of the defaults)."""
+    captures: dict[str, Path] = field(default_factory=dict)
+    """A node's own capture directory to replay (a recording, say) instead of the 8 x V100S
+    capture."""
+    gpu_processes: dict[str, dict[int, str]] = field(default_factory=dict)
+    """node -> GPU index -> the process (its name in ``processes``) NVML shows running there:
+    the node's capture directory gets its ``nvidia-smi-compute-apps.csv`` when its agent
+    starts, so those processes must run by then (``agents_later``)."""
+    agents_later: tuple[str, ...] = ()
+    """Nodes whose agents the test starts itself (:meth:`start_agent`), once the processes
+    NVML shows on their GPUs run."""
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     started_at: float = 0.0
@@ -229,7 +257,8 @@ class Scenario:
         for node in self.nodes:
             self.ports[node] = free_port()
             self.inject(node, self.faults.get(node, {}))
-            self.start_agent(node)
+            if node not in self.agents_later:
+                self.start_agent(node)
         self.start_coordinator()
         if self.start_jobs:
             for job in self.jobs:
@@ -306,6 +335,10 @@ class Scenario:
             policy = {k: v for k, v in self.policy.items() if k != "plan"}
             text += _section("coordinator.defaults", policy)
             text += _section("coordinator.defaults.plan", self.policy.get("plan", {}))
+            for rule in self.rules:
+                text += "[[coordinator.jobs]]\n" + "".join(
+                    f"{k} = {_toml(v)}\n" for k, v in rule.items()
+                )
             path.write_text(text)
             return path
         for job in self.jobs:
@@ -380,13 +413,38 @@ class Scenario:
     def start_agent(self, node: str) -> None:
         (self.root / node / "state").mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "hyperagent.cli", "agent", "--config", str(self.config(node))]
-        argv += ["--replay", str(self.capture), "--node", node]
+        argv += ["--replay", str(self.replayed(node)), "--node", node]
         self.spawn(f"agent-{node}", argv, {FAULTS_ENV: str(self.faults_file(node))})
+
+    def replayed(self, node: str) -> Path:
+        """The capture directory the node's agent replays: its own (``captures``), else the
+        8 x V100S capture, with the processes of ``gpu_processes`` on its GPUs as they run
+        now (``nvidia-smi --query-compute-apps`` of that node)."""
+        if node in self.captures:
+            return self.captures[node]
+        running = self.gpu_processes.get(node)
+        if not running:
+            return self.capture
+        own = self.root / f"capture-{node}"
+        own.mkdir(exist_ok=True)
+        if not (own / "nvidia-smi.xml").exists():
+            (own / "nvidia-smi.xml").symlink_to(CAPTURE)
+        uuids = [gpu.uuid for gpu in parse_capture(CAPTURE.read_text())]
+        rows = ["gpu_uuid, pid, process_name, used_gpu_memory [MiB]"]
+        for gpu, name in sorted(running.items()):
+            rows.append(f"{uuids[gpu]}, {self.processes[name].pid}, python3, 30000 MiB")
+        (own / COMPUTE_APPS_FILE).write_text("\n".join(rows) + "\n")
+        return own
 
     def start_coordinator(self) -> None:
         argv = [sys.executable, "-m", "hyperagent.cli", "coordinator"]
         argv += ["--config", str(self.config("coordinator"))]
         self.spawn("coordinator", argv, {"NOTIFY_SOCKET": str(self.status.path)})
+
+    def restart_coordinator(self, sig: int = signal.SIGTERM) -> None:
+        """The coordinator stopped with ``sig`` and started again (it says "online" anew)."""
+        self.kill("coordinator", sig)
+        self.start_coordinator()
 
     def start_job(self, job: JobShape) -> None:
         """What a scheduler does: the job's ranks started on each of its nodes."""
@@ -405,17 +463,26 @@ class Scenario:
         first_gpu, ranks = job.slot(node)
         name = self.ranks_name(job, node)
         argv = [sys.executable, str(REPO / "tests" / "production" / "ranks.py")]
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(job.env)
         if job.scheduler_id is None:
             argv += ["--job", job.name]
         else:
-            env = {"SLURM_JOB_ID": job.scheduler_id, "SLURM_STEP_ID": "0"}
+            env |= {"SLURM_JOB_ID": job.scheduler_id, "SLURM_STEP_ID": "0"}
+        first_rank = job.first_rank(node)
+        if job.claimed_first_rank is not None:
+            first_rank = job.claimed_first_rank
+        world_size = job.world_size if job.claimed_world_size is None else job.claimed_world_size
         argv += ["--node-rank", str(job.nodes.index(node)), "--ranks", str(ranks)]
-        argv += ["--first-rank", str(job.first_rank(node)), "--first-gpu", str(first_gpu)]
-        argv += ["--world-size", str(job.world_size), "--nodes", str(len(job.nodes))]
+        argv += ["--first-rank", str(first_rank), "--world-size", str(world_size)]
+        argv += ["--first-gpu", str(first_gpu)] if job.gpus else ["--no-gpu"]
+        argv += ["--nodes", str(len(job.nodes))]
         argv += ["--socket", str(self.socket(node)), "--step-s", str(job.step_s)]
         argv += ["--wall-step-s", str(job.wall_step_s), "--seed", str(self.nodes.index(node))]
         argv += ["--log", str(self.logs / f"{name}.jsonl")]
+        if job.tune is not None:
+            argv += ["--tune", "1" if job.tune else "0"]
+        if job.idle:
+            argv += ["--idle"]
         self.spawn(name, argv, env, job.user)
 
     def restart_agent(self, node: str, sig: int = signal.SIGKILL, down_s: float = 1.0) -> None:
@@ -529,6 +596,64 @@ class Scenario:
 
     def status_since(self, ts: float) -> list[str]:
         return [line for at, line in self.status.lines if at >= ts]
+
+    def limits(self, node: str) -> dict[int, float]:
+        """GPU index -> power limit (W), from the node agent's /metrics (empty: no answer)."""
+        return {int(labels["gpu"]): v for labels, v in self.metric(node, GPU_POWER_LIMIT)}
+
+    def received(self, job: JobShape, node: str) -> list[dict[str, Any]]:
+        """The settings the job's ranks on ``node`` took, as their log says (one entry per
+        rank and version: ``rank``, ``received`` (the version), ``settings``)."""
+        path = self.logs / f"{self.ranks_name(job, node)}.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                entry = json.loads(line)
+                if "received" in entry:
+                    out.append(entry)
+        return out
+
+
+class LimitWatch:
+    """Every GPU's power limit on ``nodes``, scraped from the agents' /metrics every
+    ``every_s`` in a thread while it runs: what a user would see on a dashboard."""
+
+    def __init__(self, s: Scenario, nodes: tuple[str, ...], every_s: float = 0.5) -> None:
+        self.s, self.nodes, self.every_s = s, nodes, every_s
+        self.samples: list[tuple[float, str, int, float]] = []
+        """(time, node, GPU, limit W) of every scrape."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="limits", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for node in self.nodes:
+                now = time.time()
+                for gpu, limit in self.s.limits(node).items():
+                    self.samples.append((now, node, gpu, limit))
+            self._stop.wait(self.every_s)
+
+    def seen(
+        self, node: str, gpus: Iterable[int] | None = None, since: float = 0.0
+    ) -> dict[int, set[float]]:
+        """GPU -> every limit seen on it (of ``gpus``; all GPUs by default) since ``since``."""
+        wanted = None if gpus is None else set(gpus)
+        out: dict[int, set[float]] = {}
+        for at, n, gpu, limit in list(self.samples):
+            if n == node and at >= since and (wanted is None or gpu in wanted):
+                out.setdefault(gpu, set()).add(limit)
+        return out
+
+    def scrapes(self, node: str, since: float = 0.0) -> int:
+        """How many times the node's limits were read since ``since``."""
+        return len({at for at, n, _, _ in list(self.samples) if n == node and at >= since})
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 @contextlib.contextmanager
