@@ -4,8 +4,9 @@ and uid from its cgroup (``slurm_cgroup.read_process``), the job's user, nodes, 
 per-node GPUs from the controller (``slurm_jobs.SlurmJobs``, asked as the agent's user from a
 node), the prolog's job-mapping files; all checked against what Slurm told the tasks.
 
-The cluster is installed with README's "Slurm" section run as written: its first shell block
-(the shipped systemd/slurm/ files) before the daemons start, its check once they run."""
+The cluster is installed with the Slurm page (docs/install/slurm.md) run as written: its first
+shell block (the shipped systemd/slurm/ files) before the daemons start, its check once they
+run."""
 
 from __future__ import annotations
 
@@ -64,11 +65,8 @@ def parse_task(line: str) -> Task:
 
 
 def readme_blocks() -> list[str]:
-    """The ```sh blocks of README's "Slurm" section, in order."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n### Slurm\n")
-    end = re.compile(r"\n#{2,3} ").search(text, start + 1)
-    section = text[start : end.start() if end else len(text)]
+    """The ```sh blocks of the Slurm page (docs/install/slurm.md), in order."""
+    section = (REPO / "docs" / "install" / "slurm.md").read_text()
     return re.findall(r"```sh\n(.*?)```", section, re.S)
 
 

@@ -1,7 +1,8 @@
-"""README's "Install on a cluster (systemd)", run as written on a Debian 12 host booted under a
-real systemd (tests/systemd_real/nspawn.py), then the three units checked as an operator would.
+"""The install page (docs/install/systemd.md, "Install on a cluster (systemd)"), run as written on
+a Debian 12 host booted under a real systemd (tests/systemd_real/nspawn.py), then the three
+units checked as an operator would.
 
-The README's shell blocks are the script: the first (the package, from the registry) runs in
+The page's shell blocks are the script: the first (the package, from the registry) runs in
 the root before it boots, with the host's network; the others run in the booted container, in
 order, with ``sh -eu``. The container holds the three roles of the README (the broker, a GPU
 node, the coordinator) on one host, ``gpu-017``. What the test adds is what an operator
@@ -66,14 +67,17 @@ RESULT = re.compile(rf'{JOB_ID}: ([^"]* over the baseline, confirmed|no setting 
 """The coordinator's log line with the tuning's result."""
 
 
-def install_section(readme: str) -> str:
-    """README's "Install on a cluster (systemd)" section, up to its first subsection."""
-    section = readme.split("\n## Install on a cluster (systemd)\n", 1)[1]
-    return re.split(r"\n#{2,3} ", section, maxsplit=1)[0]
+INSTALL_PAGE = REPO / "docs" / "install" / "systemd.md"
+"""The install page: "Install on a cluster (systemd)", with mosquitto."""
+
+
+def install_section(page: str) -> str:
+    """The install page's text, from its title: every ```sh block on it is the install script."""
+    return page.split("# Install on a cluster (systemd)\n", 1)[1]
 
 
 def shell_blocks(section: str) -> list[str]:
-    """The ```sh blocks of a README section, in order: the install script."""
+    """The ```sh blocks of an install page, in order: the install script."""
     return re.findall(r"^```sh\n(.*?)^```$", section, re.M | re.S)
 
 
@@ -241,13 +245,15 @@ def booted_install(
 
 
 def readme_install() -> tuple[str, list[str]]:
-    """README's install section and its ```sh blocks, the package first."""
-    section = install_section((REPO / "README.md").read_text())
+    """The install page and its ```sh blocks, the package first."""
+    section = install_section(INSTALL_PAGE.read_text())
     blocks = shell_blocks(section)
     assert len(blocks) >= 2 and "pip install" in blocks[0], (
-        "README's install section gives no script: its ```sh blocks, the package first"
+        "the install page gives no script: its ```sh blocks, the package first"
     )
-    assert REPLAY_DROP_IN.replace("\n", "\\n") in section, "README shows another replay drop-in"
+    assert REPLAY_DROP_IN.replace("\n", "\\n") in section, (
+        "the install page shows another replay drop-in"
+    )
     return section, blocks
 
 
@@ -290,11 +296,11 @@ def test_only_the_coordinator_reads_the_key_that_signs_settings(installed: Insta
 
 
 def test_the_running_units_exposure_is_the_readme_s(installed: Installed) -> None:
-    readme = install_section((REPO / "README.md").read_text())
+    readme = install_section(INSTALL_PAGE.read_text())
     claimed = re.search(
         r"exposure (\d\.\d) for the agent and (\d\.\d) for\s+the coordinator", readme
     )
-    assert claimed, "README gives no live exposure figures"
+    assert claimed, "the install page gives no live exposure figures"
     live = []
     for unit in DAEMONS:
         out = installed.sh(f"systemd-analyze security --no-pager {unit}")

@@ -1,8 +1,8 @@
-"""README's install with the broker of its "Installing with RabbitMQ instead of mosquitto", run
-as written on a Debian 12 host booted under a real systemd that has no mosquitto, then a job
-tuned to its result over RabbitMQ's MQTT plugin.
+"""The install (docs/install/systemd.md) with the broker of "Installing with RabbitMQ instead of
+mosquitto" (docs/install/rabbitmq.md), run as written on a Debian 12 host booted under a real
+systemd that has no mosquitto, then a job tuned to its result over RabbitMQ's MQTT plugin.
 
-The script is test_installed's with the mosquitto block replaced: the RabbitMQ subsection's
+The script is test_installed's with the mosquitto block replaced: the RabbitMQ page's
 first ```sh block (the package, from the Debian mirror) runs before boot with the host's
 network, as the Python package does; its other blocks run, booted, where the mosquitto block
 stood. What the operator supplies is test_installed's ``operator_supplies``.
@@ -41,22 +41,25 @@ CLUSTER = tomllib.loads((REPO / "systemd" / "hyperagent.toml").read_text())["clu
 """The shipped hyperagent.toml's cluster, which the test installs."""
 
 
-def rabbitmq_section(readme: str) -> str:
-    """README's "Installing with RabbitMQ instead of mosquitto", up to the next heading."""
-    section = readme.split("\n### Installing with RabbitMQ instead of mosquitto\n", 1)[1]
-    return re.split(r"\n#{2,3} ", section, maxsplit=1)[0]
+RABBITMQ_PAGE = REPO / "docs" / "install" / "rabbitmq.md"
+"""The install page's broker as RabbitMQ: "Installing with RabbitMQ instead of mosquitto"."""
+
+
+def rabbitmq_section(page: str) -> str:
+    """The RabbitMQ page's text, from its title: its ```sh blocks replace the mosquitto block."""
+    return page.split("# Installing with RabbitMQ instead of mosquitto\n", 1)[1]
 
 
 def rabbitmq_script() -> tuple[list[str], list[str]]:
     """The install section's blocks with the RabbitMQ subsection's in place of mosquitto's:
     (the scripts run before boot, the steps run booted)."""
     _, blocks = readme_install()
-    rabbitmq = shell_blocks(rabbitmq_section((REPO / "README.md").read_text()))
+    rabbitmq = shell_blocks(rabbitmq_section(RABBITMQ_PAGE.read_text()))
     assert len(rabbitmq) >= 2 and "apt-get install" in rabbitmq[0], (
-        "README's RabbitMQ subsection gives no script: its ```sh blocks, the package first"
+        "the RabbitMQ page gives no script: its ```sh blocks, the package first"
     )
     mosquitto = [i for i, block in enumerate(blocks) if "mosquitto_passwd" in block]
-    assert len(mosquitto) == 1, "README's install section has no one mosquitto block"
+    assert len(mosquitto) == 1, "the install page has no one mosquitto block"
     i = mosquitto[0]
     return [blocks[0], rabbitmq[0]], [*blocks[1:i], *rabbitmq[1:], *blocks[i + 1 :]]
 
