@@ -505,6 +505,21 @@ def alerts_markdown() -> str:
         " alert (memory pressure: silent on the real full-node capture's 97-99% used GPUs), and"
         " a test checks that every metric a rule names exists.",
         "",
+        "The recording rules aggregate per node, job and cluster: QU weighted by quanta, CCR,"
+        " energy per sample, power from GPUs, BMC and PDU, GPU power and energy per job from the"
+        " per-GPU attribution `hyperagent_gpu_job_info`. The alerts cover low QU, `HighCCR`"
+        " (> 0.5 for 5m), memory pressure (the job's allocator above 80%, allocation retries,"
+        " OOMs, host PSI stalls or swap-in; never NVML's used memory, which PyTorch's caching"
+        " allocator keeps at 97-99% on healthy nodes), quantum dispersion, energy-per-sample"
+        " regression, new XID errors, uncorrectable ECC, thermal and power throttling, PFC pause"
+        " storm, RDMA completion errors and out-of-buffer drops, a failing `rdma`/`ethtool`"
+        " command, link down or degraded, RoCE MTU mismatch, node offline, scrape target down,"
+        " source down (absent hardware never fires it), a source gone quiet, an agent whose"
+        " collection stalled while /metrics still serves its last snapshot, NUMA balancing on a"
+        " GPU node, NaN loss, a job holding idle GPUs, tuner regression, stuck trial and a tuning"
+        " paused for 15 minutes. The runbook's checks and fixes come from the architecture notes'"
+        " troubleshooting handbook.",
+        "",
         "Recording rules are named `level:metric:operations`; the level says which labels are"
         " kept: `node` (cluster, instance: one agent), `node_job_id` (one job on one node),"
         " `job_id` (one job, all its nodes), `cluster`. They are what a global Prometheus"
@@ -562,7 +577,12 @@ def dashboards_markdown() -> str:
         "",
         "`grafana/generate.py` (grafana-foundation-sdk, Grafana 11.6) writes the three dashboards"
         " of `grafana/dashboards/`; `grafana/provisioning/` holds the datasource and dashboard"
-        " providers. Each panel has one unit and a unique title; the variables choose the"
+        " providers: cluster overview; one node (GPUs with row remapping beside retired pages, the"
+        " jobs on each GPU and GPU power by job, RDMA and its commands, BMC, PDU, host with memory"
+        " stall time and swap activity, agent); one job (the GPUs it holds with its user and Slurm"
+        " job, their utilisation, memory, power, energy and GPU-hours, for every job holding GPUs,"
+        " one that never reports included; and a tuned job's trials, scores, settings over time,"
+        " gain over baseline). Each panel has one unit and a unique title; the variables choose the"
         " Prometheus datasource, the cluster and the node or job. A test runs a real Prometheus"
         " against replayed and simulated nodes and checks that every panel's query returns data;"
         " the namespace cluster checks them again as deployed, and the vendor tests fill the node"
