@@ -225,34 +225,34 @@ def config_sections(
     model: type[BaseModel] | None = None,
     path: str = "",
     array: bool = False,
-    inherited_from: str | None = None,
     field_doc: str = "",
 ) -> Iterator[Section]:
     """Each table of the configuration, from the top of the file down, with its keys.
 
-    ``inherited_from``: the section whose values a table's keys default to (a
-    ``[[coordinator.jobs]]`` rule overrides ``[coordinator.defaults]``).
+    A ``[[coordinator.jobs]]`` rule's own keys default to ``[coordinator.defaults]``'s values; a
+    table inside a rule (``[coordinator.jobs.plan]``) replaces the defaults' table whole, its
+    unset keys taking the model's defaults (``CoordinatorSection.tuning``).
     """
     from hyperagent.config import Config, JobPolicy, JobRule
 
     model = model or Config
     docs = attribute_docs(model)
     keys: list[Key] = []
-    below: list[tuple[type[BaseModel], str, bool, str | None, str]] = []
+    below: list[tuple[type[BaseModel], str, bool, str]] = []
     for name, info in model.model_fields.items():
         dotted = f"{path}.{name}" if path else name
         sub = _submodel(info.annotation)
         if sub is not None:
-            sub_model, sub_array = sub
-            if model is JobRule or inherited_from:
-                parent = f"{inherited_from or 'coordinator.defaults'}.{name}"
-            else:
-                parent = None
-            below.append((sub_model, dotted, sub_array, parent, docs.get(name, "")))
+            sub_doc = docs.get(name, "")
+            if model is JobRule:
+                sub_doc += (
+                    f" A rule without this table takes `[coordinator.defaults.{name}]` whole; one"
+                    " with it takes the defaults below for the keys it does not set."
+                )
+            below.append((*sub, dotted, sub_doc.strip()))
             continue
-        if inherited_from is not None or (model is JobRule and name in JobPolicy.model_fields):
-            source = inherited_from or "coordinator.defaults"
-            default = f"as `[{source}]`"
+        if model is JobRule and name in JobPolicy.model_fields:
+            default = "as `[coordinator.defaults]`"
         elif info.default_factory is not None:
             default = FACTORY_DEFAULTS[dotted]
         elif info.is_required():
@@ -263,8 +263,8 @@ def config_sections(
         keys.append(Key(dotted, type_name(info.annotation, info.metadata), default, meaning))
     doc = "\n\n".join(part for part in (field_doc, _md(model.__doc__ or "")) if part)
     yield Section(path, array, doc, tuple(keys))
-    for sub_model, dotted, sub_array, parent, sub_doc in below:
-        yield from config_sections(sub_model, dotted, sub_array, parent, sub_doc)
+    for sub_model, sub_array, dotted, sub_doc in below:
+        yield from config_sections(sub_model, dotted, sub_array, sub_doc)
 
 
 def _cell(text: str) -> str:

@@ -612,9 +612,9 @@ class JobPolicy(_Model):
     """The power caps searched (W); default: the range every node's GPUs take, as the agents
     say."""
     start: StartSettings = StartSettings()
-    """The settings a job starts from (``[coordinator.defaults.start]``)."""
+    """The settings a job starts from."""
     plan: TrialPlanSection = TrialPlanSection()
-    """How each trial settles and measures (``[coordinator.defaults.plan]``)."""
+    """How each trial settles and measures."""
     ack_timeout_s: PositiveSeconds = 30.0
     """Every node acks a settings version within this, or the trial is a pause, not a trial (the
     time counts only while connected to the broker)."""
