@@ -463,7 +463,7 @@ class Watch:
 
         client.on_connect = on_connect
         client.on_message = on_message
-        client.reconnect_delay_set(0.2, 2)
+        client.reconnect_delay_set(1, 2)
         deadline = time.monotonic() + 20
         while True:
             try:
