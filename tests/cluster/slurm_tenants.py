@@ -225,17 +225,13 @@ class Deployment:
         )
 
     def agent_config(self, node: str) -> Path:
-        from hyperagent.config import JobSection
-
         job: dict[str, Any] = {
             "socket": JOB_SOCKET,
             "allowed_users": self.job_users,
             "release_after_s": self.agent_release_after_s,
+            "slurm_node": node,  # the agent asks the controller (scontrol show job -d)
+            "scontrol": ["scontrol"],
         }
-        if "slurm_node" in JobSection.model_fields:  # the agent asks the scheduler
-            job["slurm_node"] = node
-        if "scontrol" in JobSection.model_fields:
-            job["scontrol"] = ["scontrol"]
         job.update(self.agent_job)
         text = f'cluster = "{CLUSTER}"\n'
         text += section(
