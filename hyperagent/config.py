@@ -457,7 +457,7 @@ class ActuationSection(_Model):
 
 class AttributionSection(_Model):
     """Which scheduler job holds each GPU, for jobs that never report through the job channel
-    (README: "Slurm jobs that never report")."""
+    (docs/telemetry/attribution.md, "Jobs on GPUs")."""
 
     mode: Literal["cgroup", "mapping", "off"] = "cgroup"
     """``cgroup``: the Slurm cgroup of the processes NVML shows on each GPU (under
@@ -502,7 +502,7 @@ class SecuritySection(_Model):
         if isinstance(data, dict) and "settings_key_file" in data:
             raise ValueError(
                 "settings_key_file (an HMAC key every node held) is replaced by signing_key_file "
-                "on the coordinator and trusted_keys on the agents (README: Settings keys)"
+                "on the coordinator and trusted_keys on the agents (docs/operations/keys.md)"
             )
         return data
 
