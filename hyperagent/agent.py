@@ -974,28 +974,30 @@ class Agent:
             self._trial_events.put_nowait((trial, trial.windows_reported))
 
     async def _energy_j(self, gpus: frozenset[int] | None = None) -> float | None:
-        """The energy counter of ``gpus`` (None: every GPU; none: no energy) now (None when NVML
-        did not answer
-        within ``sources.timeout_s``); without an NVML source (GPU readings replayed as
-        recorded), as of the latest collection; a text tool with an energy counter (xpu-smi) is
-        run for it."""
-        if gpus is not None:
-            return self._gpus_energy_j(gpus)
+        """The energy counters of ``gpus`` (None: every GPU; none: no energy) summed now: one
+        device call (None when it did not answer within ``sources.timeout_s``), or a text tool
+        with an energy counter (xpu-smi) run for it; without either (GPU readings replayed as
+        recorded), as of the latest collection."""
+        if gpus is not None and not gpus:
+            return None
         source = self.nvml_source or self.accelerator_source
         if source is not None and source.device_module is not None:
+            read = source.total_energy_j
             return await self._device_call(
-                source.device_module, source.total_energy_j, "total energy"
+                source.device_module, lambda: read(gpus), "total energy"
             )
         tool = next((s for s in self.runner.sources if isinstance(s, SmiTextSource)), None)
         if tool is not None and tool.counts_energy:
-            return await tool.total_energy_j()
-        return None if self.snapshot is None else self.snapshot.total(GPU_ENERGY)
+            return await tool.total_energy_j(gpus)
+        return self._collected_energy_j(gpus)
 
-    def _gpus_energy_j(self, gpus: frozenset[int]) -> float | None:
-        """The energy counters of ``gpus`` summed, as of the latest collection (None for no
-        GPU)."""
-        if self.snapshot is None or not gpus:
+    def _collected_energy_j(self, gpus: frozenset[int] | None) -> float | None:
+        """The energy counters of ``gpus`` (None: every GPU) summed, as of the latest
+        collection (None where one is missing)."""
+        if self.snapshot is None:
             return None
+        if gpus is None:
+            return self.snapshot.total(GPU_ENERGY)
         values = [
             r.value
             for r in self.snapshot.readings

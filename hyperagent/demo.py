@@ -371,7 +371,9 @@ async def simulated_cluster(
                 },
             )
             agent = Agent.from_config(config, node_hw.hardware, trusted)
-            if node_hw.nvml is not None:  # the simulated job runs on every GPU of its node
+            # the simulated job runs on every GPU of its node: NVML shows its process there,
+            # and its rank (one per node, driving them all) says so for the other vendors
+            if node_hw.nvml is not None:
                 node_hw.nvml.run_on_every_device(os.getpid())
             reporter = JobReporter(
                 JOB,
@@ -381,6 +383,7 @@ async def simulated_cluster(
                 world_size=nodes,
                 local_world_size=1,
                 tune=True,
+                gpus=range(gpus_per_node),
             )
             sim_nodes.append(
                 SimulatedNode(name, node_hw.nvml, clock, agent, reporter, gpus=node_hw.gpus)

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = 1
 MAX_DATAGRAM = 64 * 1024
+MAX_GPUS = 1024
+"""GPU indices a rank may declare are below this."""
 DEFAULT_SOCKET = Path("/run/hyperagent/job.sock")
 KNOBS = ("bucket_mb", "chunk_kb", "allreduce")
 """Knobs a job may announce that it applies live (power caps are the agent's, not the job's)."""
@@ -149,6 +151,13 @@ class Hello:
     """Whether the job asks to be tuned (True), refuses (False) or does not say (None)."""
     model_params: int | None = None
     """The model's parameter count, for the tuning's fingerprint."""
+    gpus: tuple[int, ...] | None = None
+    """The GPU indices a rank that drives several runs on (one process per node)."""
+
+    @property
+    def declared(self) -> tuple[int, ...]:
+        """Every GPU index the rank said it runs on."""
+        return ((self.gpu,) if self.gpu is not None else ()) + (self.gpus or ())
 
 
 BACKENDS = ("nccl", "gloo", "mpi", "horovod", "deepspeed")
@@ -167,7 +176,7 @@ def encode_hello(
     for key in Hello.__slots__:
         value = getattr(hello, key)
         if key not in ("job", "rank") and value is not None:
-            message[key] = list(value) if key == "knobs" else value
+            message[key] = list(value) if key in ("knobs", "gpus") else value
     return orjson.dumps(message)
 
 
@@ -277,6 +286,13 @@ def parse_hello(message: Mapping[str, Any]) -> Hello:
             raise PayloadError(f"knobs must be a list of {', '.join(ANNOUNCEABLE)}, got {knobs!r}")
         knobs = tuple(dict.fromkeys(knobs))
     gpu = None if message.get("gpu") is None else _integer(message, "gpu")
+    gpus = message.get("gpus")
+    if gpus is not None:
+        if not isinstance(gpus, list) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and 0 <= g < MAX_GPUS for g in gpus
+        ):
+            raise PayloadError(f"gpus must be a list of GPU indices, got {gpus!r}")
+        gpus = tuple(dict.fromkeys(gpus))
     backend = message.get("backend")
     if backend is not None and backend not in BACKENDS:
         raise PayloadError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -298,6 +314,7 @@ def parse_hello(message: Mapping[str, Any]) -> Hello:
         backend,
         tune,
         _optional_positive(message, "model_params"),
+        gpus,
     )
 
 
@@ -342,8 +359,9 @@ class JobReporter:
     :class:`~hyperagent.scheduler.NoJobId` saying what to pass when there is none), ``rank`` to
     torchrun's ``RANK`` or Slurm's ``SLURM_PROCID``, ``world_size`` and ``local_world_size`` to
     torchrun's (or Slurm's task counts). ``knobs`` announces which knobs this rank applies live
-    (the coordinator tunes only those); ``gpu`` is the GPU index the rank runs on, where NVML
-    cannot tell the agent; ``tune`` True asks the coordinator to tune the job (False: never;
+    (the coordinator tunes only those); ``gpu`` is the GPU index the rank runs on (``gpus``:
+    the indices, for a rank that drives several), where NVML cannot tell the agent; ``tune``
+    True asks the coordinator to tune the job (False: never;
     None, the default, leaves it to the coordinator's policy; ``HYPERAGENT_TUNE=1`` or ``0``
     says the same from the environment); ``backend`` and ``model_params`` describe the job.
 
@@ -365,6 +383,7 @@ class JobReporter:
         tune: bool | None = None,
         backend: str | None = None,
         model_params: int | None = None,
+        gpus: Iterable[int] | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
@@ -385,6 +404,7 @@ class JobReporter:
             "tune": tune,
             "backend": backend,
             "model_params": model_params,
+            "gpus": None if gpus is None else tuple(gpus),
         }
         self.agent_path = str(
             socket_path or env.get("HYPERAGENT_JOB_SOCKET", DEFAULT_SOCKET)

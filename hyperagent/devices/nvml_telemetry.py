@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
@@ -1202,16 +1202,18 @@ class NvmlTelemetry:
         with self._xid_lock:
             return {key: count for key, (_, count) in self._xids.items()}
 
-    def total_energy_j(self) -> float | None:
-        """Sum of the energy counters of every GPU (blocking: run it through ``gate``)."""
+    def total_energy_j(self, indices: Collection[int] | None = None) -> float | None:
+        """Sum of the energy counters of the GPUs whose index is in ``indices`` (None: every
+        GPU); None when none is there or NVML fails (blocking: run it through ``gate``)."""
         nv = self.nvml
+        gpus = [g for g in self.gpus if indices is None or g.index in indices]
         total = 0.0
         try:
-            for gpu in self.gpus:
+            for gpu in gpus:
                 total += nv.nvmlDeviceGetTotalEnergyConsumption(gpu.handle) / MJ_PER_J
         except nv.NVMLError:
             return None
-        return total if self.gpus else None
+        return total if gpus and (indices is None or len(gpus) == len(indices)) else None
 
 
 def running_pids(nv: Any, gpus: Sequence[GpuIdentity] = ()) -> dict[str, list[int]]:

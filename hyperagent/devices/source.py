@@ -10,7 +10,7 @@ dashboards hold for every vendor; what a vendor does not report is left out, nev
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from hyperagent.devices.base import MW_PER_W, Accelerator, DeviceLibrary
@@ -153,14 +153,20 @@ class AcceleratorSource:
             gauge(POWER_LIMIT_MAX, limits[1] / MW_PER_W)
             gauge(POWER_LIMIT, device.power_limit_mw() / MW_PER_W)
 
-    def total_energy_j(self) -> float | None:
-        """Sum of every device's energy counter, None when one has none (blocking: run it
-        through the gate)."""
-        if self.library is None or not self.devices:
+    def total_energy_j(self, indices: Collection[int] | None = None) -> float | None:
+        """Sum of the energy counters of the devices whose index is in ``indices`` (None:
+        every device), None when one has none or none is there (blocking: run it through the
+        gate)."""
+        devices = [
+            d for d in self.devices if indices is None or d.identity.index in indices
+        ]
+        if self.library is None or not devices:
+            return None
+        if indices is not None and len(devices) != len(indices):
             return None
         total = 0.0
         try:
-            for device in self.devices:
+            for device in devices:
                 joules = device.energy_j()
                 if joules is None:
                     return None

@@ -286,8 +286,9 @@ class Peer:
         return None if self.hello is None else self.hello.knobs
 
     @property
-    def gpu(self) -> int | None:
-        return None if self.hello is None else self.hello.gpu
+    def gpus(self) -> tuple[int, ...]:
+        """The GPUs the rank declared in its hello."""
+        return () if self.hello is None else self.hello.declared
 
 
 @dataclass
@@ -550,27 +551,32 @@ class JobSource:
             )
             peer = Peer(conn, pid, uid, gid)
             allowed = self.policy.decides(uid, gid)
-            connected = len(self.peers) + len(self._authorising)
-            mine = self._connections[uid]
             if allowed is False:
                 self._refuse_unauthorised(peer)
-            elif connected >= 2 * self.policy.max_jobs * self.policy.max_ranks:
-                # ranks that said hello are bounded per job; this bounds the ones that did not
-                self._refuse(peer, "too_many_connections", f"{connected} connected")
-            elif mine >= self.policy.max_connections_per_user:
-                detail = f"uid {uid} holds {mine} connections (max_connections_per_user)"
-                self._refuse(peer, "too_many_connections", detail)
-            else:
-                self._connections[uid] += 1
-                peer.counted = True
-            if not peer.counted:
                 continue
+            crowded = self._crowded(uid)
+            if crowded is not None:
+                self._refuse(peer, "too_many_connections", crowded)
+                continue
+            self._connections[uid] += 1
+            peer.counted = True
             if allowed:
                 self._admit(peer)
             else:
                 fd = conn.fileno()
                 task = asyncio.create_task(self._authorise(peer, fd), name=f"job-peer-{pid}")
                 self._authorising[fd] = (peer, task)
+
+    def _crowded(self, uid: int) -> str | None:
+        """Why one more connection of ``uid`` is one too many, or None. Ranks that said hello
+        are bounded per job; these bound the ones that did not, in all and per user."""
+        connected = len(self.peers) + len(self._authorising)
+        if connected >= 2 * self.policy.max_jobs * self.policy.max_ranks:
+            return f"{connected} connected"
+        mine = self._connections[uid]
+        if mine >= self.policy.max_connections_per_user:
+            return f"uid {uid} holds {mine} connections (max_connections_per_user)"
+        return None
 
     async def _authorise(self, peer: Peer, fd: int) -> None:
         """Admit or refuse ``peer`` once its user's groups are known (off the event loop)."""
@@ -966,7 +972,7 @@ class JobSource:
 
     def declared_gpus(self) -> dict[int, str]:
         """GPU index -> job id, as ranks declared them in their hello."""
-        return {p.gpu: p.job for p in self.peers.values() if p.job and p.gpu is not None}
+        return {g: p.job for p in self.peers.values() if p.job for g in p.gpus}
 
     # -- readings ------------------------------------------------------------------------
 

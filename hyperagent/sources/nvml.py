@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import Any
 
@@ -102,9 +102,10 @@ class NvmlSource:
         """XID events counted since ``start()``, by (GPU index, XID)."""
         return self.telemetry.xid_counts()
 
-    def total_energy_j(self) -> float | None:
-        """Sum of the energy counters of every GPU (blocking: run it through ``gate``)."""
-        return self.telemetry.total_energy_j()
+    def total_energy_j(self, indices: Collection[int] | None = None) -> float | None:
+        """Sum of the energy counters of the GPUs in ``indices`` (None: every GPU; blocking:
+        run it through ``gate``)."""
+        return self.telemetry.total_energy_j(indices)
 
 
 def _retrieve(task: asyncio.Task[list[Reading]]) -> None:

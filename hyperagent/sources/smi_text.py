@@ -25,7 +25,7 @@ import io
 import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from hyperagent.devices.metrics import (
@@ -332,16 +332,24 @@ class SmiTextSource:
         """Whether the tool reports an energy counter (xpu-smi does)."""
         return self.name in ENERGY_TOOLS
 
-    async def total_energy_j(self) -> float | None:
-        """Sum of every device's energy counter, the tool run now; None where a device has
-        none or the tool fails."""
+    async def total_energy_j(self, indices: Collection[int] | None = None) -> float | None:
+        """Sum of the energy counters of the devices whose index is in ``indices`` (None: every
+        device), the tool run now; None where one has none or the tool fails."""
         try:
             readings = await self.read()
         except (SourceError, ValueError) as e:
             log.debug("%s: no energy reading: %s", self.name, e)
             return None
         devices = {r.labels["gpu"] for r in readings if r.name == GPU_INFO}
-        energy = {r.labels["gpu"]: r.value for r in readings if r.name == ENERGY}
+        if indices is not None:
+            devices &= {str(i) for i in indices}
+            if len(devices) != len(indices):
+                return None
+        energy = {
+            r.labels["gpu"]: r.value
+            for r in readings
+            if r.name == ENERGY and r.labels["gpu"] in devices
+        }
         if not devices or set(energy) != devices:
             return None
         return sum(energy.values())
