@@ -164,8 +164,6 @@ class Run:
     tuned: float | None = None
     """When both alice's and bob's tunings had ended (None: not within TUNED_S)."""
     ended: float = 0.0
-    squat_in_trial: bool = False
-    """mallory's shells were killed while a trial of her squat under alice's id ran."""
     released: float | None = None
     watched: float = 0.0
     restarted: float = 0.0
@@ -284,22 +282,6 @@ def tuning_ended(run: Run, job: Job) -> bool:
     return any(e.get("type") == "final" for e in run.deployment.journal(job.id))
 
 
-def trial_in_flight(entries: list[dict[str, Any]], since: float) -> bool:
-    """A trial published at or after ``since`` has no result yet."""
-    published = [
-        e
-        for e in entries
-        if e.get("type") == "published" and isinstance(e.get("trial"), int) and e["ts"] >= since
-    ]
-    if not published:
-        return False
-    last = published[-1]
-    return not any(
-        e.get("type") == "trial" and e.get("index") == last["trial"] and e["ts"] >= last["ts"]
-        for e in entries
-    )
-
-
 def released(run: Run) -> bool:
     """No agent has a job series left, and the coordinator tunes nothing."""
     for node in run.slurm.nodes:
@@ -414,13 +396,10 @@ def scenario(run: Run) -> None:
         else:
             run.problems.append(f"alice's and bob's tunings not ended within {TUNED_S:g}s")
 
-        # every job ends: Slurm's cancelled, then mallory's shells killed, in the middle of a
-        # trial of her squat under alice's id if one starts soon (a rank's death mid-trial)
+        # every job ends: Slurm's cancelled, then mallory's shells killed (her squats' tuning
+        # resumes meanwhile: the GPUs her ranks declared are no Slurm job's any more)
         run.ended = time.time()
         slurm.cancel_all()
-        run.squat_in_trial = bool(
-            until(lambda: trial_in_flight(deployment.journal(run.squats["alice"]), run.ended), 15)
-        )
     for job in run.jobs.values():
         with contextlib.suppress(subprocess.TimeoutExpired):
             job.process.wait(20)
@@ -626,7 +605,7 @@ def test_every_gpu_is_back_at_its_default_and_stays_there_once_its_jobs_ended(ru
         for gpu, limit in sample.limits.items():
             if limit != DEFAULT_LIMIT_W:
                 off.setdefault((sample.node, gpu), []).append((sample.at - run.released, limit))
-    lines = [f"mallory's shells were killed during a trial of her squat: {run.squat_in_trial}"]
+    lines = []
     for (node, gpu), seen in off.items():
         lines.append(
             f"{node} GPU {gpu} at {sorted({v for _, v in seen})} W in {len(seen)} samples from"
