@@ -107,6 +107,9 @@ WATCH_S = 120.0
 RESTART_AT_S = 40.0
 """When in the watch the coordinator is killed (SIGKILL) and started again."""
 HUNDREDFOLD = 100.0
+GONE_S = 2.0
+"""A cancelled job's tasks are gone, and its caps lifted, this long after Slurm is idle (the
+agent lifts a job's caps as its last rank leaves; its limits are sampled every 0.5 s)."""
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -164,6 +167,8 @@ class Run:
     tuned: float | None = None
     """When both alice's and bob's tunings had ended (None: not within TUNED_S)."""
     ended: float = 0.0
+    cancelled: float = 0.0
+    """When no Slurm job was left and every node was idle."""
     released: float | None = None
     watched: float = 0.0
     restarted: float = 0.0
@@ -174,9 +179,10 @@ class Run:
     """What did not happen in time (each test says what it needs of it)."""
 
     def holder(self, node: str, gpu: int, at: float | None = None) -> Job | None:
-        """The Slurm job Slurm gave ``gpu`` of ``node`` to, if any (at ``at``: every job was
-        cancelled at ``ended``)."""
-        if at is not None and self.ended and at >= self.ended:
+        """The Slurm job Slurm gave ``gpu`` of ``node`` to, if any (at ``at``: no job once
+        every job was cancelled, its tasks gone and its agents told, ``GONE_S`` after
+        ``cancelled``)."""
+        if at is not None and self.cancelled and at >= self.cancelled + GONE_S:
             return None
         return next((j for j in self.jobs.values() if gpu in j.gpus.get(node, ())), None)
 
@@ -400,6 +406,7 @@ def scenario(run: Run) -> None:
         # resumes meanwhile: the GPUs her ranks declared are no Slurm job's any more)
         run.ended = time.time()
         slurm.cancel_all()
+        run.cancelled = time.time()
     for job in run.jobs.values():
         with contextlib.suppress(subprocess.TimeoutExpired):
             job.process.wait(20)
