@@ -25,8 +25,12 @@ Slurm gave it (``SLURM_STEP_GPUS``):
 
 Then every job ends (scancel, mallory's shells killed), is released, and every GPU is watched
 for 2 minutes, across the coordinator's re-announces and a coordinator killed and started
-again. The whole run happens once (the module's fixture) and each test checks one of the
-"Done when" points on what it recorded.
+again. The whole run happens once (the module's fixture, about 3 minutes on 2 cores) and each
+test checks one of the "Done when" points on what it recorded: the journals, the coordinator's
+log, every agent's /metrics (its GPU power limits sampled every 0.5 s all along, its job series
+once every rank was attached) and every settings, ack and status message on the broker (an
+ack says which GPUs a version capped). ``HYPERAGENT_TEST_KEEP=1`` keeps the cluster's folder
+(logs, journals) under /var/lib.
 """
 
 from __future__ import annotations
