@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -175,6 +175,7 @@ class Agent:
         self.scheduled = ScheduledJobs(
             SlurmJobs(job_config.scontrol) if job_config.scontrol else None,
             job_config.slurm_node or config.node,
+            job_config.squeue,
         )
         """What Slurm says of the jobs whose ranks' cgroups name a Slurm job."""
         self.nvml_source = next((s for s in self.runner.sources if isinstance(s, NvmlSource)), None)
@@ -330,6 +331,7 @@ class Agent:
         Raises SocketInUse when another agent listens on the job socket."""
         if self.job_source is not None:
             await self.job_source.start()
+            self.scheduled.held_on_node()  # Slurm's jobs here, asked before a rank attaches
             self._trials_changed()
             for job, message in self.applied_messages.items():
                 self.job_source.send_settings(job, _job_settings(message))
@@ -482,17 +484,18 @@ class Agent:
         return jobs
 
     def job_gpus(self, job: str, live: list[str] | None = None) -> tuple[set[int], bool]:
-        """The GPU indices ``job`` is known to hold here (from NVML's processes, its cgroup or
-        the scheduler: none known is none, never "every GPU"), and whether they are its own
-        (no other live job is known on any of them). A live job on no known GPU (another
-        user's CPU-only rank) shares none."""
+        """The GPU indices ``job`` is known to hold here while a rank of it is attached (from
+        NVML's processes, its cgroup or the scheduler: none known is none, never "every GPU"),
+        and whether they are its own (no other live job is known on any of them). A live job
+        on no known GPU (another user's CPU-only rank) shares none."""
         if live is None:
             live = (
                 []
                 if self.job_source is None
                 else [j for j, t in self.job_source.jobs.items() if t.ranks]
             )
-        mine = self._job_gpus.get(job, set())
+        attached = self.job_source is None or self.job_source.attached(job) > 0
+        mine = self._job_gpus.get(job, set()) if attached else set()
         separable = bool(mine) and not any(
             self._job_gpus.get(j, set()) & mine for j in live if j != job
         )
@@ -546,14 +549,35 @@ class Agent:
             for job, gpus in held.items()
             if job in channel_jobs
         }
-        for job in channel.owners:
-            scheduled = self.scheduled.gpus(job)
-            if scheduled is not None:  # the scheduler's word: the GPUs it gave the job here
-                self._job_gpus[job] = scheduled
+        self._job_gpus = self._held_gpus(self._job_gpus, channel.owners)
         for job in self._job_gpus.keys() - known.keys():
             if self.live_versions.get(job) is None and job in self.applied_messages:
                 self._job_events.put_nowait((job, "back"))  # its cap can go on now
         return out
+
+    def _held_gpus(self, found: dict[str, set[int]], live: Iterable[str]) -> dict[str, set[int]]:
+        """The GPUs each live job holds here, the scheduler's word over what processes and
+        hellos say: a Slurm job holds the GPUs Slurm gave it on this node; a job outside Slurm
+        holds none of those, nor any GPU Slurm gave another job here (asked of Slurm while
+        such a job holds GPUs; until Slurm answers, it holds none)."""
+        held = dict(found)
+        slurm_held: set[int] = set()
+        for job in live:
+            scheduled = self.scheduled.gpus(job)
+            if scheduled is not None:
+                held[job] = scheduled
+                slurm_held |= scheduled
+        source = self.job_source
+        outside = [
+            job
+            for job, gpus in held.items()
+            if gpus and source is not None and job in source.jobs and not source.jobs[job].slurm_job
+        ]
+        if outside and not self.scheduled.not_slurm:
+            on_node = self.scheduled.held_on_node()
+            for job in outside:
+                held[job] = set() if on_node is None else held[job] - slurm_held - set(on_node)
+        return held
 
     async def _device_call(self, library: Any, call: Callable[[], _T], what: str) -> _T | None:
         """``call`` through ``library``'s device gate, bounded by ``sources.timeout_s``; None
@@ -780,6 +804,8 @@ class Agent:
                     cap = float(settings["power_cap_w"])
                     caps = await asyncio.to_thread(self.actuator.apply, cap, gpus)
                     self._capped[job] = gpus
+                    if self.job_source is not None and not self.job_source.attached(job):
+                        self._job_events.put_nowait((job, "left"))  # it left meanwhile
                     applied["power_cap_w"] = [c.applied_w for c in caps]
                     applied["gpus"] = [c.gpu for c in caps]
                     if self.actuator.last_latency_s is not None and any(c.changed for c in caps):
@@ -948,6 +974,8 @@ class Agent:
         waiting on it ends as stalled."""
         self._step_clocks.pop(job, None)
         self.scheduled.forget(job)
+        if job in self._capped:
+            self._job_events.put_nowait((job, "left"))  # its caps go back with it
         self.live_versions.pop(job, None)
         if self.applied_messages.pop(job, None) is not None:
             self._save_applied()

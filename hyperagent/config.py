@@ -256,6 +256,9 @@ class JobSection(_Model):
     scontrol: tuple[str, ...] = ("scontrol",)
     """How to ask Slurm's controller about a job whose ranks' cgroup names one (``scontrol
     show job -d``: its user, nodes and GPUs); empty: never ask."""
+    squeue: tuple[str, ...] = ("squeue",)
+    """How to list the jobs Slurm runs on this node (``squeue``), whose GPUs no rank outside
+    them may be given."""
     slurm_node: str | None = None
     """This node's name in Slurm (default: ``node``)."""
 

@@ -370,3 +370,49 @@ async def test_a_slurm_jobs_gpus_are_the_ones_the_scheduler_gave_it(
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_gpu_slurm_gave_a_job_is_no_other_ranks_before_that_job_starts(
+    shared_dir: Path, nvidia_smi_dir: Path
+) -> None:
+    """Slurm gave job 1 GPUs 0 and 1 of gpu-1 (the controller's recorded answer) and its
+    ranks have not started; mallory's rank outside Slurm declares GPU 0: not hers; declaring
+    GPU 5, which no Slurm job holds here, it is."""
+    config = build_config(
+        {
+            "node": "gpu-1",
+            "mqtt": {"enabled": False},
+            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(shared_dir)},
+            "sources": {
+                "ipmi": {"enabled": False},
+                "rdma": {"enabled": False},
+                "job": {
+                    "scontrol": ["sh", "-c", f"cat {ALICE_ON_TWO_NODES}", "scontrol"],
+                    "squeue": ["sh", "-c", "echo 1", "squeue"],  # job 1 runs on gpu-1
+                },
+            },
+        }
+    )
+    source = JobSource(shared_dir / "job.sock", open_policy())
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    agent = Agent(config, Hardware(nvml=nvml), sources=[source])
+    running = asyncio.create_task(agent.run())
+    try:
+        async with asyncio.timeout(10):
+            await agent.ready.wait()
+        mallory = await Ranks.start(MALLORY, shared_dir / "job.sock", "squat", hold_s=10, gpu=0)
+        mallory.go()
+        squat = qualified("squat", user(MALLORY))
+        await _until(lambda: squat in source.jobs and source.jobs[squat].steps)
+        await asyncio.sleep(1.0)  # collections with the declaration in
+        assert agent.job_gpus(squat) == (set(), False)
+        mallory.process.kill()
+        await mallory.process.wait()
+
+        mallory = await Ranks.start(MALLORY, shared_dir / "job.sock", "squat", hold_s=10, gpu=5)
+        mallory.go()
+        await _until(lambda: agent.job_gpus(squat) == ({5}, True))
+        await mallory.told()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)

@@ -3,18 +3,30 @@ Slurm job, the controller's word on its user, its nodes, its task count and the 
 on this node (:class:`~hyperagent.sources.slurm_jobs.SlurmJobs`, asked off the event loop once
 per job and cached there). The GPUs the scheduler gave a job are the ones it holds, idle or
 not, and the only ones a power cap of its may touch on this node.
+
+A rank outside any Slurm job may declare GPUs, and NVML may show no process on them yet: on a
+Slurm node, the GPUs Slurm gave any running job here (``squeue`` for the node's jobs, then each
+job's answer) are no such rank's, even before that job's processes start. That answer is asked
+only while such a job holds GPUs here, at most every ``NODE_ANSWER_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
-from hyperagent.sources.slurm_jobs import SlurmJobInfo, SlurmJobs
+from hyperagent.errors import SourceError
+from hyperagent.sources.command import CommandUnavailable
+from hyperagent.sources.slurm_jobs import SlurmJobInfo, SlurmJobs, run_in_session
 
 log = logging.getLogger(__name__)
+
+NODE_ANSWER_S = 10.0
+"""How often the jobs Slurm runs on this node are asked for at most."""
 
 JobListener = Callable[[str], None]
 
@@ -22,10 +34,17 @@ JobListener = Callable[[str], None]
 class ScheduledJobs:
     """The scheduler's answer for each Slurm job on the job socket, kept while the job is."""
 
-    def __init__(self, slurm: SlurmJobs | None, node: str) -> None:
+    def __init__(
+        self, slurm: SlurmJobs | None, node: str, squeue: tuple[str, ...] = ("squeue",)
+    ) -> None:
         """``slurm``: how to ask the controller (None: never ask); ``node``: this node's name
-        in the scheduler."""
-        self.slurm, self.node = slurm, node
+        in the scheduler; ``squeue``: how to list its jobs."""
+        self.slurm, self.node, self.squeue = slurm, node, squeue
+        self.not_slurm = slurm is None
+        """No Slurm answers here (none configured, or ``squeue`` is not installed)."""
+        self._held: dict[int, str] | None = None
+        self._held_at = -math.inf
+        self._holding: asyncio.Task[None] | None = None
         self._answers: dict[str, SlurmJobInfo] = {}
         self._asking: dict[str, asyncio.Task[None]] = {}
         self.listeners: list[JobListener] = []
@@ -75,8 +94,49 @@ class ScheduledJobs:
             return None
         return {"user": info.user, "uid": info.uid, "nodes": list(info.nodes)}
 
+    def held_on_node(self) -> dict[int, str] | None:
+        """GPU index -> the Slurm job id holding it on this node, as Slurm last said (asked
+        again when ``NODE_ANSWER_S`` passed; empty when it could not be asked); None before the
+        first answer."""
+        now = time.monotonic()
+        if not self.not_slurm and self._holding is None and now - self._held_at >= NODE_ANSWER_S:
+            self._held_at = now
+            self._holding = asyncio.get_running_loop().create_task(self._ask_node())
+        return self._held
+
+    async def _ask_node(self) -> None:
+        assert self.slurm is not None
+        argv = (*self.squeue, "--noheader", "--nodelist", self.node, "--format", "%i")
+        argv += ("--states", "CONFIGURING,RUNNING,COMPLETING")
+        try:
+            out = await run_in_session(argv, self.slurm.timeout_s)
+            held: dict[int, str] = {}
+            for job_id in out.split():
+                info = await self.slurm.get(job_id)
+                if info is not None:
+                    for gpu in info.gpus_on(self.node) or ():
+                        held[gpu] = info.job_id
+            self._held = held
+        except CommandUnavailable as e:
+            self.not_slurm = True
+            log.info("no Slurm on this node (%s): GPUs ranks declare are taken as said", e)
+        except (SourceError, ValueError) as e:
+            # no controller to ask (none configured here, or down): GPUs are taken as said
+            if self._held is None or self._held:
+                log.warning(
+                    "cannot list Slurm's jobs on %s (%s): GPUs that ranks outside Slurm "
+                    "declare are taken as said until Slurm answers",
+                    self.node,
+                    e,
+                )
+            self._held = {}
+        finally:
+            self._holding = None
+
     async def close(self) -> None:
         tasks = list(self._asking.values())
+        if self._holding is not None:
+            tasks.append(self._holding)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
