@@ -16,7 +16,14 @@ Faults: NVML calls that block or fail on a node (the fake NVML's fault file,
 user reads it: the coordinator's journal, its /metrics and its status line (sd_notify), the
 agents' /metrics.
 
-Used by tests/test_production_shape.py and benchmarks/soak.py.
+Jobs found by a coordinator with no job list (``policy``), each job's ranks run as its own Unix
+user and saying what any user's code may say of itself (``JobShape``: its tuning wish, a
+claimed world size and rank, CPU-only or idle ranks); a node may replay its own capture
+(``captures``: a recording) or show given processes on its GPUs (``gpu_processes``), and
+:class:`LimitWatch` samples every GPU's power limit through a run.
+
+Used by tests/test_production_shape.py, tests/test_coordinator_production.py,
+tests/test_jobs_found.py, tests/test_hostile_tenants.py and benchmarks/soak.py.
 """
 
 from __future__ import annotations
