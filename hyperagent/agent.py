@@ -223,6 +223,9 @@ class Agent:
         """Which job holds each GPU, and the per-job GPU series (``[attribution]``)."""
         self._capped: dict[str, set[int]] = {}
         """job -> the GPUs its settings capped."""
+        self._awaiting_gpus: dict[str, dict[str, Any]] = {}
+        """job -> its latest settings message with a power cap, waiting for the job's GPUs
+        on this node to be known (its ranks not attached yet, or not yet attributed)."""
         self._limits_w: tuple[float, float] | None = None
         self._gpu_model: str | None = None
         self._job_events: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
@@ -550,10 +553,25 @@ class Agent:
             if job in channel_jobs
         }
         self._job_gpus = self._held_gpus(self._job_gpus, channel.owners)
-        for job in self._job_gpus.keys() - known.keys():
-            if self.live_versions.get(job) is None and job in self.applied_messages:
+        now_known = {job for job, gpus in self._job_gpus.items() if gpus}
+        for job in now_known - {job for job, gpus in known.items() if gpus}:
+            if job in self._awaiting_gpus or (
+                self.live_versions.get(job) is None and job in self.applied_messages
+            ):
                 self._job_events.put_nowait((job, "back"))  # its cap can go on now
         return out
+
+    def _may_get_gpus(self, job: str) -> bool:
+        """``job`` may yet be known to hold GPUs here: no rank of it is attached yet, or its
+        ranks are and attribution has not named its GPUs (a job attached for longer than an
+        attribution interval with none known is a job without GPUs here)."""
+        if self.job_source is None:
+            return False
+        totals = self.job_source.jobs.get(job)
+        if totals is None or not totals.ranks:
+            return True
+        waited = self.job_source.clock() - totals.attached_at
+        return waited < self.config.attribution.interval_s * 2
 
     def _held_gpus(self, found: dict[str, set[int]], live: Iterable[str]) -> dict[str, set[int]]:
         """The GPUs each live job holds here, the scheduler's word over what processes and
@@ -795,6 +813,12 @@ class Agent:
         applied: dict[str, Any] = {}
         if problem is None and settings.get("power_cap_w") is not None and self.actuator:
             gpus, separable = self.job_gpus(job)
+            if not gpus and not again and self._may_get_gpus(job):
+                # its ranks are here, or coming: applied once its GPUs are known (the
+                # coordinator's ack timeout bounds the wait of a trial's version)
+                self._awaiting_gpus[job] = message
+                log.info("settings v%d for %s wait for its GPUs here to be known", version, job)
+                return
             if not gpus:
                 problem = f"no GPU of {job} is known on this node: no power cap for it"
             elif not separable:
@@ -963,6 +987,8 @@ class Agent:
                 self.live_versions.pop(job, None)
                 if restored:
                     log.info("%s left: restored the power limit of %d GPU(s)", job, restored)
+            elif what == "back" and job in self._awaiting_gpus:
+                await self._apply(job, self._awaiting_gpus.pop(job))
             elif what == "back" and self.live_versions.get(job) is None:
                 message = self.applied_messages.get(job)
                 if message is not None and self.job_source and self.job_source.attached(job):
@@ -973,6 +999,7 @@ class Agent:
         and its applied settings go (never applied again: the job is over), and a trial still
         waiting on it ends as stalled."""
         self._step_clocks.pop(job, None)
+        self._awaiting_gpus.pop(job, None)
         self.scheduled.forget(job)
         if job in self._capped:
             self._job_events.put_nowait((job, "left"))  # its caps go back with it

@@ -21,7 +21,7 @@ from collections import Counter
 
 import pytest
 from cluster.harness import Cluster, Unavailable, check_host, metric_values, new_root
-from test_cluster import COMPLETED, JOB, trials, until
+from test_cluster import COMPLETED, trials, until
 
 from conftest import unavailable
 
@@ -104,21 +104,23 @@ def test_killing_a_broker_node_mid_trial_loses_no_report(victim: str) -> None:
         )
         for key in c.node_keys:
             until(
-                lambda key=key: agent_value(c, key, "hyperagent_job_settings_version", job_id=JOB)
-                == final["version"],
+                lambda key=key: (
+                    agent_value(c, key, "hyperagent_job_settings_version", job_id=c.job_id())
+                    == final["version"]
+                ),
                 30,
                 f"{key} applying the final version",
             )
             until(
-                lambda key=key: agent_value(c, key, "hyperagent_mqtt_queued_messages") == 0
-                and agent_value(c, key, "hyperagent_reports_unconfirmed") == 0,
+                lambda key=key: (
+                    agent_value(c, key, "hyperagent_mqtt_queued_messages") == 0
+                    and agent_value(c, key, "hyperagent_reports_unconfirmed") == 0
+                ),
                 30,
                 f"{key}'s spool empty",
             )
         sent = sum(agent_value(c, k, "hyperagent_reports_sent_total") or 0 for k in c.node_keys)
-        resent = sum(
-            agent_value(c, k, "hyperagent_reports_resent_total") or 0 for k in c.node_keys
-        )
+        resent = sum(agent_value(c, k, "hyperagent_reports_resent_total") or 0 for k in c.node_keys)
         journal = c.journal()
         runs = trials(c)
         logs = c.logs

@@ -5,6 +5,7 @@ it through both (and delivers a live message once per matching subscription)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import uuid
 from collections.abc import Callable
@@ -69,6 +70,8 @@ def fresh_node(
     clock = VirtualClock()
     hardware = demo_hardware(None, clock)
     agent = Agent.from_config(config, hardware.hardware, trusted_keys=key.trusted())
+    assert hardware.nvml is not None
+    hardware.nvml.run_on_every_device(os.getpid())  # the job's rank drives every GPU, as before
     reporter = JobReporter(
         JOB,
         rank=int(old.name.removeprefix("node-")),
@@ -77,6 +80,7 @@ def fresh_node(
         world_size=world_size,
         local_world_size=1,
         tune=True,
+        gpus=range(hardware.gpus.count()),
     )
     return SimulatedNode(old.name, hardware.nvml, clock, agent, reporter, gpus=hardware.gpus)
 

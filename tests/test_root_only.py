@@ -12,7 +12,7 @@ from conftest import REPO
 
 ROOT_ONLY = [
     "tests/test_job_channel.py::test_a_user_outside_the_policy_is_refused_and_counted",
-    "tests/test_job_channel.py::test_a_job_id_belongs_to_the_user_that_claimed_it",
+    "tests/test_job_channel.py::test_another_users_rank_under_a_jobs_id_is_a_job_of_its_own",
     "tests/test_cluster.py",
     "tests/systemd_real/test_installed.py::test_the_readme_brings_up_the_three_units",
 ]

@@ -34,6 +34,7 @@ from test_resume import (
 
 from hyperagent import bus
 from hyperagent.demo import JOB, simulated_cluster
+from hyperagent.job import JobReporter
 from hyperagent.signing import (
     KeyFileError,
     SigningKey,
@@ -257,7 +258,9 @@ def test_the_coordinator_and_check_config_refuse_wrong_key_files(tmp_path: Path)
     config = tmp_path / "c.toml"
 
     def coordinator(security: str) -> subprocess.CompletedProcess[str]:
-        config.write_text(f'cluster = "c"\n[mqtt]\nurl = "mqtt://127.0.0.1:1"\n[security]\n{security}')
+        config.write_text(
+            f'cluster = "c"\n[mqtt]\nurl = "mqtt://127.0.0.1:1"\n[security]\n{security}'
+        )
         return cli("coordinator", "--config", str(config))
 
     none = coordinator("")
@@ -383,6 +386,13 @@ async def test_a_node_holding_only_the_public_key_cannot_make_a_setting_applied(
             )
         for port in ports.values():
             await asyncio.to_thread(wait_for_port, port, 60)
+        # job j's rank on each node, on GPU 0 (a power cap goes only on a job's GPUs)
+        ranks = [JobReporter("j", rank=0, gpu=0, socket_path=f"{tmp_path / n}.sock") for n in NODES]
+        for rank in ranks:
+            rank.report_step(samples=8, step_s=0.1, compute_s=0.1, comm_s=0.0)
+        await wait_until(
+            lambda: all(_metric(p, "hyperagent_job_gpus", job_id="j") for p in ports.values()), 60
+        )
         acks: list[tuple[str, int, bool]] = []
         async with aiomqtt.Client("127.0.0.1", mosquitto.port, identifier="coordinator") as c:
             await c.subscribe(topics.ack("j", "+"), qos=1)
@@ -427,6 +437,8 @@ async def test_a_node_holding_only_the_public_key_cannot_make_a_setting_applied(
             finally:
                 listener.cancel()
                 await asyncio.gather(listener, return_exceptions=True)
+        for rank in ranks:
+            rank.close()
     finally:
         for agent in agents:
             agent.send_signal(signal.SIGTERM)

@@ -311,6 +311,8 @@ class JobTotals:
     """The Slurm job id its ranks' cgroup names (empty: outside Slurm)."""
     ranks: dict[int, Peer] = field(default_factory=dict)
     """rank -> its live connection, where settings go."""
+    attached_at: float = 0.0
+    """When (on the source's clock) its first connected rank said hello."""
     left_at: float = 0.0
     """When (on the source's clock) the last rank disconnected, or the job became known
     without a rank."""
@@ -842,6 +844,8 @@ class JobSource:
         if previous is not None and previous is not peer:
             self._drop(previous)  # the rank restarted; its new connection replaces the old
         peer.job, peer.rank, peer.hello = job, rank, hello
+        if not totals.ranks:
+            totals.attached_at = self.clock()
         totals.ranks[rank] = peer
         known = self._last_settings.get(job)
         if known is not None:

@@ -20,7 +20,8 @@ attached ranks, opt-in and opt-out), and the job's rounds leave it out.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,17 +397,37 @@ def plan_space(cfg: JobTuningSection, view: JobView | None = None) -> SpacePlan:
         kept = [c for c in caps if low <= c <= high]
         if len(kept) < len(caps):
             shown = f"[{low:g}, {high:g}] W" if high != float("inf") else f"at least {low:g} W"
-            if not kept:
+            held = _held_cap(caps, low, high, cfg.power_limits_w)
+            if held is not None:
+                kept = [held]
+                notes.append(f"node {node} applies power caps in {shown}: holding {held} W")
+            elif not kept:
                 notes.append(
                     f"the power cap is not tuned: no cap of {caps[0]:g}-{caps[-1]:g} W is "
                     f"inside node {node}'s {shown}"
                 )
                 return SpacePlan(dataclasses.replace(space, power_cap_w=()), tuple(notes))
-            notes.append(
-                f"node {node} applies power caps in {shown}: searching {kept[0]:g}-{kept[-1]:g} W"
-            )
+            else:
+                notes.append(
+                    f"node {node} applies power caps in {shown}: "
+                    f"searching {kept[0]:g}-{kept[-1]:g} W"
+                )
         caps = kept
     return SpacePlan(dataclasses.replace(space, power_cap_w=tuple(caps)), tuple(notes))
+
+
+def _held_cap(
+    caps: Sequence[float], low: float, high: float, limits: tuple[float, float] | None
+) -> int | None:
+    """The one cap a job that holds a single cap (it is not searched) holds on a node whose
+    range [low, high] leaves it out: the nearest inside that range, where it is inside the
+    job's ``power_limits_w`` too; None otherwise (also for a searched cap)."""
+    if len(caps) != 1 or low > high or low <= caps[0] <= high:
+        return None
+    held = math.floor(high) if caps[0] > high else math.ceil(low)
+    if limits is not None and not limits[0] <= held <= limits[1]:
+        return None
+    return held if low <= held <= high else None
 
 
 def job_space(cfg: JobTuningSection) -> SearchSpace:
