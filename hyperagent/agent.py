@@ -483,6 +483,8 @@ class Agent:
             gpus, separable = self.job_gpus(j, live)
             entry["gpus"] = sorted(gpus)
             entry["gpus_separable"] = separable
+            if not gpus and t.ranks and self._may_get_gpus(j):
+                entry["gpus_pending"] = True  # ranks just attached: their GPUs come next
             jobs[j] = entry
         return jobs
 

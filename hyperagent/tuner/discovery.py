@@ -58,6 +58,8 @@ class Sighting:
     gpus: tuple[int, ...] = ()
     separable: bool = True
     """The job's GPUs on the node can be told from another job's (or it is alone there)."""
+    gpus_pending: bool = False
+    """Its ranks attached so recently that the node does not know their GPUs yet."""
     scheduler_uid: int | None = None
     """The job's user as its scheduler names it (None: not asked, or no answer)."""
     scheduler_nodes: tuple[str, ...] | None = None
@@ -119,6 +121,7 @@ def sighting(node: str, seen: float, entry: Mapping[str, Any]) -> Sighting:
         announced,
         tuple(g for g in gpus if _int(g) is not None) if isinstance(gpus, list) else (),
         entry.get("gpus_separable") is not False,
+        entry.get("gpus_pending") is True,
         scheduler_uid,
         scheduler_nodes,
     )
@@ -299,6 +302,9 @@ class Registry:
                 missing = f"ranks {named}{more} ({attached} of {world} attached)"
             else:
                 missing = f"{world - attached} of {world} ranks"
+        pending = sorted(n for n, s in seen.items() if s.gpus_pending)
+        if not missing and pending:
+            missing = f"the GPUs of its ranks on {', '.join(pending)} (not known there yet)"
         ordered = tuple(sorted(seen))
         return JobView(
             job,

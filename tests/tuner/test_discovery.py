@@ -99,3 +99,18 @@ def test_bounds_that_meet_none_of_the_jobs_caps_leave_the_power_cap_out() -> Non
     plan = plan_space(cfg, view("j", ("n1", "n2"), bounds=bounds))
     assert plan.failure is None and plan.space is not None and not plan.space.power_cap_w
     assert any("not tuned" in note and "n2" in note for note in plan.notes), plan.notes
+
+
+def test_a_job_waits_for_its_ranks_gpus_to_be_known_before_it_is_planned() -> None:
+    """n2's ranks said hello a moment ago and its agent does not know their GPUs yet: the
+    job is not complete (its space would leave the power cap out for the whole tuning)
+    until the next sighting names them."""
+    registry = Registry()
+    registry.observe("n1", 0.0, {"j": entry(ALICE, range(0, 8), 16)})
+    registry.observe(
+        "n2", 0.0, {"j": {**entry(ALICE, range(8, 16), 16), "gpus": [], "gpus_pending": True}}
+    )
+    waiting = registry.view("j", 0.5)
+    assert not waiting.complete and "n2" in waiting.missing and "GPUs" in waiting.missing
+    registry.observe("n2", 1.0, {"j": entry(ALICE, range(8, 16), 16)})
+    assert registry.view("j", 1.5).complete
