@@ -54,7 +54,13 @@ from hyperagent.sources.nvml import NvmlSource
 
 from conftest import BUSY, unavailable
 
-pytestmark = [pytest.mark.peer, pytest.mark.timeout(300), pytest.mark.long(200), BUSY]
+pytestmark = [
+    pytest.mark.peer,
+    pytest.mark.tenants,
+    pytest.mark.timeout(300),
+    pytest.mark.long(200),
+    BUSY,
+]
 
 USERS = ("ha-alice", "ha-bob", "ha-mallory", "ha-eve")
 ALICE, BOB, MALLORY, EVE = USERS

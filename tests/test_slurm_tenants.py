@@ -74,7 +74,13 @@ from hyperagent.sources.slurm_cgroup import read_process
 
 from conftest import BUSY, unavailable
 
-pytestmark = [pytest.mark.peer, pytest.mark.timeout(420), pytest.mark.long(240), BUSY]
+pytestmark = [
+    pytest.mark.peer,
+    pytest.mark.tenants,
+    pytest.mark.timeout(420),
+    pytest.mark.long(240),
+    BUSY,
+]
 
 USERS = ("alice", "bob", "mallory")
 POLICY: dict[str, Any] = {

@@ -25,7 +25,7 @@ from hyperagent.sources.slurm_jobs import SlurmJobInfo, SlurmJobs, run_in_sessio
 
 log = logging.getLogger(__name__)
 
-NODE_ANSWER_S = 10.0
+NODE_ANSWER_S = 5.0
 """How often the jobs Slurm runs on this node are asked for at most."""
 
 JobListener = Callable[[str], None]
@@ -54,6 +54,8 @@ class ScheduledJobs:
         """Ask about ``job`` (Slurm job ``slurm_job``) unless its answer is kept or asked."""
         if self.slurm is None or job in self._answers or job in self._asking:
             return
+        if self._held is not None and slurm_job not in self._held.values():
+            self._held_at = -math.inf  # a Slurm job new here: ask for the node's jobs again
         if not slurm_job.isdigit():
             return  # a SLUID: scontrol takes it, the query's id check does not yet
         task = asyncio.get_running_loop().create_task(self._ask(job, slurm_job))
