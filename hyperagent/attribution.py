@@ -599,14 +599,18 @@ class Attribution:
         self, index: str, job_id: str, channel: ChannelJobs, seen: Mapping[str, set[str]]
     ) -> str | None:
         """Who NVML (or the scheduler's mapping) puts on GPU ``index`` besides ``job_id``:
-        another job, or another user's process; None where nothing contradicts ``job_id``."""
+        another job (its rank's pid, or a process its cgroup names), or another user's
+        process; None where nothing contradicts ``job_id``."""
         others = sorted(seen.get(index, set()) - {job_id})
         if others:
             return ", ".join(others)
         owner = channel.owners.get(job_id)
         for pid in self._gpu_pids.get(index, ()):
-            if channel.pids.get(pid) == job_id:
+            rank_of = channel.pids.get(pid)
+            if rank_of == job_id:
                 continue
+            if rank_of is not None:
+                return rank_of  # another job's rank, whatever its process says yet
             process = self._processes.get(pid)
             if process is None:
                 continue  # gone, or hidden from the agent: says nothing either way
