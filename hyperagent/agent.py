@@ -810,6 +810,9 @@ class Agent:
         restart or after the power limits were restored) and ack them. A power cap goes on
         the GPUs the job is known to hold here, none when none is known."""
         version, settings = message["version"], message["settings"]
+        waiting = self._awaiting_gpus.get(job)
+        if waiting is not None and waiting["version"] <= version:
+            del self._awaiting_gpus[job]  # this version is newer than the one that waited
         problem = self._check_bounds(settings)
         refusal = "settings" if problem is not None else "node"
         applied: dict[str, Any] = {}
@@ -990,7 +993,9 @@ class Agent:
                 if restored:
                     log.info("%s left: restored the power limit of %d GPU(s)", job, restored)
             elif what == "back" and job in self._awaiting_gpus:
-                await self._apply(job, self._awaiting_gpus.pop(job))
+                waited = self._awaiting_gpus.pop(job)
+                if waited["version"] > self.applied_versions.get(job, 0):  # still the latest
+                    await self._apply(job, waited)
             elif what == "back" and self.live_versions.get(job) is None:
                 message = self.applied_messages.get(job)
                 if message is not None and self.job_source and self.job_source.attached(job):
