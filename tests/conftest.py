@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -289,3 +291,26 @@ def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def nvidia_smi_dir() -> Path:
     return FIXTURES / "nvidia-smi"
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A socket directory other users can reach (pytest's tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="hyperagent-job-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def system_user(name: str) -> int:
+    """The uid of ``name``, made a system user without a home first where it does not exist."""
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=True,
+        )
+        return pwd.getpwnam(name).pw_uid

@@ -8,13 +8,10 @@ import contextlib
 import math
 import os
 import pwd
-import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -196,17 +193,6 @@ def test_reporter_without_agent_never_blocks(tmp_path: Path) -> None:
 NOBODY = 65534
 REPO = Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.usefixtures("root_only")  # runs a rank as another user
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A socket directory other users can reach (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="hyperagent-job-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 RANK_AS_OTHER_USER = """
@@ -511,9 +497,9 @@ class Arrivals:
         self.steps.append((step, self.source.arrived, asyncio.get_running_loop().time()))
 
 
-async def batched_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[
-    JobSource, JobReporter, Arrivals
-]:
+async def batched_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[JobSource, JobReporter, Arrivals]:
     """A source that batches, with one rank (5 steps a second) batched; the next pass is
     far away."""
     monkeypatch.setattr(job_source, "BATCH_S", 0.3)

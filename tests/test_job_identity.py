@@ -13,14 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pwd
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,7 +37,7 @@ from hyperagent.scheduler import qualified
 from hyperagent.sources import Hardware
 from hyperagent.sources.job import JobSource, PeerPolicy
 
-from conftest import FIXTURES
+from conftest import FIXTURES, system_user
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("root_only")]
 
@@ -77,29 +72,6 @@ print(json.dumps([{"refused": r.refused, "version": v} for r, v in zip(reporters
 each its own connection, until each is refused or gets settings, or ``hold_s`` passed."""
 
 
-def user(name: str) -> int:
-    """The uid of ``name``, made a system user first where it does not exist."""
-    try:
-        return pwd.getpwnam(name).pw_uid
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-            check=True,
-        )
-        return pwd.getpwnam(name).pw_uid
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A socket directory other users can reach (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="hyperagent-identity-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 class Ranks:
     """One process of ranks running as a user (started paused: see RANKS)."""
 
@@ -117,7 +89,7 @@ class Ranks:
         env: dict[str, str] | None = None,
         gpu: int | None = None,
     ) -> Ranks:
-        uid = user(name)
+        uid = system_user(name)
         process = await asyncio.create_subprocess_exec(
             "setpriv",
             f"--reuid={uid}",
@@ -161,7 +133,7 @@ async def _until(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no
 
 
 def open_policy() -> PeerPolicy:
-    return PeerPolicy(users=frozenset({user(ALICE), user(MALLORY)}))
+    return PeerPolicy(users=frozenset({system_user(ALICE), system_user(MALLORY)}))
 
 
 async def test_slurm_ids_in_a_ranks_environment_name_no_slurm_job(shared_dir: Path) -> None:
@@ -174,7 +146,7 @@ async def test_slurm_ids_in_a_ranks_environment_name_no_slurm_job(shared_dir: Pa
         env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
         mallory = await Ranks.start(MALLORY, shared_dir / "job.sock", "-", hold_s=3, env=env)
         mallory.go()
-        own = qualified("slurm-4242-0", user(MALLORY))
+        own = qualified("slurm-4242-0", system_user(MALLORY))
         await _until(lambda: own in source.jobs and source.jobs[own].steps > 0)
         assert source.attached("slurm-4242-0") == 0
         assert source.jobs["slurm-4242-0"].steps == 0
@@ -198,7 +170,7 @@ async def test_a_rank_is_the_slurm_job_its_cgroup_names(shared_dir: Path) -> Non
     await source.start()
     try:
         alice = await Ranks.start(ALICE, shared_dir / "job.sock", "mine", hold_s=10)
-        uid = user(ALICE)
+        uid = system_user(ALICE)
         write_cgroup(
             proc_root,
             alice.pid,
@@ -218,7 +190,7 @@ async def test_a_rank_is_the_slurm_job_its_cgroup_names(shared_dir: Path) -> Non
 
 def fair_policy() -> PeerPolicy:
     return PeerPolicy(
-        users=frozenset({user(ALICE), user(MALLORY)}),
+        users=frozenset({system_user(ALICE), system_user(MALLORY)}),
         max_jobs=4,
         max_ranks=16,
         max_jobs_per_user=2,
@@ -230,7 +202,7 @@ async def alice_gets_in(source: JobSource, socket_path: Path) -> None:
     """alice's job attaches, steps and receives its settings."""
     alice = await Ranks.start(ALICE, socket_path, "train", hold_s=15)
     alice.go()
-    train = qualified("train", user(ALICE))
+    train = qualified("train", system_user(ALICE))
     await _until(lambda: train in source.jobs and source.jobs[train].steps > 0)
     source.send_settings(train, JobSettings(4, {"bucket_mb": 32}))
     assert await alice.told() == [{"refused": None, "version": 4}]
@@ -354,7 +326,7 @@ async def test_a_slurm_jobs_gpus_are_the_ones_the_scheduler_gave_it(
         async with asyncio.timeout(10):
             await agent.ready.wait()
         alice = await Ranks.start(ALICE, shared_dir / "job.sock", "mine", hold_s=10, gpu=5)
-        uid = user(ALICE)
+        uid = system_user(ALICE)
         write_cgroup(
             proc_root,
             alice.pid,
@@ -402,7 +374,7 @@ async def test_a_gpu_slurm_gave_a_job_is_no_other_ranks_before_that_job_starts(
             await agent.ready.wait()
         mallory = await Ranks.start(MALLORY, shared_dir / "job.sock", "squat", hold_s=10, gpu=0)
         mallory.go()
-        squat = qualified("squat", user(MALLORY))
+        squat = qualified("squat", system_user(MALLORY))
         await _until(lambda: squat in source.jobs and source.jobs[squat].steps)
         await asyncio.sleep(1.0)  # collections with the declaration in
         assert agent.job_gpus(squat) == (set(), False)
