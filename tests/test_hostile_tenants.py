@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pwd
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -52,7 +50,7 @@ from hyperagent.readings import Kind, Reading
 from hyperagent.replay import RECORDING_FILE, Recorder
 from hyperagent.sources.nvml import NvmlSource
 
-from conftest import BUSY, unavailable
+from conftest import BUSY, system_user, unavailable
 
 pytestmark = [
     pytest.mark.peer,
@@ -100,13 +98,7 @@ def make_root() -> Path:
     """A cluster's folder, with the users created: the ranks' users reach the agents' sockets
     and write their logs."""
     for user in USERS:
-        try:
-            pwd.getpwnam(user)
-        except KeyError:
-            subprocess.run(
-                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", user],
-                check=True,
-            )
+        system_user(user)
     root = Path(tempfile.mkdtemp(prefix="hyperagent-tenants-"))
     root.chmod(0o755)
     (root / "logs").mkdir(mode=0o777)

@@ -16,10 +16,8 @@ each other's GPUs if a cap landed on a node's every GPU.
 
 from __future__ import annotations
 
-import pwd
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 from production.scenario import GPU_POWER_LIMIT, JOB_RANKS, JobShape, Scenario, scenario, until
 
-from conftest import BUSY
+from conftest import BUSY, system_user
 
 pytestmark = [
     pytest.mark.peer,
@@ -72,13 +70,7 @@ TUNER_NODES = "hyperagent_tuner_nodes"
 @pytest.fixture
 def cluster() -> Iterator[Scenario]:
     for user in USERS:
-        try:
-            pwd.getpwnam(user)
-        except KeyError:
-            subprocess.run(
-                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", user],
-                check=True,
-            )
+        system_user(user)
     root = Path(tempfile.mkdtemp(prefix="hyperagent-jobs-"))
     root.chmod(0o755)  # the ranks' users reach the agents' sockets and write their logs
     (root / "logs").mkdir(mode=0o777)
