@@ -555,6 +555,10 @@ class Agent:
             if job in channel_jobs
         }
         self._job_gpus = self._held_gpus(self._job_gpus, channel.owners)
+        for job, capped in self._capped.items():
+            attached = self.job_source is not None and self.job_source.attached(job)
+            if attached and capped - self._job_gpus.get(job, set()):
+                self._job_events.put_nowait((job, "lost"))  # e.g. Slurm gave them to a job
         now_known = {job for job, gpus in self._job_gpus.items() if gpus}
         for job in now_known - {job for job, gpus in known.items() if gpus}:
             if job in self._awaiting_gpus or (
@@ -831,6 +835,9 @@ class Agent:
             else:
                 try:
                     cap = float(settings["power_cap_w"])
+                    before = self._capped.get(job, set()) - gpus
+                    if before:  # GPUs its last version capped and it no longer holds
+                        await asyncio.to_thread(self.actuator.restore, before)
                     caps = await asyncio.to_thread(self.actuator.apply, cap, gpus)
                     self._capped[job] = gpus
                     if self.job_source is not None and not self.job_source.attached(job):
@@ -992,6 +999,19 @@ class Agent:
                 self.live_versions.pop(job, None)
                 if restored:
                     log.info("%s left: restored the power limit of %d GPU(s)", job, restored)
+            elif what == "lost" and job in self._capped and self.actuator is not None:
+                lost = self._capped[job] - self._job_gpus.get(job, set())
+                if lost:
+                    await asyncio.to_thread(self.actuator.restore, lost)
+                    log.warning(
+                        "%s no longer holds GPU(s) %s here: their power limit is restored",
+                        job,
+                        ", ".join(map(str, sorted(lost))),
+                    )
+                    self._capped[job] -= lost
+                    if not self._capped[job]:
+                        del self._capped[job]
+                        self.live_versions.pop(job, None)  # applied again if its GPUs come back
             elif what == "back" and job in self._awaiting_gpus:
                 waited = self._awaiting_gpus.pop(job)
                 if waited["version"] > self.applied_versions.get(job, 0):  # still the latest

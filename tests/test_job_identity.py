@@ -49,6 +49,7 @@ import json, os, sys, time
 from hyperagent.job import JobReporter
 socket_path, job, count, hold_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 gpu = None if sys.argv[5] == "-" else int(sys.argv[5])
+stay = sys.argv[6] == "stay"
 print(os.getpid(), flush=True)
 sys.stdin.readline()  # the test's go-ahead (it has written what it needs for this pid)
 reporters = [
@@ -63,13 +64,14 @@ while time.monotonic() < deadline:
             r.report_step(samples=4, step_s=0.1, compute_s=0.08, comm_s=0.02)
         new = r.poll_settings()
         versions[i] = new.version if new else versions[i]
-    if all(v or r.refused for v, r in zip(versions, reporters)):
+    if not stay and all(v or r.refused for v, r in zip(versions, reporters)):
         break
     time.sleep(0.05)
 print(json.dumps([{"refused": r.refused, "version": v} for r, v in zip(reporters, versions)]))
 """
 """``count`` ranks of ``job`` ('-': the scheduler's, from the environment) on one process,
-each its own connection, until each is refused or gets settings, or ``hold_s`` passed."""
+each its own connection, until each is refused or gets settings (or, told to ``stay``, until
+``hold_s`` passed), or ``hold_s`` passed."""
 
 
 class Ranks:
@@ -88,6 +90,7 @@ class Ranks:
         hold_s: float = 10.0,
         env: dict[str, str] | None = None,
         gpu: int | None = None,
+        stay: bool = False,
     ) -> Ranks:
         uid = system_user(name)
         process = await asyncio.create_subprocess_exec(
@@ -104,6 +107,7 @@ class Ranks:
             str(count),
             str(hold_s),
             "-" if gpu is None else str(gpu),
+            "stay" if stay else "go",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -385,6 +389,66 @@ async def test_a_gpu_slurm_gave_a_job_is_no_other_ranks_before_that_job_starts(
         mallory.go()
         await _until(lambda: agent.job_gpus(squat) == ({5}, True))
         await mallory.told()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_cap_comes_off_a_gpu_once_slurm_gives_it_to_a_job(
+    shared_dir: Path, nvidia_smi_dir: Path
+) -> None:
+    """mallory's rank outside Slurm declares GPU 0, which no Slurm job holds yet: her job's
+    cap goes on it. Then Slurm gives GPUs 0 and 1 to alice's job 1 (its ``squeue`` answer
+    lists job 1 from then on, before any of alice's ranks start): GPU 0 gets its default
+    limit back, and mallory's job holds nothing here any more."""
+    running_jobs = shared_dir / "squeue.txt"
+    running_jobs.write_text("")
+    config = build_config(
+        {
+            "node": "gpu-1",
+            "mqtt": {"enabled": False},
+            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(shared_dir)},
+            "sources": {
+                "ipmi": {"enabled": False},
+                "rdma": {"enabled": False},
+                "job": {
+                    "scontrol": ["sh", "-c", f"cat {ALICE_ON_TWO_NODES}", "scontrol"],
+                    "squeue": ["sh", "-c", f"cat {running_jobs}", "squeue"],
+                },
+            },
+        }
+    )
+    source = JobSource(shared_dir / "job.sock", open_policy())
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    agent = Agent(config, Hardware(nvml=nvml), sources=[source])
+
+    nvml.nvmlInit()
+
+    def limit_w(gpu: int) -> float:
+        return nvml.nvmlDeviceGetEnforcedPowerLimit(nvml.nvmlDeviceGetHandleByIndex(gpu)) / 1000
+
+    default_w = limit_w(0)
+    running = asyncio.create_task(agent.run())
+    try:
+        async with asyncio.timeout(10):
+            await agent.ready.wait()
+        mallory = await Ranks.start(
+            MALLORY, shared_dir / "job.sock", "squat", hold_s=40, gpu=0, stay=True
+        )
+        mallory.go()
+        squat = qualified("squat", system_user(MALLORY))
+        await _until(lambda: agent.job_gpus(squat) == ({0}, True))
+        cap_w = default_w - 50
+        await agent._apply(squat, {"version": 1, "settings": {"power_cap_w": cap_w}})
+        assert limit_w(0) == cap_w
+
+        running_jobs.write_text("1\n")  # Slurm gave job 1 GPUs 0 and 1 of gpu-1
+        await _until(lambda: limit_w(0) == default_w, timeout_s=30)
+        assert source.attached(squat) == 1 and mallory.process.returncode is None
+        assert agent.job_gpus(squat) == (set(), False)
+        assert {limit_w(g) for g in range(8)} == {default_w}
+        mallory.process.kill()
+        await mallory.process.wait()
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

@@ -7,7 +7,9 @@ not, and the only ones a power cap of its may touch on this node.
 A rank outside any Slurm job may declare GPUs, and NVML may show no process on them yet: on a
 Slurm node, the GPUs Slurm gave any running job here (``squeue`` for the node's jobs, then each
 job's answer) are no such rank's, even before that job's processes start. That answer is asked
-only while such a job holds GPUs here, at most every ``NODE_ANSWER_S``.
+only while such a job holds GPUs here, at most every ``NODE_ANSWER_S``; an answer older than
+``NODE_ANSWER_MAX_AGE_S``, or one asked before a Slurm job new here attached, is no answer
+(Slurm may have given the GPUs away since), so such a rank holds nothing until the next.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ log = logging.getLogger(__name__)
 NODE_ANSWER_S = 5.0
 """How often the jobs Slurm runs on this node are asked for at most."""
 
+NODE_ANSWER_MAX_AGE_S = 2 * NODE_ANSWER_S
+"""How long an answer on the node's Slurm jobs stands."""
+
 JobListener = Callable[[str], None]
 
 
@@ -44,6 +49,9 @@ class ScheduledJobs:
         """No Slurm answers here (none configured, or ``squeue`` is not installed)."""
         self._held: dict[int, str] | None = None
         self._held_at = -math.inf
+        """When the ask behind ``_held`` (or the one in flight) began."""
+        self._answer_at = -math.inf
+        """When the ask that gave ``_held`` began."""
         self._holding: asyncio.Task[None] | None = None
         self._answers: dict[str, SlurmJobInfo] = {}
         self._asking: dict[str, asyncio.Task[None]] = {}
@@ -55,7 +63,8 @@ class ScheduledJobs:
         if self.slurm is None or job in self._answers or job in self._asking:
             return
         if self._held is not None and slurm_job not in self._held.values():
-            self._held_at = -math.inf  # a Slurm job new here: ask for the node's jobs again
+            # a Slurm job new here: the node's jobs are asked again, the last answer stands no more
+            self._held_at = self._answer_at = -math.inf
         if not slurm_job.isdigit():
             return  # a SLUID: scontrol takes it, the query's id check does not yet
         task = asyncio.get_running_loop().create_task(self._ask(job, slurm_job))
@@ -98,15 +107,17 @@ class ScheduledJobs:
 
     def held_on_node(self) -> dict[int, str] | None:
         """GPU index -> the Slurm job id holding it on this node, as Slurm last said (asked
-        again when ``NODE_ANSWER_S`` passed; empty when it could not be asked); None before the
-        first answer."""
+        again when ``NODE_ANSWER_S`` passed; empty when it could not be asked); None while no
+        answer stands (none yet, too old, or asked before a Slurm job new here attached)."""
         now = time.monotonic()
         if not self.not_slurm and self._holding is None and now - self._held_at >= NODE_ANSWER_S:
             self._held_at = now
-            self._holding = asyncio.get_running_loop().create_task(self._ask_node())
+            self._holding = asyncio.get_running_loop().create_task(self._ask_node(now))
+        if now - self._answer_at >= NODE_ANSWER_MAX_AGE_S:
+            return None
         return self._held
 
-    async def _ask_node(self) -> None:
+    async def _ask_node(self, asked_at: float) -> None:
         assert self.slurm is not None
         argv = (*self.squeue, "--noheader", "--nodelist", self.node, "--format", "%i")
         argv += ("--states", "CONFIGURING,RUNNING,COMPLETING")
@@ -118,7 +129,7 @@ class ScheduledJobs:
                 if info is not None:
                     for gpu in info.gpus_on(self.node) or ():
                         held[gpu] = info.job_id
-            self._held = held
+            self._held, self._answer_at = held, asked_at
         except CommandUnavailable as e:
             self.not_slurm = True
             log.info("no Slurm on this node (%s): GPUs ranks declare are taken as said", e)
@@ -131,7 +142,7 @@ class ScheduledJobs:
                     self.node,
                     e,
                 )
-            self._held = {}
+            self._held, self._answer_at = {}, asked_at
         finally:
             self._holding = None
 
