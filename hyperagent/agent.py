@@ -1065,9 +1065,7 @@ class Agent:
         source = self.nvml_source or self.accelerator_source
         if source is not None and source.device_module is not None:
             read = source.total_energy_j
-            return await self._device_call(
-                source.device_module, lambda: read(gpus), "total energy"
-            )
+            return await self._device_call(source.device_module, lambda: read(gpus), "total energy")
         tool = next((s for s in self.runner.sources if isinstance(s, SmiTextSource)), None)
         if tool is not None and tool.counts_energy:
             return await tool.total_energy_j(gpus)

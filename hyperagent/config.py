@@ -517,8 +517,8 @@ Objective = Literal["throughput", "energy"]
 class StartSettings(_Model):
     bucket_mb: Annotated[int, Field(ge=1, le=256)] = 25
     """DDP gradient bucket (MiB) the job runs before tuning: the baseline measured first, kept
-    unless a setting is confirmed better (a finished tuning of the same fingerprint starts from its
-    result instead)."""
+    unless a setting is confirmed better (the same user's finished tuning of the same fingerprint
+    starts from its result instead)."""
     chunk_kb: Annotated[int, Field(ge=64, le=65536)] = 4096
     """Gradient chunk (KiB) the job starts with."""
     power_cap_w: Annotated[float, Field(gt=0)] | None = None
@@ -605,7 +605,8 @@ class JobPolicy(_Model):
     ranks say)."""
     gpu_model: str | None = None
     """With the node count and backend, identify the job: a finished tuning of the same
-    fingerprint warm-starts the next one (default: as the ranks and the nodes say)."""
+    fingerprint warm-starts the same user's next one (default: as the ranks and the nodes
+    say)."""
     trials: Annotated[int, Field(ge=1, le=10_000)] = 30
     """Search trials at most in a tuning round (the confirmations come on top)."""
     patience: Annotated[int, Field(ge=1)] = 10

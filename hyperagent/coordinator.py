@@ -11,7 +11,7 @@ line. One job's pause, stall or slow trial never delays another's. Deadlines cou
 connected to the broker (:class:`ConnectedClock`): an outage pauses a trial, it does not fail
 it. A job whose ranks have all left ends; its state goes ``release_after_s`` later, its
 journal stays (``journal_keep_days``, ``journal_keep``) and its final settings warm-start the
-next job with the same fingerprint.
+next job of the same user with the same fingerprint.
 """
 
 from __future__ import annotations
@@ -457,17 +457,17 @@ class Coordinator:
             failure = "; ".join(str(err["msg"]) for err in e.errors())
             return tuning.Begin(seen.now, machine.config, SpacePlan(None, (), failure), {})
         plan = plan_space(cfg, view)
-        start = self._start(cfg, plan)
+        start = self._start(cfg, plan, self.registry.owners.get(machine.job))
         offline = frozenset(n for n in cfg.nodes if n in self.nodes and not self.nodes[n][0])
         return tuning.Begin(self.clock.now(), cfg, plan, start, offline)
 
-    def _start(self, cfg: JobTuningSection, plan: SpacePlan) -> dict[str, Any]:
-        """The best settings of a finished tuning with the same fingerprint, else the
-        configured start (its power cap the top of the limits)."""
+    def _start(self, cfg: JobTuningSection, plan: SpacePlan, owner: int | None) -> dict[str, Any]:
+        """The best settings of ``owner``'s latest finished tuning with the same fingerprint,
+        else the configured start (its power cap the top of the limits)."""
         start = cfg.start.model_dump()
         if start["power_cap_w"] is None and cfg.power_limits_w:
             start["power_cap_w"] = cfg.power_limits_w[1]
-        found = self.journals.finished(fingerprint(cfg))
+        found = self.journals.finished(owner, fingerprint(cfg))
         if found is not None and plan.space is not None:
             log.info("%s: warm start from %s", cfg.id, found[0])
             return plan.space.snap(found[1])
@@ -484,9 +484,14 @@ class Coordinator:
     async def _carry_out(self, entry: TunedJob, effect: tuning.Effect) -> tuning.Event | None:
         machine = entry.machine
         if isinstance(effect, tuning.Journal):
+            owner = self.registry.owners.get(machine.job)
+            if effect.entry["type"] == "start" and owner is not None:
+                effect.entry["owner"] = owner  # whose tuning this is, for warm starts
             entry.journal.append(effect.entry)
             if effect.entry["type"] == "final":
-                self.journals.note_final(machine.job, fingerprint(machine.config), effect.entry)
+                self.journals.note_final(
+                    machine.job, owner, fingerprint(machine.config), effect.entry
+                )
             self.update_metrics()
         elif isinstance(effect, tuning.Publish):
             self._publish(machine.job, effect, machine)

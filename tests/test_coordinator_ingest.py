@@ -222,8 +222,10 @@ def test_an_offline_node_takes_its_sightings_with_it(tmp_path: Path) -> None:
 def test_only_the_nodes_of_tuned_jobs_are_on_metrics(tmp_path: Path) -> None:
     coordinator = _coordinator(tmp_path)
     statuses = [
-        (TOPICS.status(f"elsewhere-{i}"), bus.status_message(TOPICS, f"elsewhere-{i}",
-                                                            "online").payload)
+        (
+            TOPICS.status(f"elsewhere-{i}"),
+            bus.status_message(TOPICS, f"elsewhere-{i}", "online").payload,
+        )
         for i in range(2000)
     ]
     _feed(
@@ -246,8 +248,9 @@ def test_only_the_nodes_of_tuned_jobs_are_on_metrics(tmp_path: Path) -> None:
     samples = [s for m in registry.collect() for s in m.samples]
     online = [s.labels["node"] for s in samples if s.name == "hyperagent_node_online"]
     assert online == ["n0"]
-    states = {s.labels["state"]: s.value for s in samples
-              if s.name == "hyperagent_coordinator_jobs"}
+    states = {
+        s.labels["state"]: s.value for s in samples if s.name == "hyperagent_coordinator_jobs"
+    }
     assert states["searching"] == 1 and sum(states.values()) == 1
     found = [s.value for s in samples if s.name == "hyperagent_coordinator_jobs_found_total"]
     assert found == [1.0]
@@ -298,3 +301,38 @@ def test_a_restarted_coordinator_resumes_a_round_on_its_nodes_not_the_first_hear
     machine = coordinator.job("j")
     assert machine.resuming_on(machine.state.since + 59) == ("n0", "n1")
     assert machine.resuming_on(machine.state.since + 60) == ()  # then on what is there
+
+
+def _finished_journal(path: Path, owner: int | None, settings: dict[str, Any]) -> None:
+    """A finished tuning of the fingerprint of a one-node NCCL job, ``settings`` its final."""
+    start: dict[str, Any] = {"type": "start", "fingerprint": "nccl/1n/?B/?", "space": {}}
+    if owner is not None:
+        start["owner"] = owner
+    trial = {"type": "trial", "index": 0, "version": 1, "settings": settings, "status": "ok"}
+    final = {"type": "final", "version": 2, "settings": settings, "ts": 1.0}
+    ended = {"type": "ended", "reason": "every rank left"}
+    path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in (start, trial, final, ended)))
+
+
+def test_a_job_starts_from_its_own_users_finished_tunings_only(tmp_path: Path) -> None:
+    """mallory's finished tuning of the same fingerprint as alice's job (and one whose owner
+    no journal says) starts nothing of alice's; alice's own finished tuning warm-starts it."""
+    theirs = {"bucket_mb": 4, "chunk_kb": 64, "allreduce": "tree"}
+    _finished_journal(tmp_path / "u1003-m.jsonl", 1003, theirs)
+    _finished_journal(tmp_path / "old.jsonl", None, theirs)
+
+    def first_settings(state_dir: Path) -> dict[str, Any]:
+        coordinator = _coordinator(state_dir, defaults={"backend": "nccl"})
+        coordinator.journals.load()
+        _feed(coordinator, (TOPICS.telemetry("n0"), _telemetry("n0", {"j": _job(range(8), 8)})))
+        seen = [e for e in _events(coordinator, "j") if isinstance(e, tuning.Seen)][-1]
+        assert seen.view.complete and coordinator.registry.owners["j"] == 1001
+        begin = asyncio.run(coordinator._begin(coordinator.job("j"), seen))
+        assert isinstance(begin, tuning.Begin)
+        return dict(begin.start)
+
+    configured = first_settings(tmp_path / "empty")
+    assert first_settings(tmp_path) == configured
+    mine = {"bucket_mb": 128, "chunk_kb": 1024, "allreduce": "ring"}
+    _finished_journal(tmp_path / "u1001-a.jsonl", 1001, mine)
+    assert first_settings(tmp_path) == mine

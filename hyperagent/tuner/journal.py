@@ -52,6 +52,8 @@ class JournalState:
     """What a journal says about one job."""
 
     fingerprint: str | None = None
+    owner: int | None = None
+    """The uid of the job's owner as the current round's ``start`` says (None: not said)."""
     version: int = 0
     """Highest settings version ever published."""
     trials: list[dict[str, Any]] = field(default_factory=list)
@@ -122,6 +124,8 @@ class Journal:
         kind = entry["type"]
         if kind == "start":  # a new round of tuning: earlier trials no longer count
             state.fingerprint = entry.get("fingerprint")
+            owner = entry.get("owner")
+            state.owner = owner if isinstance(owner, int) else None
             state.final = None
             state.trials = []
             state.in_flight = None

@@ -6,8 +6,9 @@ read (one that cannot be read stops the coordinator, naming the file and line); 
 did not end keeps its state until the job is found again. The retention policy: a journal
 whose job ended (its last entry says so, or the coordinator released the job) is deleted
 ``keep_days`` after its last entry, and beyond ``keep`` files the oldest such journals go
-first; a live job's journal is never deleted. The final settings of each fingerprint's latest
-finished tuning stay in memory (one entry per fingerprint) to warm-start the next job.
+first; a live job's journal is never deleted. The final settings of each owner's latest
+finished tuning of each fingerprint stay in memory to warm-start that owner's next job of the
+fingerprint (another user's tuning starts no job: its settings are that user's).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Journals:
         self.keep = keep
         self._states: dict[str, JournalState] = {}
         self._files: dict[str, _File] = {}
-        self._finished: dict[str, tuple[str, dict[str, Any], float]] = {}
+        self._finished: dict[tuple[int | None, str], tuple[str, dict[str, Any], float]] = {}
         self.deleted = 0
 
     def path(self, job: str) -> Path:
@@ -59,7 +60,7 @@ class Journals:
             ended = state.ended is not None
             self._files[job] = _File(path.stat().st_mtime, ended)
             if state.final is not None and state.measured and state.fingerprint:
-                self._remember(job, state.fingerprint, state.final)
+                self._remember(job, state.owner, state.fingerprint, state.final)
             if not ended:
                 self._states[job] = state
         self.prune(now)
@@ -77,19 +78,25 @@ class Journals:
         """Read ``job``'s journal now (blocking)."""
         return Journal(self.path(job)).load()
 
-    def note_final(self, job: str, fingerprint: str, entry: dict[str, Any]) -> None:
-        """A tuning of ``job`` finished with ``entry`` (its ``final``)."""
-        self._remember(job, fingerprint, entry)
+    def note_final(
+        self, job: str, owner: int | None, fingerprint: str, entry: dict[str, Any]
+    ) -> None:
+        """A tuning of ``job`` (of the user ``owner``) finished with ``entry`` (its
+        ``final``)."""
+        self._remember(job, owner, fingerprint, entry)
 
-    def _remember(self, job: str, fingerprint: str, final: dict[str, Any]) -> None:
+    def _remember(
+        self, job: str, owner: int | None, fingerprint: str, final: dict[str, Any]
+    ) -> None:
         ts = float(final.get("ts", time.time()))
-        known = self._finished.get(fingerprint)
+        known = self._finished.get((owner, fingerprint))
         if known is None or known[2] <= ts:
-            self._finished[fingerprint] = (job, dict(final["settings"]), ts)
+            self._finished[(owner, fingerprint)] = (job, dict(final["settings"]), ts)
 
-    def finished(self, fingerprint: str) -> tuple[str, dict[str, Any]] | None:
-        """The latest finished tuning with ``fingerprint``: its job and final settings."""
-        found = self._finished.get(fingerprint)
+    def finished(self, owner: int | None, fingerprint: str) -> tuple[str, dict[str, Any]] | None:
+        """The latest finished tuning of ``owner``'s with ``fingerprint``: its job and final
+        settings (a tuning whose owner is not known starts none)."""
+        found = None if owner is None else self._finished.get((owner, fingerprint))
         return None if found is None else (found[0], found[1])
 
     def release(self, job: str, now: float | None = None) -> None:
