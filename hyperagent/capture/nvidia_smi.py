@@ -555,11 +555,17 @@ def parse_query_gpu_csv(text: str) -> list[GpuRecord]:
 def _csv_memory(
     total: int | None, used: int | None, free: int | None, reserved: int | None
 ) -> tuple[int | None, int | None, int | None]:
-    """(total, used, reserved) of a CSV row. Drivers since R510 leave the reserve out of
-    ``memory.used``: a capture without ``memory.reserved`` has it as total - used - free, so
-    that used and reserved together are total - free, as the XML path reads them; one with
-    ``memory.reserved`` whose ``memory.used`` is N/A has used as total - free - reserved (NVML
-    answers all of its memory figures or none, so an unknown used would hide the total)."""
+    """(total, used, reserved) of a CSV row: NVML answers all of its memory figures or none, so
+    one the row lacks is worked out from the other three (total = used + free + reserved).
+
+    A row without ``memory.total`` (a field list that asks for reserved, used and free only)
+    has it as their sum. Drivers since R510 leave the reserve out of ``memory.used``: a row
+    without ``memory.reserved`` has it as total - used - free, so that used and reserved
+    together are total - free, as the XML path reads them; one whose ``memory.used`` is N/A
+    has used as total - free - reserved."""
+    if total is None and None not in (used, free, reserved):
+        assert used is not None and free is not None and reserved is not None
+        total = used + free + reserved
     if reserved is None and None not in (total, used, free):
         assert total is not None and used is not None and free is not None
         reserved = max(0, total - used - free)
@@ -569,94 +575,122 @@ def _csv_memory(
     return total, used, reserved
 
 
-def _csv_gpu(row_number: int, fields: Mapping[str, tuple[str, str]]) -> GpuRecord:
-    def num(units: Mapping[str, float], *names: str) -> float | None:
+class _CsvRow:
+    """One row of a ``--query-gpu`` CSV: field name -> (unit from the header, raw value)."""
+
+    def __init__(self, fields: Mapping[str, tuple[str, str]]) -> None:
+        self.fields = fields
+
+    def num(self, units: Mapping[str, float], *names: str) -> float | None:
+        """The first of ``names`` the row has a value for, scaled by ``units``."""
         for name in names:
-            if name in fields:
-                unit, raw = fields[name]
+            if name in self.fields:
+                unit, raw = self.fields[name]
                 value = _number(raw, name, units, unit)
                 if value is not None:
                     return value
         return None
 
-    def count(name: str) -> int | None:
-        return _int(num(_COUNT, name))
+    def count(self, *names: str) -> int | None:
+        return _int(self.num(_COUNT, *names))
 
-    def flag(name: str, words: Mapping[str, bool]) -> bool | None:
-        return _flag(fields[name][1], name, words) if name in fields else None
+    def bytes(self, name: str) -> int | None:
+        return _int(self.num(_BYTES, name))
 
-    def string(name: str) -> str:
-        raw = fields.get(name, ("", ""))[1]
+    def flag(self, name: str, words: Mapping[str, bool]) -> bool | None:
+        return _flag(self.fields[name][1], name, words) if name in self.fields else None
+
+    def string(self, name: str) -> str:
+        raw = self.fields.get(name, ("", ""))[1]
         return "" if _MISSING.match(raw) else raw
 
-    index = _int(num(_COUNT, "index"))
-    mem_total, mem_used, mem_reserved = _csv_memory(
-        _int(num(_BYTES, "memory.total")),
-        _int(num(_BYTES, "memory.used")),
-        _int(num(_BYTES, "memory.free")),
-        _int(num(_BYTES, "memory.reserved")),
-    )
-    event_api = not any(name.startswith("clocks_throttle_reasons.") for name in fields)
+
+def _csv_clock_events(
+    row: _CsvRow,
+) -> tuple[frozenset[str] | None, bool, dict[str, int]]:
+    """A row's active clock event reasons (None: none known), whether it names them by the
+    event API (not the older throttle reasons) and their counters in nanoseconds."""
+    event_api = not any(name.startswith("clocks_throttle_reasons.") for name in row.fields)
     family = "clocks_event_reasons" if event_api else "clocks_throttle_reasons"
-    states = {reason: flag(f"{family}.{reason}", _ACTIVE) for reason in CLOCK_EVENT_REASONS}
+    states = {reason: row.flag(f"{family}.{reason}", _ACTIVE) for reason in CLOCK_EVENT_REASONS}
     known = {reason: state for reason, state in states.items() if state is not None}
     counters = {
-        reason: _int(num(_NANOSECONDS, f"clocks_event_reasons_counters.{reason}"))
+        reason: _int(row.num(_NANOSECONDS, f"clocks_event_reasons_counters.{reason}"))
         for reason in CLOCK_EVENT_REASONS
     }
-    ecc_totals: dict[tuple[str, str], int] = {}
-    ecc_locations: dict[tuple[str, str, str], int] = {}
+    active = frozenset(reason for reason, state in known.items() if state) if known else None
+    return active, event_api, {r: ns for r, ns in counters.items() if ns is not None}
+
+
+def _csv_ecc(
+    row: _CsvRow,
+) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str, str], int]]:
+    """A row's ECC counts: totals by (type, counter) and by (type, counter, location)."""
+    totals: dict[tuple[str, str], int] = {}
+    locations: dict[tuple[str, str, str], int] = {}
     for error_type in ECC_TYPES:
         for counter in ECC_COUNTERS:
             prefix = f"ecc.errors.{error_type}.{counter}"
-            total = count(f"{prefix}.total")
+            total = row.count(f"{prefix}.total")
             if total is not None:
-                ecc_totals[(error_type, counter)] = total
+                totals[(error_type, counter)] = total
             for location in ECC_LOCATIONS:
                 names = [f"{prefix}.{location}"]
                 if location == "device_memory":
                     names.append(f"{prefix}.dram")
-                value = _int(num(_COUNT, *names))
+                value = row.count(*names)
                 if value is not None:
-                    ecc_locations[(error_type, counter, location)] = value
+                    locations[(error_type, counter, location)] = value
+    return totals, locations
+
+
+def _csv_gpu(row_number: int, fields: Mapping[str, tuple[str, str]]) -> GpuRecord:
+    row = _CsvRow(fields)
+    index = row.count("index")
+    mem_total, mem_used, mem_reserved = _csv_memory(
+        row.bytes("memory.total"),
+        row.bytes("memory.used"),
+        row.bytes("memory.free"),
+        row.bytes("memory.reserved"),
+    )
+    reasons, event_api, event_counters = _csv_clock_events(row)
+    ecc, ecc_by_location = _csv_ecc(row)
     return GpuRecord(
         index=row_number if index is None else index,
-        name=string("name"),
-        uuid=string("uuid"),
-        pci_bus_id=string("pci.bus_id"),
-        driver=string("driver_version"),
-        util_gpu_pct=num(_PERCENT, "utilization.gpu"),
-        util_mem_pct=num(_PERCENT, "utilization.memory"),
+        name=row.string("name"),
+        uuid=row.string("uuid"),
+        pci_bus_id=row.string("pci.bus_id"),
+        driver=row.string("driver_version"),
+        util_gpu_pct=row.num(_PERCENT, "utilization.gpu"),
+        util_mem_pct=row.num(_PERCENT, "utilization.memory"),
         mem_total_bytes=mem_total,
         mem_used_bytes=mem_used,
         mem_reserved_bytes=mem_reserved,
-        power_draw_w=num(_WATTS, "power.draw", "power.draw.average", "power.draw.instant"),
-        power_limit_w=num(_WATTS, "enforced.power.limit", "power.limit"),
-        default_power_limit_w=num(_WATTS, "power.default_limit"),
-        min_power_limit_w=num(_WATTS, "power.min_limit"),
-        max_power_limit_w=num(_WATTS, "power.max_limit"),
-        temperature_c=num(_CELSIUS, "temperature.gpu"),
-        sm_clock_mhz=num(_MHZ, "clocks.current.sm", "clocks.sm"),
-        mem_clock_mhz=num(_MHZ, "clocks.current.memory", "clocks.mem"),
-        graphics_clock_mhz=num(_MHZ, "clocks.current.graphics", "clocks.gr"),
-        memory_temperature_c=num(_CELSIUS, "temperature.memory"),
-        clock_event_reasons=(
-            frozenset(reason for reason, state in known.items() if state) if known else None
-        ),
+        power_draw_w=row.num(_WATTS, "power.draw", "power.draw.average", "power.draw.instant"),
+        power_limit_w=row.num(_WATTS, "enforced.power.limit", "power.limit"),
+        default_power_limit_w=row.num(_WATTS, "power.default_limit"),
+        min_power_limit_w=row.num(_WATTS, "power.min_limit"),
+        max_power_limit_w=row.num(_WATTS, "power.max_limit"),
+        temperature_c=row.num(_CELSIUS, "temperature.gpu"),
+        sm_clock_mhz=row.num(_MHZ, "clocks.current.sm", "clocks.sm"),
+        mem_clock_mhz=row.num(_MHZ, "clocks.current.memory", "clocks.mem"),
+        graphics_clock_mhz=row.num(_MHZ, "clocks.current.graphics", "clocks.gr"),
+        memory_temperature_c=row.num(_CELSIUS, "temperature.memory"),
+        clock_event_reasons=reasons,
         clock_event_api=event_api,
-        clock_event_counters_ns={r: ns for r, ns in counters.items() if ns is not None},
-        ecc_errors=ecc_totals,
-        ecc_errors_by_location=ecc_locations,
-        retired_pages_single_bit=count("retired_pages.single_bit_ecc.count"),
-        retired_pages_double_bit=count("retired_pages.double_bit.count"),
-        retired_pages_pending=flag("retired_pages.pending", _YES),
+        clock_event_counters_ns=event_counters,
+        ecc_errors=ecc,
+        ecc_errors_by_location=ecc_by_location,
+        retired_pages_single_bit=row.count("retired_pages.single_bit_ecc.count"),
+        retired_pages_double_bit=row.count("retired_pages.double_bit.count"),
+        retired_pages_pending=row.flag("retired_pages.pending", _YES),
         remapped_rows=_remapped_rows(
-            count("remapped_rows.correctable"),
-            count("remapped_rows.uncorrectable"),
-            flag("remapped_rows.pending", _YES),
-            flag("remapped_rows.failure", _YES),
+            row.count("remapped_rows.correctable"),
+            row.count("remapped_rows.uncorrectable"),
+            row.flag("remapped_rows.pending", _YES),
+            row.flag("remapped_rows.failure", _YES),
         ),
-        mig_enabled=flag("mig.mode.current", _ENABLED),
+        mig_enabled=row.flag("mig.mode.current", _ENABLED),
     )
 
 

@@ -25,6 +25,7 @@ L40S = "linux-x86_64__nvidia-l40s__595.80.txt"
 A100_TEXT = "a100-sxm4-mig-q-written.txt"
 H100_MIG = "linux-x86_64__nvidia-h100-mig__590.48.01.txt"
 H200_MIG = "linux-x86_64__nvidia-h200-mig__590.48.01.txt"
+P100_CSV = "tesla-p100-query-gpu-written.csv"
 
 
 def _capture(name: str) -> list[GpuRecord]:
@@ -507,6 +508,26 @@ def test_csv_with_memory_reserved_and_no_used_keeps_its_memory_through_nvml() ->
     finally:
         nvml.nvmlShutdown()
     assert (memory.total, memory.used, memory.free) == (11441 * MIB, 66 * MIB, 11375 * MIB)
+
+
+def test_csv_without_memory_total_keeps_its_memory_through_nvml() -> None:
+    """A Tesla P100's query-gpu CSV of memory.reserved, used and free but no memory.total
+    (values without units, no power-limit fields; written, see SOURCES.md): the total is
+    their sum, so NVML answers the GPU's total and used memory instead of NOT_SUPPORTED for
+    all of them (the agent's only word was then about the power-limit range it lacks)."""
+    from hyperagent.capture.fake_nvml import FakeNvml
+
+    (gpu,) = _capture(P100_CSV)
+    assert gpu.mem_total_bytes == 16384 * MIB
+    assert (gpu.mem_used_bytes, gpu.mem_reserved_bytes) == (6 * MIB, 104 * MIB)
+    assert (gpu.min_power_limit_w, gpu.max_power_limit_w) == (None, None)
+    nvml = FakeNvml([gpu])
+    nvml.nvmlInit()
+    try:
+        memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0))
+    finally:
+        nvml.nvmlShutdown()
+    assert (memory.total, memory.used, memory.free) == (16384 * MIB, 110 * MIB, 16274 * MIB)
 
 
 def test_csv_and_xml_report_the_same_memory_used_through_nvml() -> None:
