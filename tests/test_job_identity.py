@@ -22,7 +22,7 @@ import pytest
 
 from hyperagent.agent import Agent
 from hyperagent.capture.fake_nvml import FakeNvml
-from hyperagent.config import build_config
+from hyperagent.config import Config, build_config
 from hyperagent.job import (
     REFUSED_RETRY_S,
     JobReporter,
@@ -303,6 +303,22 @@ ALICE_ON_TWO_NODES = FIXTURES / "slurm" / "scontrol-show-job-d-running-alice-2-n
 """Slurm 22.05's ``scontrol show job -d 1``: job 1 on gpu-[1-2], GPUs 0-1 of each."""
 
 
+def slurm_node_config(state_dir: Path, squeue: str | None = None) -> Config:
+    """An agent on gpu-1 over no broker, whose controller answers ``ALICE_ON_TWO_NODES`` for
+    any job and whose ``squeue`` (when given: a shell line) lists the node's jobs."""
+    job: dict[str, object] = {"scontrol": ["sh", "-c", f"cat {ALICE_ON_TWO_NODES}", "scontrol"]}
+    if squeue is not None:
+        job["squeue"] = ["sh", "-c", squeue, "squeue"]
+    return build_config(
+        {
+            "node": "gpu-1",
+            "mqtt": {"enabled": False},
+            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(state_dir)},
+            "sources": {"ipmi": {"enabled": False}, "rdma": {"enabled": False}, "job": job},
+        }
+    )
+
+
 async def test_a_slurm_jobs_gpus_are_the_ones_the_scheduler_gave_it(
     shared_dir: Path, nvidia_smi_dir: Path
 ) -> None:
@@ -310,18 +326,7 @@ async def test_a_slurm_jobs_gpus_are_the_ones_the_scheduler_gave_it(
     answer) gave job 1 GPUs 0 and 1 of this node, gpu-1: those are the job's GPUs here, and
     its telemetry says the scheduler's user and nodes."""
     proc_root = shared_dir / "proc"
-    config = build_config(
-        {
-            "node": "gpu-1",
-            "mqtt": {"enabled": False},
-            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(shared_dir)},
-            "sources": {
-                "ipmi": {"enabled": False},
-                "rdma": {"enabled": False},
-                "job": {"scontrol": ["sh", "-c", f"cat {ALICE_ON_TWO_NODES}", "scontrol"]},
-            },
-        }
-    )
+    config = slurm_node_config(shared_dir)
     source = JobSource(shared_dir / "job.sock", open_policy(), proc_root=proc_root)
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
     agent = Agent(config, Hardware(nvml=nvml), sources=[source])
@@ -354,21 +359,7 @@ async def test_a_gpu_slurm_gave_a_job_is_no_other_ranks_before_that_job_starts(
     """Slurm gave job 1 GPUs 0 and 1 of gpu-1 (the controller's recorded answer) and its
     ranks have not started; mallory's rank outside Slurm declares GPU 0: not hers; declaring
     GPU 5, which no Slurm job holds here, it is."""
-    config = build_config(
-        {
-            "node": "gpu-1",
-            "mqtt": {"enabled": False},
-            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(shared_dir)},
-            "sources": {
-                "ipmi": {"enabled": False},
-                "rdma": {"enabled": False},
-                "job": {
-                    "scontrol": ["sh", "-c", f"cat {ALICE_ON_TWO_NODES}", "scontrol"],
-                    "squeue": ["sh", "-c", "echo 1", "squeue"],  # job 1 runs on gpu-1
-                },
-            },
-        }
-    )
+    config = slurm_node_config(shared_dir, squeue="echo 1")  # job 1 runs on gpu-1
     source = JobSource(shared_dir / "job.sock", open_policy())
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
     agent = Agent(config, Hardware(nvml=nvml), sources=[source])
@@ -403,21 +394,7 @@ async def test_a_cap_comes_off_a_gpu_once_slurm_gives_it_to_a_job(
     limit back, and mallory's job holds nothing here any more."""
     running_jobs = shared_dir / "squeue.txt"
     running_jobs.write_text("")
-    config = build_config(
-        {
-            "node": "gpu-1",
-            "mqtt": {"enabled": False},
-            "agent": {"interval_s": 0.1, "metrics_address": "", "state_dir": str(shared_dir)},
-            "sources": {
-                "ipmi": {"enabled": False},
-                "rdma": {"enabled": False},
-                "job": {
-                    "scontrol": ["sh", "-c", f"cat {ALICE_ON_TWO_NODES}", "scontrol"],
-                    "squeue": ["sh", "-c", f"cat {running_jobs}", "squeue"],
-                },
-            },
-        }
-    )
+    config = slurm_node_config(shared_dir, squeue=f"cat {running_jobs}")
     source = JobSource(shared_dir / "job.sock", open_policy())
     nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
     agent = Agent(config, Hardware(nvml=nvml), sources=[source])

@@ -66,8 +66,8 @@ from cluster.slurm_tenants import (
     parse_ready,
     rank_command,
     ready_and_wait,
-    samples,
 )
+from cluster.text import samples
 
 from hyperagent.scheduler import qualified
 from hyperagent.sources.slurm_cgroup import read_process

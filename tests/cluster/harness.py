@@ -131,6 +131,27 @@ def run(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, check=True, text=True, capture_output=True, **kwargs)
 
 
+def bridge_namespaces(bridge_ns: str, hosts: list[tuple[str, str]], veth_prefix: str) -> None:
+    """Network namespace ``bridge_ns`` holding a bridge, and each (namespace, address) of
+    ``hosts`` made with an ``eth0`` at that address (/24) on it (veth pairs named after
+    ``veth_prefix``, which must be unique on the machine)."""
+    run("ip", "netns", "add", bridge_ns)
+    run("ip", "-n", bridge_ns, "link", "add", "br0", "type", "bridge")
+    run("ip", "-n", bridge_ns, "link", "set", "br0", "up")
+    for i, (netns, address) in enumerate(hosts):
+        run("ip", "netns", "add", netns)
+        outer, inner = f"{veth_prefix}v{i}", f"{veth_prefix}p{i}"
+        run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+        run("ip", "link", "set", outer, "netns", bridge_ns)
+        run("ip", "link", "set", inner, "netns", netns)
+        run("ip", "-n", bridge_ns, "link", "set", outer, "master", "br0")
+        run("ip", "-n", bridge_ns, "link", "set", outer, "up")
+        run("ip", "-n", netns, "link", "set", inner, "name", "eth0")
+        run("ip", "-n", netns, "addr", "add", f"{address}/24", "dev", "eth0")
+        run("ip", "-n", netns, "link", "set", "eth0", "up")
+        run("ip", "-n", netns, "link", "set", "lo", "up")
+
+
 @dataclass
 class Host:
     """One namespace: a name, an address, and a process holding its mount and UTS namespace."""
@@ -277,21 +298,8 @@ class Cluster:
                 self._users.append(user)
 
     def _network(self) -> None:
-        run("ip", "netns", "add", self.bridge_ns)
-        run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
-        for i, host in enumerate(self.hosts.values()):
-            run("ip", "netns", "add", host.netns)
-            outer, inner = f"hac{self.tag}v{i}", f"hac{self.tag}p{i}"
-            run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-            run("ip", "link", "set", outer, "netns", self.bridge_ns)
-            run("ip", "link", "set", inner, "netns", host.netns)
-            run("ip", "-n", self.bridge_ns, "link", "set", outer, "master", "br0")
-            run("ip", "-n", self.bridge_ns, "link", "set", outer, "up")
-            run("ip", "-n", host.netns, "link", "set", inner, "name", "eth0")
-            run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
-            run("ip", "-n", host.netns, "link", "set", "eth0", "up")
-            run("ip", "-n", host.netns, "link", "set", "lo", "up")
+        hosts = [(h.netns, h.address) for h in self.hosts.values()]
+        bridge_namespaces(self.bridge_ns, hosts, f"hac{self.tag}")
 
     def _pki(self) -> None:
         pki = self.root / "pki"

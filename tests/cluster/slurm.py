@@ -55,7 +55,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # run as a script too
 
-from cluster.harness import Unavailable  # noqa: E402
+from cluster.harness import Unavailable, bridge_namespaces  # noqa: E402
 
 __all__ = ["NODES", "USERS", "Slurm", "SlurmHost", "Unavailable", "check_host", "slurm_cluster"]
 
@@ -318,21 +318,8 @@ class Slurm:
         return self.host_path(node, path)
 
     def _network(self) -> None:
-        _run("ip", "netns", "add", self.bridge_ns)
-        _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
-        for i, host in enumerate(self.hosts.values()):
-            _run("ip", "netns", "add", host.netns)
-            outer, inner = f"hsl{self.tag}v{i}", f"hsl{self.tag}p{i}"
-            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-            _run("ip", "link", "set", outer, "netns", self.bridge_ns)
-            _run("ip", "link", "set", inner, "netns", host.netns)
-            _run("ip", "-n", self.bridge_ns, "link", "set", outer, "master", "br0")
-            _run("ip", "-n", self.bridge_ns, "link", "set", outer, "up")
-            _run("ip", "-n", host.netns, "link", "set", inner, "name", "eth0")
-            _run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
-            _run("ip", "-n", host.netns, "link", "set", "eth0", "up")
-            _run("ip", "-n", host.netns, "link", "set", "lo", "up")
+        hosts = [(h.netns, h.address) for h in self.hosts.values()]
+        bridge_namespaces(self.bridge_ns, hosts, f"hsl{self.tag}")
 
     def _hold(self, host: SlurmHost) -> None:
         """A process in ``host``'s network namespace and a new mount namespace with ``bound``

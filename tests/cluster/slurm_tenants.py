@@ -25,7 +25,6 @@ import json
 import os
 import pwd
 import queue
-import re
 import shlex
 import signal
 import subprocess
@@ -43,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # run as a script too (by srun, as a job's user)
 
 from cluster.slurm import Slurm  # noqa: E402
+from cluster.text import samples, toml_section, toml_value  # noqa: E402
 
 AGENT_USER = "hyperagent"
 JOB_SOCKET = Path("/run/hyperagent/job.sock")
@@ -122,42 +122,7 @@ def get(url: str, timeout_s: float = 5.0) -> str:
         return ""
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """(labels, value) of every sample of ``name`` in a Prometheus text exposition."""
-    out = []
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None or match.group(1) != name:
-            continue
-        labels = {
-            k: v.replace('\\"', '"').replace("\\\\", "\\")
-            for k, v in _LABEL.findall(match.group(2) or "")
-        }
-        out.append((labels, float(match.group(3))))
-    return out
-
-
 # -- the deployment ---------------------------------------------------------------------
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str | Path):
-        return json.dumps(str(value))
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
-
-
-def section(name: str, values: dict[str, Any]) -> str:
-    return f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
 
 
 def ensure_agent_user() -> None:
@@ -234,7 +199,7 @@ class Deployment:
         }
         job.update(self.agent_job)
         text = f'cluster = "{CLUSTER}"\n'
-        text += section(
+        text += toml_section(
             "agent",
             {
                 "interval_s": 0.5,
@@ -242,15 +207,15 @@ class Deployment:
                 "state_dir": self.root / node / "state",
             },
         )
-        text += section(
+        text += toml_section(
             "mqtt", {"url": self.broker_url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0}
         )
-        text += section("sources", {"timeout_s": 1.0})
+        text += toml_section("sources", {"timeout_s": 1.0})
         for off in ("host", "ipmi", "rdma", "pdu"):
-            text += section(f"sources.{off}", {"enabled": False})
-        text += section("sources.job", job)
-        text += section("actuation", {"power_cap": True})
-        text += section("security", {"trusted_keys": [self.root / "settings.pub"]})
+            text += toml_section(f"sources.{off}", {"enabled": False})
+        text += toml_section("sources.job", job)
+        text += toml_section("actuation", {"power_cap": True})
+        text += toml_section("security", {"trusted_keys": [self.root / "settings.pub"]})
         path = self.root / f"{node}.toml"
         path.write_text(text)
         path.chmod(0o644)
@@ -258,30 +223,30 @@ class Deployment:
 
     def coordinator_config(self) -> Path:
         text = f'cluster = "{CLUSTER}"\n'
-        text += section(
+        text += toml_section(
             "mqtt", {"url": self.broker_url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0}
         )
-        text += section(
+        text += toml_section(
             "security",
             {
                 "signing_key_file": self.root / "settings.key",
                 "trusted_keys": [self.root / "settings.pub"],
             },
         )
-        text += section(
+        text += toml_section(
             "coordinator",
             {
                 "metrics_address": f"{self.ctl.address}:{COORDINATOR_PORT}",
                 "state_dir": self.state,
             },
         )
-        text += section(
+        text += toml_section(
             "coordinator.defaults", {k: v for k, v in self.policy.items() if k != "plan"}
         )
-        text += section("coordinator.defaults.plan", self.policy.get("plan", {}))
+        text += toml_section("coordinator.defaults.plan", self.policy.get("plan", {}))
         for rule in self.rules:
             text += "[[coordinator.jobs]]\n" + "".join(
-                f"{k} = {_toml(v)}\n" for k, v in rule.items()
+                f"{k} = {toml_value(v)}\n" for k, v in rule.items()
             )
         path = self.root / "coordinator.toml"
         path.write_text(text)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from cluster.text import samples, toml_section, toml_value
 
 from hyperagent.capture.nvidia_smi import COMPUTE_APPS_FILE, parse_capture
 from hyperagent.scheduler import qualified
@@ -148,30 +148,6 @@ def until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(every_s)
-
-
-def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """(labels, value) of every sample of ``name`` in a Prometheus exposition."""
-    out = []
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                out.append((dict(sample.labels), float(sample.value)))
-    return out
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str | Path):
-        return json.dumps(str(value))
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
-
-
-def _section(name: str, values: dict[str, Any]) -> str:
-    return f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
 
 
 class StatusListener:
@@ -301,7 +277,7 @@ class Scenario:
         """The node's hyperagent.toml (the coordinator's is ``config("coordinator")``)."""
         path = self.root / f"{node}.toml"
         text = 'cluster = "shape"\n'
-        text += _section(
+        text += toml_section(
             "agent",
             {
                 "interval_s": 0.5,
@@ -309,14 +285,14 @@ class Scenario:
                 "state_dir": self.root / node / "state",
             },
         )
-        text += _section(
+        text += toml_section(
             "mqtt",
             {"url": self.broker.url, "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
         )
-        text += _section("sources", {"timeout_s": 1.0})
+        text += toml_section("sources", {"timeout_s": 1.0})
         for off in ("host", "ipmi", "rdma", "pdu"):
-            text += _section(f"sources.{off}", {"enabled": False})
-        text += _section(
+            text += toml_section(f"sources.{off}", {"enabled": False})
+        text += toml_section(
             "sources.job",
             {
                 "socket": self.socket(node),
@@ -324,14 +300,14 @@ class Scenario:
                 "release_after_s": self.job_release_after_s,
             },
         )
-        text += _section(
+        text += toml_section(
             "security",
             {
                 "signing_key_file": self.root / "settings.key",
                 "trusted_keys": [self.root / "settings.pub"],
             },
         )
-        text += _section(
+        text += toml_section(
             "coordinator",
             {
                 "metrics_address": f"127.0.0.1:{self.ports.get('coordinator', 0)}",
@@ -340,17 +316,17 @@ class Scenario:
         )
         if self.policy is not None:
             policy = {k: v for k, v in self.policy.items() if k != "plan"}
-            text += _section("coordinator.defaults", policy)
-            text += _section("coordinator.defaults.plan", self.policy.get("plan", {}))
+            text += toml_section("coordinator.defaults", policy)
+            text += toml_section("coordinator.defaults.plan", self.policy.get("plan", {}))
             for rule in self.rules:
                 text += "[[coordinator.jobs]]\n" + "".join(
-                    f"{k} = {_toml(v)}\n" for k, v in rule.items()
+                    f"{k} = {toml_value(v)}\n" for k, v in rule.items()
                 )
             path.write_text(text)
             return path
         for job in self.jobs:
             text += "[[coordinator.jobs]]\n" + "".join(
-                f"{k} = {_toml(v)}\n"
+                f"{k} = {toml_value(v)}\n"
                 for k, v in {
                     "id": job.id,
                     "nodes": job.nodes,
@@ -364,7 +340,7 @@ class Scenario:
                     "seed": 1,
                 }.items()
             )
-            text += _section(
+            text += toml_section(
                 "coordinator.jobs.plan",
                 {
                     "settle_steps": 3,
