@@ -7,7 +7,11 @@ the package (it imports nothing from ``sources/``, ``capture/`` or replay).
   take, and their help;
 - :mod:`~hyperagent.devices.nvml`: NVIDIA through ``pynvml``, the common interface;
 - :mod:`~hyperagent.devices.nvml_telemetry`: NVIDIA's full telemetry (field-value batches, GPM,
-  NVLink, MIG, XID events, processes), every NVML call the agent makes to read GPUs;
+  NVLink, MIG, XID events, processes), every NVML call the agent makes to read GPUs, in parts:
+  :mod:`~hyperagent.devices.nvml_api` (NVML's codes, ids and the call wrapper),
+  :mod:`~hyperagent.devices.nvml_gpu` (what is kept per GPU between reads),
+  :mod:`~hyperagent.devices.nvml_fields` (the field-value batches) and
+  :mod:`~hyperagent.devices.nvml_xid` (the XID event watcher);
 - :mod:`~hyperagent.devices.amd`: AMD Instinct through ``amdsmi``;
 - :mod:`~hyperagent.devices.gaudi`: Intel Gaudi through ``pyhlml`` (habana-pyhlml);
 - :mod:`~hyperagent.devices.source`: the telemetry source over any library

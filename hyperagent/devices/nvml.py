@@ -19,12 +19,8 @@ from hyperagent.devices.base import (
     Memory,
     vendor_call,
 )
-from hyperagent.devices.nvml_telemetry import instant_power_w, nvml_error_code
+from hyperagent.devices.nvml_api import instant_power_w, nvml_error_code, nvml_text
 from hyperagent.errors import ActuationError, NoPermission, NotSupported
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class NvmlDevice:
@@ -105,11 +101,11 @@ class NvmlLibrary:
     def devices(self) -> list[NvmlDevice]:
         nv = self.module
         nv.nvmlInit()
-        driver = _text(nv.nvmlSystemGetDriverVersion())
+        driver = nvml_text(nv.nvmlSystemGetDriverVersion())
         out = []
         for index in range(nv.nvmlDeviceGetCount()):
             handle = nv.nvmlDeviceGetHandleByIndex(index)
-            uuid = _text(nv.nvmlDeviceGetUUID(handle))
+            uuid = nvml_text(nv.nvmlDeviceGetUUID(handle))
             out.append(NvmlDevice(nv, self._identity(index, uuid, handle, driver), handle))
         return out
 
@@ -121,7 +117,7 @@ class NvmlLibrary:
         out = []
         for index in range(nv.nvmlDeviceGetCount()):
             handle = nv.nvmlDeviceGetHandleByIndex(index)
-            uuid = _text(nv.nvmlDeviceGetUUID(handle))
+            uuid = nvml_text(nv.nvmlDeviceGetUUID(handle))
             out.append(NvmlDevice(nv, DeviceIdentity(index, uuid, self.vendor, ""), handle))
         return out
 
@@ -136,7 +132,7 @@ class NvmlLibrary:
         return NvmlDevice(self.module, DeviceIdentity(index, "", self.vendor, ""), handle)
 
     def _identity(self, index: int, uuid: str, handle: Any, driver: str) -> DeviceIdentity:
-        model = _text(self.module.nvmlDeviceGetName(handle))
+        model = nvml_text(self.module.nvmlDeviceGetName(handle))
         return DeviceIdentity(index, uuid, self.vendor, model, driver=driver)
 
     @vendor_call("nvmlDeviceGetHandleByUUID")

@@ -16,11 +16,11 @@ from hyperagent.capture.fake_nvml.state import (
     supported,
 )
 from hyperagent.capture.nvidia_smi import GpuRecord, MigRecord, NvLinkRecord, RemappedRows
-from hyperagent.devices import nvml_telemetry as telemetry
+from hyperagent.devices import nvml_api
 
-_VIOLATIONS = {policy: reason for reason, policy in telemetry.violation_policies(pynvml)}
-REASON_BITS = telemetry.clock_event_reason_bits(pynvml)
-_NVLINK_ERRORS = {which: name for name, which in telemetry.nvlink_error_counters(pynvml)}
+_VIOLATIONS = {policy: reason for reason, policy in nvml_api.violation_policies(pynvml)}
+REASON_BITS = nvml_api.clock_event_reason_bits(pynvml)
+_NVLINK_ERRORS = {which: name for name, which in nvml_api.nvlink_error_counters(pynvml)}
 _ECC_TYPES = {
     pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
     pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected",

@@ -12,7 +12,7 @@ import pynvml
 
 from hyperagent.capture.fake_nvml.state import FakeNvmlHandle, NvmlState
 from hyperagent.capture.nvidia_smi import GpuRecord, NvLinkRecord
-from hyperagent.devices import nvml_telemetry as telemetry
+from hyperagent.devices import nvml_api
 
 _UINT = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
 _ULL = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
@@ -93,7 +93,7 @@ def _served_fields() -> dict[int, _Served]:
     put("NVML_FI_DEV_ENERGY", lambda s, scope: (_whole(s.energy_mj), _ULL))
     put("NVML_FI_DEV_MEMORY_TEMP", plain(lambda r: _whole(r.memory_temperature_c)))
     put("NVML_FI_DEV_PCIE_REPLAY_COUNTER", plain(lambda r: r.pcie_replay_count, _ULL))
-    for reason, policy_field in telemetry._VIOLATION_FIELDS.items():
+    for reason, policy_field in nvml_api.VIOLATION_FIELDS.items():
         put(policy_field, plain(functools.partial(_counter_ns, reason=reason), _ULL))
     for error_type, scope, name in (
         ("corrected", "volatile", "NVML_FI_DEV_ECC_SBE_VOL_TOTAL"),

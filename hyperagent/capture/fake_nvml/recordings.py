@@ -12,11 +12,10 @@ from typing import Any
 import pynvml
 
 from hyperagent.capture.nvidia_smi import GpuRecord, MigRecord, NvLinkRecord, RemappedRows
-from hyperagent.devices import metrics
-from hyperagent.devices import nvml_telemetry as telemetry
+from hyperagent.devices import metrics, nvml_api
 from hyperagent.readings import Reading
 
-_VIOLATION_REASONS = frozenset(reason for reason, _ in telemetry.violation_policies(pynvml))
+_VIOLATION_REASONS = frozenset(reason for reason, _ in nvml_api.violation_policies(pynvml))
 
 
 @dataclass
