@@ -636,3 +636,31 @@ async def test_a_single_phase_inlet_has_one_phase_voltage() -> None:
     readings = await read(whole_pdu(capture), capture)
     assert values(readings, "hyperagent_pdu_phase_voltage_volts") == {("1", "L1"): 230.1}
     assert values(readings, "hyperagent_pdu_phase_current_amperes") == {("1", "L1"): 3.95}
+
+
+@pytest.mark.peer
+async def test_hpe_pdu3_outlet_rows_past_its_outlet_count_are_not_outlets(
+    snmpsim: Snmpsim,
+) -> None:
+    """An HPE pdu3 (pdu3OutletCount 4) whose agent answers 54 more pdu3OutletTable rows, each
+    at 0 A: only outlets 1-4 are published, and a node naming outlet 10 gets no sum."""
+    capture = "hpe-pdu3-counted.snmprec"
+    readings = await read_live(snmpsim, capture)
+    currents = values(readings, "hyperagent_pdu_outlet_current_amperes")
+    assert sorted(int(outlet) for (outlet,) in currents) == [1, 2, 3, 4]
+    assert sum(values(readings, "hyperagent_pdu_outlet_power_watts").values()) == 153.0
+    node = PduTarget("hpe-pdu3-counted", "127.0.0.1", outlets=("2", "10"))
+    mine = await read_live(snmpsim, capture, node)
+    assert sorted(o for (o,) in values(mine, "hyperagent_pdu_outlet_power_watts")) == ["2"]
+    assert values(mine, "hyperagent_pdu_node_power_watts") == {}
+
+
+@pytest.mark.peer
+async def test_a_tripplite_single_phase_inlet_has_one_phase(snmpsim: Snmpsim) -> None:
+    """A Tripp Lite PDU whose tlpPduIdentNumPhases is 1 answers a second input phase row and a
+    second output row at the line's 115.1 V and 0 A: the inlet keeps its one phase."""
+    readings = await read_live(snmpsim, "tripplite-single-phase.snmprec")
+    phase = ("1", "1")
+    assert values(readings, "hyperagent_pdu_phase_voltage_volts") == {phase: 115.1}
+    assert values(readings, "hyperagent_pdu_phase_current_amperes") == {phase: 12.03}
+    assert values(readings, "hyperagent_pdu_phase_power_watts") == {phase: 1383.0}

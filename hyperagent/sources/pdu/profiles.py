@@ -584,14 +584,20 @@ VERTIV = Profile(
 # inlet 1 and 2 are its two sources); output (per phase) voltage in tenths of V, current in
 # hundredths of A and power in W (PDUs without input phase current report the output's);
 # outlet voltage in tenths of V, current in hundredths of A, power in W. No energy meters.
+# A PDU's phases are as many as its tlpPduIdentNumPhases: input phase and output rows past it
+# (a single-phase unit answering a second row at the line's voltage) are no phases of its inlet;
+# an agent without tlpPduIdentTable keeps every row. (The ATS's phase count is per device, not
+# per input line: its tables are not bounded.)
 _TRIPPLITE_DEVICE = "1.3.6.1.4.1.850.1.1.1.2.1"
 _TRIPPLITE = "1.3.6.1.4.1.850.1.1.3.2"
 _TRIPPLITE_ATS = "1.3.6.1.4.1.850.1.1.3.4"
+_TRIPPLITE_PHASES = f"{_TRIPPLITE}.1.2.1.3"
 
 
-def _tripplite_tables(branch: str, input_phase: Table) -> tuple[Table, ...]:
+def _tripplite_tables(branch: str, input_phase: Table, phases: str = "") -> tuple[Table, ...]:
     """The device, input phase, output and outlet tables of a tlpPdu or tlpAts branch (their
-    columns are numbered alike but for the input phase table)."""
+    columns are numbered alike but for the input phase table); ``phases``: the object counting
+    the output table's phases."""
     return (
         Table(Part.INLET, f"{branch}.2.1.1", (_m(INLET_POWER, 9),), per_unit=True),
         input_phase,
@@ -600,6 +606,7 @@ def _tripplite_tables(branch: str, input_phase: Table) -> tuple[Table, ...]:
             f"{branch}.3.2.1.1",
             (_m(PHASE_VOLTAGE, 4, 1, 10), _m(PHASE_CURRENT, 5, 1, 100), _m(PHASE_POWER, 8)),
             width=2,
+            count=phases,
         ),
         Table(
             Part.OUTLET,
@@ -623,7 +630,9 @@ TRIPPLITE = Profile(
                 f"{_TRIPPLITE}.3.1.2.1",
                 (_m(PHASE_VOLTAGE, 4, 1, 10), _m(PHASE_CURRENT, 7, 1, 100)),
                 width=2,
+                count=_TRIPPLITE_PHASES,
             ),
+            _TRIPPLITE_PHASES,
         ),
         *_tripplite_tables(
             _TRIPPLITE_ATS,
@@ -681,7 +690,9 @@ HPE = Profile(
 # phases' W), lifetime energy in kWh; phase voltage in tenths of V, current in hundredths of A,
 # power in W; outlet current in hundredths of A, power in W (pdu3OutletWh is whole kWh, reset
 # from the GUI: too coarse for a node's energy, not read). Indexed by the daisy-chained PDU
-# from 1. These agents answer sysObjectID with a DisplayString (".1.3.6.1.4.1.232.165.11").
+# from 1; a PDU's outlets are as many as its pdu3OutletCount (pdu3IdentTable column 13): rows
+# past it, at 0 A, are no outlets. These agents answer sysObjectID with a DisplayString
+# (".1.3.6.1.4.1.232.165.11").
 _HPE3 = "1.3.6.1.4.1.232.165.11"
 HPE_PDU3 = Profile(
     "hpe-pdu3",
@@ -706,6 +717,7 @@ HPE_PDU3 = Profile(
             (_m(OUTLET_CURRENT, 5, 1, 100), _m(OUTLET_POWER, 13)),
             width=2,
             name_column=2,
+            count=f"{_HPE3}.1.2.1.13",
         ),
     ),
     Info(
