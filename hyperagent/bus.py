@@ -384,80 +384,19 @@ class Broker:
         return self.url or f"mqtt{'s' if self.tls else ''}://{self.host}:{self.port}"
 
 
-class MqttLink:
-    """One MQTT connection kept up with jittered exponential backoff.
+class _Routing:
+    """Which handlers an incoming message goes to: the subscriptions made before ``run``, the
+    exact topics followed at any time, and the errors the handlers raise."""
 
-    Given several ``brokers`` (addresses of one clustered broker) it connects to them in turn:
-    when a connection drops it connects to the next one at once; when connecting fails it
-    tries the next, and waits (the backoff) only after each of them failed in a row.
-    Subscribe handlers before ``run``; they are re-subscribed on every reconnect. ``follow``
-    subscribes to one exact topic at any time (also kept across reconnects): some brokers
-    (RabbitMQ) serve a retained message only to a subscriber of its exact topic, never through
-    a wildcard. A message is handed to each matching handler once, though several of its
-    subscriptions match; a broker may still deliver it once per matching subscription
-    (mosquitto does), so handlers of followed topics must take a repeat calmly. A handler's
-    exception is never fatal: it is counted per subscription filter and logged once per
-    distinct error (handler, exception type and message), with its traceback the first time
-    that handler fails.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        client_id: str,
-        *,
-        will: Outgoing | None = None,
-        on_connect: Callable[[], list[Outgoing]] | None = None,
-        outbox_size: int = 1000,
-        reliable_size: int = 10_000,
-        spool_dir: Path | None = None,
-        gated: bool = False,
-        persistent_session: bool = False,
-        username: str | None = None,
-        password: str | None = None,
-        tls: aiomqtt.TLSParameters | None = None,
-        keepalive_s: int = 30,
-        backoff_min_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        brokers: Sequence[Broker] = (),
-    ) -> None:
-        self.brokers = tuple(brokers) or (Broker(host, port, tls),)
-        self._broker_index = 0
-        self.client_id = client_id
-        self.will = will
-        self.on_connect = on_connect
-        self.persistent_session = persistent_session
-        self.username, self.password = username, password
-        self.keepalive_s = keepalive_s
-        self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
-        self._telemetry: deque[Outgoing] = deque(maxlen=outbox_size)
-        self.spool = Spool(spool_dir, reliable_size)
-        self.gated = gated
-        self._gate_open = not gated
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        if not self.spool:
-            self._idle.set()
+    def _init_routing(self) -> None:
         self._handlers: list[tuple[str, int, Handler]] = []
         self._routes: dict[str, tuple[tuple[str, Handler], ...]] = {}
         self._followed: dict[str, tuple[int, Handler]] = {}
         """Exact topic -> (QoS, handler), as ``follow`` asked."""
-        self._subscribed: set[str] = set()
-        """The followed topics subscribed to in this session."""
         self._follow_wake = asyncio.Event()
-        self.connected = asyncio.Event()
-        self.dropped = 0
         self.handler_errors_by_filter: Counter[str] = Counter()
         """Subscription filter -> exceptions its handlers raised."""
         self._errors_logged: set[tuple[str, str, str]] = set()
-        self.connects = 0
-        self._client: aiomqtt.Client | None = None
-        self._was_up = False
-        self._inbox: deque[tuple[str, bytes]] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._legacy_receive = True
-        self._resume_reading: Callable[[], None] | None = None
 
     def subscribe(self, topic_filter: str, qos: int, handler: Handler) -> None:
         self._handlers.append((topic_filter, qos, handler))
@@ -526,6 +465,62 @@ class MqttLink:
             )
         ]
 
+    async def _dispatch(self, topic: str, payload: Any) -> None:
+        if type(payload) is not bytes:
+            payload = (
+                bytes(payload) if isinstance(payload, bytearray) else str(payload or "").encode()
+            )
+        for topic_filter, handler in self._routes_for(topic):
+            try:
+                await handler(topic, payload)
+            except Exception as e:
+                self._handler_failed(topic_filter, topic, e)
+
+    def _handler_failed(self, topic_filter: str, topic: str, error: Exception) -> None:
+        """Count the error; log it if it is new (a traceback for the handler's first)."""
+        self.handler_errors_by_filter[topic_filter] += 1
+        key = (topic_filter, type(error).__qualname__, str(error))
+        if key in self._errors_logged or len(self._errors_logged) > HANDLER_ERRORS_LOGGED:
+            return
+        if len(self._errors_logged) == HANDLER_ERRORS_LOGGED:
+            self._errors_logged.add(key)
+            log.error(
+                "%d distinct handler errors logged; further ones are only counted "
+                "(hyperagent_mqtt_handler_errors_total)",
+                HANDLER_ERRORS_LOGGED,
+            )
+            return
+        first = all(logged[0] != topic_filter for logged in self._errors_logged)
+        self._errors_logged.add(key)
+        log.error(
+            "handler for %s failed on %s: %s: %s (each distinct error is logged once; "
+            'hyperagent_mqtt_handler_errors_total{handler="%s"} counts them all)',
+            topic_filter,
+            topic,
+            type(error).__name__,
+            error,
+            topic_filter,
+            exc_info=error if first else None,
+        )
+
+
+class _Outbox:
+    """What the link sends: telemetry (QoS 0) in a bounded queue that drops its oldest, the
+    rest through the spool, held back on a gated link until ``open_gate``."""
+
+    def _init_outbox(
+        self, outbox_size: int, reliable_size: int, spool_dir: Path | None, gated: bool
+    ) -> None:
+        self._telemetry: deque[Outgoing] = deque(maxlen=outbox_size)
+        self.spool = Spool(spool_dir, reliable_size)
+        self.gated = gated
+        self._gate_open = not gated
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        if not self.spool:
+            self._idle.set()
+        self.dropped = 0
+
     def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
         """Enqueue a message; never blocks. A full queue drops its oldest message (counted)."""
         if qos > 0:
@@ -564,6 +559,232 @@ class MqttLink:
         except TimeoutError:
             return False
         return True
+
+    async def _send_loop(self, client: aiomqtt.Client) -> None:
+        loop = asyncio.get_running_loop()
+        awaited: Future[None] | None = None
+
+        def wake(_: Future[None]) -> None:  # on the writer thread
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake.set)
+
+        while True:
+            spooled = self.spool.first() if self._gate_open else None
+            if spooled is not None and spooled.stored is not None and not spooled.stored.done():
+                # its file is still being written: telemetry may go meanwhile, it wakes us
+                if awaited is not spooled.stored:
+                    awaited = spooled.stored
+                    awaited.add_done_callback(wake)
+                spooled = None
+            if spooled is None and not self._telemetry:
+                if not self.spool:
+                    self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if spooled is not None:
+                await _await_mqtt(
+                    client.publish(
+                        spooled.topic, spooled.payload, spooled.qos, spooled.retain, timeout=10
+                    )
+                )
+                self.spool.sent(spooled)  # only now: a broken connection keeps it queued
+                continue
+            message = self._telemetry.popleft()
+            await _await_mqtt(
+                client.publish(
+                    message.topic, message.payload, message.qos, message.retain, timeout=10
+                )
+            )
+
+
+class _Receiving(_Routing):
+    """How the link reads incoming messages off the socket and hands them to their handlers."""
+
+    def _init_receiving(self) -> None:
+        self._inbox: deque[tuple[str, bytes]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._legacy_receive = True
+        self._resume_reading: Callable[[], None] | None = None
+
+    def _take_over_receiving(self, client: aiomqtt.Client) -> None:
+        """Receive through this link instead of aiomqtt's message machinery.
+
+        aiomqtt reads one packet per turn of the event loop, with about four ``recv`` calls,
+        and makes a ``Message`` (with a validated ``Topic``) and a queue entry of every
+        incoming message; a coordinator ingesting thousands of telemetry messages a second
+        spends most of its time there. Instead, this link's reader takes up to
+        ``READ_CHUNKS`` socket reads per turn (``_BufferedSocket``) and lets paho parse all
+        of it; paho's ``on_message`` puts (topic, payload) in the inbox, which the receive
+        loop hands to the handlers. While the inbox holds ``INBOX_HIGH`` messages the socket
+        is not read (the broker's queue, not this process's memory, takes the excess). Called
+        right after connecting, before subscribing: what came in before is in aiomqtt's queue
+        and is handled first. Without the private attributes this relies on (aiomqtt is pinned
+        below 3) aiomqtt's own iterator is used.
+        """
+        self._inbox.clear()
+        self._legacy_receive = True
+        self._resume_reading = None
+        paho: Any = getattr(client, "_client", None)
+        queue = getattr(client, "_queue", None)
+        disconnected = getattr(client, "_disconnected", None)
+        sock = getattr(paho, "_sock", None)
+        if (
+            sock is None
+            or not isinstance(queue, asyncio.Queue)
+            or not isinstance(disconnected, asyncio.Future)
+        ):
+            return
+        buffered = _BufferedSocket(sock)
+        fd = sock.fileno()
+        loop = asyncio.get_running_loop()
+        inbox = self._inbox
+
+        def wake() -> None:
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        def on_message(_client: Any, _userdata: Any, message: Any) -> None:
+            try:
+                topic = message.topic
+            except UnicodeDecodeError:
+                log.warning("dropped a message whose topic is not UTF-8: %r", message._topic)
+                return
+            inbox.append((topic, message.payload))
+            wake()
+
+        def on_readable() -> None:
+            if len(inbox) >= INBOX_HIGH:
+                loop.remove_reader(fd)
+                self._resume_reading = resume
+                return
+            try:
+                for _ in range(READ_CHUNKS):
+                    if paho._sock is not buffered or not buffered.fill():
+                        break
+                    while paho._sock is buffered and buffered.unread:
+                        paho.loop_read()
+                if paho._sock is buffered and buffered.pending():
+                    loop.call_soon(on_readable)  # decrypted already: no wake-up will say so
+            except Exception as exc:  # as aiomqtt's reader: a broken connection
+                if not disconnected.done():
+                    disconnected.set_exception(exc)
+
+        def resume() -> None:
+            self._resume_reading = None
+            if paho._sock is buffered:
+                loop.add_reader(fd, on_readable)
+
+        paho._sock = buffered
+        paho.on_message = on_message
+        loop.add_reader(fd, on_readable)  # in place of aiomqtt's; removed when it closes
+        disconnected.add_done_callback(lambda _: wake())
+        self._legacy_receive = False
+
+    async def _receive_loop(self, client: aiomqtt.Client) -> None:
+        if self._legacy_receive:
+            await self._receive_messages(client)
+            return
+        queue: asyncio.Queue[aiomqtt.Message] = client._queue
+        while not queue.empty():  # what came before this link took over
+            await self._dispatch_message(queue.get_nowait())
+        disconnected: asyncio.Future[Any] = client._disconnected
+        inbox = self._inbox
+        loop = asyncio.get_running_loop()
+        while True:
+            if not inbox:
+                if disconnected.done():
+                    raise aiomqtt.MqttError(
+                        "Disconnected during message iteration"
+                    ) from disconnected.exception()
+                self._waiter = loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+                continue
+            for _ in range(RECEIVE_BATCH):
+                if not inbox:
+                    break
+                topic, payload = inbox.popleft()
+                await self._dispatch(topic, payload)
+            if self._resume_reading is not None and len(inbox) < INBOX_HIGH:
+                self._resume_reading()
+            await asyncio.sleep(0)  # the event loop gets a turn between batches
+
+    async def _receive_messages(self, client: aiomqtt.Client) -> None:
+        # aiomqtt's iterator makes a task and an asyncio.wait per message; what its queue
+        # already holds is taken without them, a bounded batch at a time.
+        queue = getattr(client, "_queue", None)
+        inbox = queue if isinstance(queue, asyncio.Queue) else None
+        async for message in client.messages:
+            await self._dispatch_message(message)
+            for _ in range(RECEIVE_BATCH):
+                if inbox is None or inbox.empty():
+                    break
+                await self._dispatch_message(inbox.get_nowait())
+
+    async def _dispatch_message(self, message: aiomqtt.Message) -> None:
+        await self._dispatch(message.topic.value, message.payload)
+
+
+class MqttLink(_Receiving, _Outbox):
+    """One MQTT connection kept up with jittered exponential backoff.
+
+    Given several ``brokers`` (addresses of one clustered broker) it connects to them in turn:
+    when a connection drops it connects to the next one at once; when connecting fails it
+    tries the next, and waits (the backoff) only after each of them failed in a row.
+    Subscribe handlers before ``run``; they are re-subscribed on every reconnect. ``follow``
+    subscribes to one exact topic at any time (also kept across reconnects): some brokers
+    (RabbitMQ) serve a retained message only to a subscriber of its exact topic, never through
+    a wildcard. A message is handed to each matching handler once, though several of its
+    subscriptions match; a broker may still deliver it once per matching subscription
+    (mosquitto does), so handlers of followed topics must take a repeat calmly. A handler's
+    exception is never fatal: it is counted per subscription filter and logged once per
+    distinct error (handler, exception type and message), with its traceback the first time
+    that handler fails.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        client_id: str,
+        *,
+        will: Outgoing | None = None,
+        on_connect: Callable[[], list[Outgoing]] | None = None,
+        outbox_size: int = 1000,
+        reliable_size: int = 10_000,
+        spool_dir: Path | None = None,
+        gated: bool = False,
+        persistent_session: bool = False,
+        username: str | None = None,
+        password: str | None = None,
+        tls: aiomqtt.TLSParameters | None = None,
+        keepalive_s: int = 30,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        brokers: Sequence[Broker] = (),
+    ) -> None:
+        self.brokers = tuple(brokers) or (Broker(host, port, tls),)
+        self._broker_index = 0
+        self.client_id = client_id
+        self.will = will
+        self.on_connect = on_connect
+        self.persistent_session = persistent_session
+        self.username, self.password = username, password
+        self.keepalive_s = keepalive_s
+        self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
+        self._init_outbox(outbox_size, reliable_size, spool_dir, gated)
+        self._init_routing()
+        self._init_receiving()
+        self._subscribed: set[str] = set()
+        """The followed topics subscribed to in this session."""
+        self.connected = asyncio.Event()
+        self.connects = 0
+        self._client: aiomqtt.Client | None = None
+        self._was_up = False
 
     @property
     def broker(self) -> Broker:
@@ -702,202 +923,6 @@ class MqttLink:
         while True:
             await self._follow_wake.wait()
             await self._follow_now(client)
-
-    async def _send_loop(self, client: aiomqtt.Client) -> None:
-        loop = asyncio.get_running_loop()
-        awaited: Future[None] | None = None
-
-        def wake(_: Future[None]) -> None:  # on the writer thread
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._wake.set)
-
-        while True:
-            spooled = self.spool.first() if self._gate_open else None
-            if spooled is not None and spooled.stored is not None and not spooled.stored.done():
-                # its file is still being written: telemetry may go meanwhile, it wakes us
-                if awaited is not spooled.stored:
-                    awaited = spooled.stored
-                    awaited.add_done_callback(wake)
-                spooled = None
-            if spooled is None and not self._telemetry:
-                if not self.spool:
-                    self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if spooled is not None:
-                await _await_mqtt(
-                    client.publish(
-                        spooled.topic, spooled.payload, spooled.qos, spooled.retain, timeout=10
-                    )
-                )
-                self.spool.sent(spooled)  # only now: a broken connection keeps it queued
-                continue
-            message = self._telemetry.popleft()
-            await _await_mqtt(
-                client.publish(
-                    message.topic, message.payload, message.qos, message.retain, timeout=10
-                )
-            )
-
-    def _take_over_receiving(self, client: aiomqtt.Client) -> None:
-        """Receive through this link instead of aiomqtt's message machinery.
-
-        aiomqtt reads one packet per turn of the event loop, with about four ``recv`` calls,
-        and makes a ``Message`` (with a validated ``Topic``) and a queue entry of every
-        incoming message; a coordinator ingesting thousands of telemetry messages a second
-        spends most of its time there. Instead, this link's reader takes up to
-        ``READ_CHUNKS`` socket reads per turn (``_BufferedSocket``) and lets paho parse all
-        of it; paho's ``on_message`` puts (topic, payload) in the inbox, which the receive
-        loop hands to the handlers. While the inbox holds ``INBOX_HIGH`` messages the socket
-        is not read (the broker's queue, not this process's memory, takes the excess). Called
-        right after connecting, before subscribing: what came in before is in aiomqtt's queue
-        and is handled first. Without the private attributes this relies on (aiomqtt is pinned
-        below 3) aiomqtt's own iterator is used.
-        """
-        self._inbox.clear()
-        self._legacy_receive = True
-        self._resume_reading = None
-        paho: Any = getattr(client, "_client", None)
-        queue = getattr(client, "_queue", None)
-        disconnected = getattr(client, "_disconnected", None)
-        sock = getattr(paho, "_sock", None)
-        if (
-            sock is None
-            or not isinstance(queue, asyncio.Queue)
-            or not isinstance(disconnected, asyncio.Future)
-        ):
-            return
-        buffered = _BufferedSocket(sock)
-        fd = sock.fileno()
-        loop = asyncio.get_running_loop()
-        inbox = self._inbox
-
-        def wake() -> None:
-            waiter = self._waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-
-        def on_message(_client: Any, _userdata: Any, message: Any) -> None:
-            try:
-                topic = message.topic
-            except UnicodeDecodeError:
-                log.warning("dropped a message whose topic is not UTF-8: %r", message._topic)
-                return
-            inbox.append((topic, message.payload))
-            wake()
-
-        def on_readable() -> None:
-            if len(inbox) >= INBOX_HIGH:
-                loop.remove_reader(fd)
-                self._resume_reading = resume
-                return
-            try:
-                for _ in range(READ_CHUNKS):
-                    if paho._sock is not buffered or not buffered.fill():
-                        break
-                    while paho._sock is buffered and buffered.unread:
-                        paho.loop_read()
-                if paho._sock is buffered and buffered.pending():
-                    loop.call_soon(on_readable)  # decrypted already: no wake-up will say so
-            except Exception as exc:  # as aiomqtt's reader: a broken connection
-                if not disconnected.done():
-                    disconnected.set_exception(exc)
-
-        def resume() -> None:
-            self._resume_reading = None
-            if paho._sock is buffered:
-                loop.add_reader(fd, on_readable)
-
-        paho._sock = buffered
-        paho.on_message = on_message
-        loop.add_reader(fd, on_readable)  # in place of aiomqtt's; removed when it closes
-        disconnected.add_done_callback(lambda _: wake())
-        self._legacy_receive = False
-
-    async def _receive_loop(self, client: aiomqtt.Client) -> None:
-        if self._legacy_receive:
-            await self._receive_messages(client)
-            return
-        queue: asyncio.Queue[aiomqtt.Message] = client._queue
-        while not queue.empty():  # what came before this link took over
-            await self._dispatch_message(queue.get_nowait())
-        disconnected: asyncio.Future[Any] = client._disconnected
-        inbox = self._inbox
-        loop = asyncio.get_running_loop()
-        while True:
-            if not inbox:
-                if disconnected.done():
-                    raise aiomqtt.MqttError(
-                        "Disconnected during message iteration"
-                    ) from disconnected.exception()
-                self._waiter = loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-                continue
-            for _ in range(RECEIVE_BATCH):
-                if not inbox:
-                    break
-                topic, payload = inbox.popleft()
-                await self._dispatch(topic, payload)
-            if self._resume_reading is not None and len(inbox) < INBOX_HIGH:
-                self._resume_reading()
-            await asyncio.sleep(0)  # the event loop gets a turn between batches
-
-    async def _receive_messages(self, client: aiomqtt.Client) -> None:
-        # aiomqtt's iterator makes a task and an asyncio.wait per message; what its queue
-        # already holds is taken without them, a bounded batch at a time.
-        queue = getattr(client, "_queue", None)
-        inbox = queue if isinstance(queue, asyncio.Queue) else None
-        async for message in client.messages:
-            await self._dispatch_message(message)
-            for _ in range(RECEIVE_BATCH):
-                if inbox is None or inbox.empty():
-                    break
-                await self._dispatch_message(inbox.get_nowait())
-
-    async def _dispatch_message(self, message: aiomqtt.Message) -> None:
-        await self._dispatch(message.topic.value, message.payload)
-
-    async def _dispatch(self, topic: str, payload: Any) -> None:
-        if type(payload) is not bytes:
-            payload = (
-                bytes(payload) if isinstance(payload, bytearray) else str(payload or "").encode()
-            )
-        for topic_filter, handler in self._routes_for(topic):
-            try:
-                await handler(topic, payload)
-            except Exception as e:
-                self._handler_failed(topic_filter, topic, e)
-
-    def _handler_failed(self, topic_filter: str, topic: str, error: Exception) -> None:
-        """Count the error; log it if it is new (a traceback for the handler's first)."""
-        self.handler_errors_by_filter[topic_filter] += 1
-        key = (topic_filter, type(error).__qualname__, str(error))
-        if key in self._errors_logged or len(self._errors_logged) > HANDLER_ERRORS_LOGGED:
-            return
-        if len(self._errors_logged) == HANDLER_ERRORS_LOGGED:
-            self._errors_logged.add(key)
-            log.error(
-                "%d distinct handler errors logged; further ones are only counted "
-                "(hyperagent_mqtt_handler_errors_total)",
-                HANDLER_ERRORS_LOGGED,
-            )
-            return
-        first = all(logged[0] != topic_filter for logged in self._errors_logged)
-        self._errors_logged.add(key)
-        log.error(
-            "handler for %s failed on %s: %s: %s (each distinct error is logged once; "
-            'hyperagent_mqtt_handler_errors_total{handler="%s"} counts them all)',
-            topic_filter,
-            topic,
-            type(error).__name__,
-            error,
-            topic_filter,
-            exc_info=error if first else None,
-        )
 
     async def disconnect(self, final: Sequence[Outgoing] = ()) -> None:
         """Publish ``final`` (e.g. an offline status) if connected; the caller then cancels run."""
