@@ -217,6 +217,8 @@ class Agent:
         self._telemetry_at = -math.inf
         self._gpu_pids: dict[str, list[int]] = {}
         self._gpu_pids_at = -math.inf
+        self._ranks_at_read: frozenset[int] = frozenset()
+        """The ranks' pids when NVML's processes were last read: a new rank reads them again."""
         self._job_gpus: dict[str, set[int]] = {}
         """job -> the GPU indices its ranks run on (their processes, or what they declared)."""
         self.attribution = _attribution(config, hardware)
@@ -537,6 +539,7 @@ class Agent:
         owner_uids = [uid for uid in channel.owners.values() if uid is not None]
         now = time.monotonic()
         due = now - self._gpu_pids_at >= self.config.attribution.interval_s
+        due = due or not self._ranks_at_read.issuperset(channel.pids)  # a rank attached
         if due or attribution.unnamed(owner_uids):
             if due and self.hardware.nvml is not None:
                 found = await self._device_call(
@@ -544,6 +547,7 @@ class Agent:
                 )
                 if found is not None:  # NVML timed out: the last processes stand
                     self._gpu_pids = found
+                self._ranks_at_read = frozenset(channel.pids)
             self._gpu_pids_at = now if due else self._gpu_pids_at
             await attribution.poll(self._gpu_pids, owner_uids)
         out, held = attribution.collect(readings, channel)

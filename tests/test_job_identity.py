@@ -429,3 +429,35 @@ async def test_a_cap_comes_off_a_gpu_once_slurm_gives_it_to_a_job(
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_gpu_two_jobs_declare_is_neither_jobs_by_declaration(
+    shared_dir: Path, nvidia_smi_dir: Path
+) -> None:
+    """alice's rank declares GPU 3, then mallory's rank declares it too, and NVML shows no
+    process there yet: mallory's job does not get the GPU (nor its caps) for saying so last."""
+    source = JobSource(shared_dir / "job.sock", open_policy())
+    nvml = FakeNvml.from_capture(nvidia_smi_dir / "gtx-8card.xml")
+    agent = Agent(slurm_node_config(shared_dir), Hardware(nvml=nvml), sources=[source])
+    running = asyncio.create_task(agent.run())
+    try:
+        async with asyncio.timeout(10):
+            await agent.ready.wait()
+        sock = shared_dir / "job.sock"
+        alice = await Ranks.start(ALICE, sock, "train", hold_s=20, gpu=3, stay=True)
+        alice.go()
+        train = qualified("train", system_user(ALICE))
+        await _until(lambda: agent.job_gpus(train) == ({3}, True))
+        mallory = await Ranks.start(MALLORY, sock, "squat", hold_s=20, gpu=3, stay=True)
+        mallory.go()
+        squat = qualified("squat", system_user(MALLORY))
+        await _until(lambda: squat in source.jobs and source.jobs[squat].steps)
+        await asyncio.sleep(1.0)  # collections with both declarations in
+        assert agent.job_gpus(squat) == (set(), False)
+        assert agent.job_gpus(train) == (set(), False)
+        for ranks in (alice, mallory):
+            ranks.process.kill()
+            await ranks.process.wait()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)

@@ -975,8 +975,17 @@ class JobSource:
         return {p.pid: p.job for p in self.peers.values() if p.job is not None}
 
     def declared_gpus(self) -> dict[int, str]:
-        """GPU index -> job id, as ranks declared them in their hello."""
-        return {g: p.job for p in self.peers.values() if p.job for g in p.gpus}
+        """GPU index -> job id, as ranks declared them in their hello; a GPU that ranks of
+        two jobs declare is neither's by declaration (NVML's processes decide)."""
+        declared: dict[int, str] = {}
+        contested: set[int] = set()
+        for peer in self.peers.values():
+            if peer.job is None:
+                continue
+            for gpu in peer.gpus:
+                if declared.setdefault(gpu, peer.job) != peer.job:
+                    contested.add(gpu)
+        return {gpu: job for gpu, job in declared.items() if gpu not in contested}
 
     # -- readings ------------------------------------------------------------------------
 
