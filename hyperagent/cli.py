@@ -723,6 +723,7 @@ def cmd_nccl_plugin(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per daemon or tool."""
     parser = argparse.ArgumentParser(
         prog="hyperagent", description="GPU-cluster monitoring agent and closed-loop tuner."
     )
@@ -731,7 +732,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_agent, _add_record, _add_coordinator, _add_demo, _add_report, _add_tools):
+        add(sub)
+    return parser
 
+
+def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``agent``: the node agent."""
     agent = sub.add_parser("agent", help="run the node agent")
     agent.add_argument("--config", type=Path, help="TOML configuration file")
     agent.add_argument(
@@ -758,6 +765,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--interval", type=_interval, help="seconds between collections")
     agent.set_defaults(func=cmd_agent)
 
+
+def _add_record(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``record``: every source into a capture directory."""
     record = sub.add_parser("record", help="record every source into a capture directory")
     record.add_argument("--out", type=Path, required=True, metavar="DIR")
     record.add_argument("--duration", type=float, required=True, metavar="SECONDS")
@@ -770,6 +780,9 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("--interval", type=_interval, help="seconds between collections")
     record.set_defaults(func=cmd_record)
 
+
+def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``coordinator``: the cluster coordinator."""
     coordinator = sub.add_parser("coordinator", help="run the cluster coordinator")
     coordinator.add_argument("--config", type=Path, required=True)
     coordinator.add_argument("--broker", metavar="URL")
@@ -781,6 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coordinator.set_defaults(func=cmd_coordinator)
 
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``demo``: the whole loop on this machine."""
     demo = sub.add_parser("demo", help="the whole loop on this machine, on simulated nodes")
     demo.add_argument("--nodes", type=int, default=4)
     demo.add_argument(
@@ -822,6 +838,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``report``: a tuning drawn from its journal, or a job summarised from Prometheus."""
     report = sub.add_parser(
         "report",
         help="draw a tuning from its journal (PNG or HTML), or summarise a job from Prometheus",
@@ -846,6 +865,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--end", metavar="TIME", help="with --job: Unix seconds or RFC 3339 (now)")
     report.set_defaults(func=cmd_report)
 
+
+def _add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``metrics``, ``check-config``, ``keys`` and ``nccl-plugin``."""
     metrics = sub.add_parser("metrics", help="list every metric hyperagent exposes")
     metrics.set_defaults(func=cmd_metrics)
 
@@ -873,7 +895,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the NCCL tuner plugin's path (for NCCL_TUNER_PLUGIN), building it if needed",
     )
     plugin.set_defaults(func=cmd_nccl_plugin)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
