@@ -459,6 +459,115 @@ def _span(
     return found, first, last, statistics.median(diffs) if diffs else DEFAULT_INTERVAL_S
 
 
+def _held(
+    api: PrometheusApi, job_id: str, selector: str, start: float, end: float
+) -> tuple[list[Series], float, float, float]:
+    """:func:`_span` of the job's ``hyperagent_job_gpus``; JobReportError where it held none."""
+    held, first, last, interval = _span(api, f"hyperagent_job_gpus{selector}", start, end)
+    if held:
+        return held, first, last, interval
+    if api.series_exist(f"hyperagent_job_gpus{selector}"):
+        raise JobReportError(
+            f"job {job_id!r} held no GPUs between {_when(start)} and {_when(end)} "
+            f"(Prometheus at {api.url} has its series at other times: widen --since or "
+            "--start/--end)"
+        )
+    raise JobReportError(
+        f"unknown job {job_id!r}: Prometheus at {api.url} has no hyperagent_job_gpus"
+        f"{selector} (the agent exports it for every job holding GPUs)"
+    )
+
+
+@dataclass(frozen=True)
+class _Queries:
+    """The range queries of a job's span, on one grid of points."""
+
+    api: PrometheusApi
+    selector: str
+    first: float
+    start: float
+    end: float
+    step: float
+    instances: str
+
+    @classmethod
+    def over(
+        cls,
+        api: PrometheusApi,
+        selector: str,
+        nodes: Sequence[str],
+        first: float,
+        last: float,
+        interval: float,
+    ) -> _Queries:
+        """At most :data:`MAX_POINTS` points from ``first`` to ``last``, each half a step after
+        a sample: its window (one step) holds that sample alone, whatever the scrapes' jitter;
+        the first holds the job's first sample."""
+        step = max(interval, (last - first) / MAX_POINTS)
+        step = math.ceil(step * 1000) / 1000
+        count = math.floor((last - first) / step + 0.5)
+        end = last + step / 2
+        instances = "|".join(re.escape(n) for n in nodes)
+        return cls(api, selector, first, end - count * step, end, step, instances)
+
+    @property
+    def window(self) -> str:
+        return f"{max(1, round(self.step * 1000))}ms"
+
+    def points(self, expr: str) -> list[Series]:
+        # the first point's window may reach back before the job's first sample: left out
+        return [
+            _since(s, self.first)
+            for s in self.api.query_range(expr, self.start, self.end, self.step)
+        ]
+
+    def per_job(self, metric: str) -> list[Series]:
+        """A per-job series, as the agent exports it."""
+        return self.points(f"last_over_time({metric}{self.selector}[{self.window}])")
+
+    def per_gpu(self, metric: str) -> list[Series]:
+        """A per-GPU series of the GPUs the job held."""
+        on_gpu = "on (cluster, instance, gpu, uuid) group_right ()"
+        window = self.window
+        return self.points(
+            f"last_over_time({metric}{{instance=~{json.dumps(self.instances)}}}[{window}])"
+            f" * {on_gpu} last_over_time(hyperagent_gpu_job_info{self.selector}[{window}])"
+        )
+
+
+def _increase(series: Sequence[Series], from_zero: bool) -> float | None:
+    """How much the counters of ``series`` grew together; None without a series."""
+    return sum(counter_increase(s.values, from_zero) for s in series) if series else None
+
+
+def _per_gpu(
+    queries: _Queries,
+) -> tuple[dict[tuple[str, str, str], Series], dict[tuple[str, str, str], Series], list[GpuStats]]:
+    """Utilisation and memory of each GPU the job held, by GPU, and their figures."""
+    util_gpu = {_gpu_key(s.labels): s for s in queries.per_gpu("hyperagent_gpu_utilization_ratio")}
+    mem_gpu = {_gpu_key(s.labels): s for s in queries.per_gpu("hyperagent_gpu_memory_used_bytes")}
+    stats = [
+        _gpu_stats(key, util_gpu.get(key), mem_gpu.get(key))
+        for key in sorted(set(util_gpu) | set(mem_gpu), key=_gpu_sort)
+    ]
+    return util_gpu, mem_gpu, stats
+
+
+def _energy(
+    energy_s: Sequence[Series], grid: Sequence[float], from_zero: bool
+) -> tuple[float | None, list[float | None]]:
+    """The job's energy in its span, and used so far at each grid point (None without a
+    series)."""
+    total = _increase(energy_s, from_zero)
+    index = {t: i for i, t in enumerate(grid)}
+    so_far = [0.0] * len(grid)
+    for s in energy_s:
+        for t, used in zip(s.times, counter_so_far(s.values, from_zero), strict=True):
+            if t in index:
+                so_far[index[t]] += used
+    return total, [e if energy_s else None for e in so_far]
+
+
 def job_report(
     api: PrometheusApi,
     job_id: str,
@@ -473,81 +582,30 @@ def job_report(
     if start >= end:
         raise JobReportError(f"empty range: start {_when(start)} is not before end {_when(end)}")
     selector = _selector(job_id, cluster)
-    held, first, last, interval = _span(api, f"hyperagent_job_gpus{selector}", start, end)
-    if not held:
-        if api.series_exist(f"hyperagent_job_gpus{selector}"):
-            raise JobReportError(
-                f"job {job_id!r} held no GPUs between {_when(start)} and {_when(end)} "
-                f"(Prometheus at {api.url} has its series at other times: widen --since or "
-                "--start/--end)"
-            )
-        raise JobReportError(
-            f"unknown job {job_id!r}: Prometheus at {api.url} has no hyperagent_job_gpus"
-            f"{selector} (the agent exports it for every job holding GPUs)"
-        )
-    step = max(interval, (last - first) / MAX_POINTS)
-    step = math.ceil(step * 1000) / 1000
-    # each point half a step after a sample: its window (one step) holds that sample alone,
-    # whatever the scrapes' jitter; the first holds the job's first sample
-    count = math.floor((last - first) / step + 0.5)
-    q_end = last + step / 2
-    q_start = q_end - count * step
-    window = f"{max(1, round(step * 1000))}ms"
+    held, first, last, interval = _held(api, job_id, selector, start, end)
     nodes = sorted({_node(s) for s in held})
     began_inside = first >= start + 2 * interval
+    queries = _Queries.over(api, selector, nodes, first, last, interval)
 
-    def points(expr: str) -> list[Series]:
-        # the first point's window may reach back before the job's first sample: left out
-        return [_since(s, first) for s in api.query_range(expr, q_start, q_end, step)]
-
-    def per_job(metric: str) -> list[Series]:
-        return points(f"last_over_time({metric}{selector}[{window}])")
-
-    on_gpu = "on (cluster, instance, gpu, uuid) group_right ()"
-    instances = "|".join(re.escape(n) for n in nodes)
-
-    def per_gpu(metric: str) -> list[Series]:
-        expr = (
-            f"last_over_time({metric}{{instance=~{json.dumps(instances)}}}[{window}])"
-            f" * {on_gpu} last_over_time(hyperagent_gpu_job_info{selector}[{window}])"
-        )
-        return points(expr)
-
-    gpus_s = per_job("hyperagent_job_gpus")
+    gpus_s = queries.per_job("hyperagent_job_gpus")
     grid = sorted({t for s in gpus_s for t in s.times})
     gpus_rows = _on_grid(gpus_s, grid)
     gpus_total = _sum_points(gpus_rows, len(grid))
 
-    util_s = per_job("hyperagent_job_gpu_utilization_ratio")
+    def summed(metric: str) -> list[float | None]:
+        return _sum_points(_on_grid(queries.per_job(metric), grid), len(grid))
+
+    util_s = queries.per_job("hyperagent_job_gpu_utilization_ratio")
     weighted = _weighted_utilization(gpus_s, gpus_rows, util_s, grid)
     job_util = [u for u in weighted if u is not None]
-
-    memory = _sum_points(_on_grid(per_job("hyperagent_job_gpu_memory_used_bytes"), grid), len(grid))
-    power = _sum_points(_on_grid(per_job("hyperagent_job_gpu_power_watts"), grid), len(grid))
-    node_power = _sum_points(_on_grid(per_job("hyperagent_job_node_power_watts"), grid), len(grid))
-
-    energy_s = per_job("hyperagent_job_gpu_energy_joules_total")
-    energy_total = (
-        sum(counter_increase(s.values, began_inside) for s in energy_s) if energy_s else None
+    memory = summed("hyperagent_job_gpu_memory_used_bytes")
+    power = summed("hyperagent_job_gpu_power_watts")
+    node_power = summed("hyperagent_job_node_power_watts")
+    energy_total, energy_so_far = _energy(
+        queries.per_job("hyperagent_job_gpu_energy_joules_total"), grid, began_inside
     )
-    index = {t: i for i, t in enumerate(grid)}
-    so_far = [0.0] * len(grid)
-    for s in energy_s:
-        for t, used in zip(s.times, counter_so_far(s.values, began_inside), strict=True):
-            if t in index:
-                so_far[index[t]] += used
-    energy_so_far = [e if energy_s else None for e in so_far]
-    samples_s = per_job("hyperagent_job_samples_total")
-    samples = (
-        sum(counter_increase(s.values, began_inside) for s in samples_s) if samples_s else None
-    )
-
-    util_gpu = {_gpu_key(s.labels): s for s in per_gpu("hyperagent_gpu_utilization_ratio")}
-    mem_gpu = {_gpu_key(s.labels): s for s in per_gpu("hyperagent_gpu_memory_used_bytes")}
-    gpu_stats = [
-        _gpu_stats(key, util_gpu.get(key), mem_gpu.get(key))
-        for key in sorted(set(util_gpu) | set(mem_gpu), key=_gpu_sort)
-    ]
+    samples = _increase(queries.per_job("hyperagent_job_samples_total"), began_inside)
+    util_gpu, mem_gpu, gpu_stats = _per_gpu(queries)
     seconds = last - first
     labels = held[0].labels
     present_memory = [m for m in memory if m is not None]
@@ -561,9 +619,9 @@ def job_report(
         nodes=tuple(nodes),
         start=first,
         end=last,
-        step_s=step,
+        step_s=queries.step,
         gpus=round(max((g for g in gpus_total if g is not None), default=0)),
-        gpu_hours=_trapezoid(grid, gpus_total, max(2.5 * step, 300.0)) / 3600,
+        gpu_hours=_trapezoid(grid, gpus_total, max(2.5 * queries.step, 300.0)) / 3600,
         mean_utilization=statistics.fmean(job_util) if job_util else None,
         p10_utilization=_p10(job_util),
         low_seconds=(
