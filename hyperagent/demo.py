@@ -347,47 +347,12 @@ async def simulated_cluster(
         raw["coordinator"]["jobs"][0].update(job_overrides or {})
         if coordinator_dir is not None:
             raw["coordinator"]["state_dir"] = str(coordinator_dir)
-        model = JobModel(
-            params_b=params_b,
-            nodes=nodes,
-            gpus_per_node=gpus_per_node,
-            power_limits_w=(low, high),
+        model = JobModel(params_b, nodes, gpus_per_node, power_limits_w=(low, high))
+        spread = None if not spread_brokers or isinstance(broker_url, str) else broker_url
+        maker = _NodeMaker(
+            raw, nodes, gpus_per_node, spread, capture_dir, workdir, kept, trusted, job_knobs
         )
-        sim_nodes = []
-        for i in range(nodes):
-            name = f"node-{i}"
-            clock = VirtualClock()
-            node_hw = demo_hardware(capture_dir, clock)
-            node_raw = {**raw, "sources": {**raw["sources"], **node_hw.sources}}
-            if spread_brokers and not isinstance(broker_url, str):
-                turn = i % len(broker_url)
-                node_raw["mqtt"] = {**raw["mqtt"], "url": broker_url[turn:] + broker_url[:turn]}
-            config = build_config(
-                node_raw,
-                {
-                    "node": name,
-                    "sources.job.socket": str(workdir / f"{name}.sock"),
-                    "agent.state_dir": str(kept / name),
-                },
-            )
-            agent = Agent.from_config(config, node_hw.hardware, trusted)
-            # the simulated job runs on every GPU of its node: NVML shows its process there,
-            # and its rank (one per node, driving them all) says so for the other vendors
-            if node_hw.nvml is not None:
-                node_hw.nvml.run_on_every_device(os.getpid())
-            reporter = JobReporter(
-                JOB,
-                rank=i,
-                socket_path=config.sources.job.socket,
-                knobs=job_knobs,
-                world_size=nodes,
-                local_world_size=1,
-                tune=True,
-                gpus=range(gpus_per_node),
-            )
-            sim_nodes.append(
-                SimulatedNode(name, node_hw.nvml, clock, agent, reporter, gpus=node_hw.gpus)
-            )
+        sim_nodes = [maker.node(i) for i in range(nodes)]
         coordinator_config: Config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)
         coordinator = Coordinator(
@@ -400,14 +365,7 @@ async def simulated_cluster(
         rng = random.Random(seed)
         try:
             async with asyncio.TaskGroup() as tasks:
-                for n in sim_nodes:
-                    n.tasks.append(tasks.create_task(n.agent.run(), name=f"agent-{n.name}"))
-                for n in sim_nodes:
-                    await n.agent.ready.wait()
-                    await n.agent.link.connected.wait()  # type: ignore[union-attr]
-                for n in sim_nodes:
-                    rank = run_rank(n, model, speedup, random.Random(rng.random()))
-                    n.tasks.append(tasks.create_task(rank, name=f"rank-{n.name}"))
+                await _start(tasks, sim_nodes, model, speedup, rng)
                 try:
                     yield coordinator, sim_nodes, model
                 finally:
@@ -417,6 +375,74 @@ async def simulated_cluster(
             for n in sim_nodes:
                 n.reporter.close()
             await asyncio.to_thread(durable.wait)  # nothing is written into a removed folder
+
+
+@dataclass(frozen=True)
+class _NodeMaker:
+    """What every simulated node of a cluster is made from."""
+
+    raw: Mapping[str, Any]
+    nodes: int
+    gpus_per_node: int
+    spread: list[str] | None
+    """Brokers node ``i`` tries from the ``i``-th on; None: the configured ones in order."""
+    capture_dir: Path | None
+    workdir: Path
+    state_dir: Path
+    trusted: TrustedKeys
+    job_knobs: tuple[str, ...] | None
+
+    def node(self, index: int) -> SimulatedNode:
+        """Node ``index``: its GPUs, agent and rank's reporter."""
+        raw, name = self.raw, f"node-{index}"
+        clock = VirtualClock()
+        node_hw = demo_hardware(self.capture_dir, clock)
+        node_raw = {**raw, "sources": {**raw["sources"], **node_hw.sources}}
+        if self.spread is not None:
+            turn = index % len(self.spread)
+            node_raw["mqtt"] = {**raw["mqtt"], "url": self.spread[turn:] + self.spread[:turn]}
+        config = build_config(
+            node_raw,
+            {
+                "node": name,
+                "sources.job.socket": str(self.workdir / f"{name}.sock"),
+                "agent.state_dir": str(self.state_dir / name),
+            },
+        )
+        agent = Agent.from_config(config, node_hw.hardware, self.trusted)
+        # the simulated job runs on every GPU of its node: NVML shows its process there,
+        # and its rank (one per node, driving them all) says so for the other vendors
+        if node_hw.nvml is not None:
+            node_hw.nvml.run_on_every_device(os.getpid())
+        reporter = JobReporter(
+            JOB,
+            rank=index,
+            socket_path=config.sources.job.socket,
+            knobs=self.job_knobs,
+            world_size=self.nodes,
+            local_world_size=1,
+            tune=True,
+            gpus=range(self.gpus_per_node),
+        )
+        return SimulatedNode(name, node_hw.nvml, clock, agent, reporter, gpus=node_hw.gpus)
+
+
+async def _start(
+    tasks: asyncio.TaskGroup,
+    sim_nodes: list[SimulatedNode],
+    model: JobModel,
+    speedup: float,
+    rng: random.Random,
+) -> None:
+    """Start the nodes' agents, and once every agent is connected, their ranks."""
+    for n in sim_nodes:
+        n.tasks.append(tasks.create_task(n.agent.run(), name=f"agent-{n.name}"))
+    for n in sim_nodes:
+        await n.agent.ready.wait()
+        await n.agent.link.connected.wait()  # type: ignore[union-attr]
+    for n in sim_nodes:
+        rank = run_rank(n, model, speedup, random.Random(rng.random()))
+        n.tasks.append(tasks.create_task(rank, name=f"rank-{n.name}"))
 
 
 async def run_demo(
