@@ -975,17 +975,21 @@ class JobSource:
         return {p.pid: p.job for p in self.peers.values() if p.job is not None}
 
     def declared_gpus(self) -> dict[int, str]:
-        """GPU index -> job id, as ranks declared them in their hello; a GPU that ranks of
-        two jobs declare is neither's by declaration (NVML's processes decide)."""
-        declared: dict[int, str] = {}
-        contested: set[int] = set()
+        """GPU index -> job id, as ranks declared them in their hello. A GPU that ranks of
+        several jobs declare goes to the one Slurm job among them (its rank's cgroup names
+        it, and Slurm constrains its devices), else to none of them (NVML's processes
+        decide)."""
+        declaring: dict[int, set[str]] = {}
         for peer in self.peers.values():
-            if peer.job is None:
-                continue
-            for gpu in peer.gpus:
-                if declared.setdefault(gpu, peer.job) != peer.job:
-                    contested.add(gpu)
-        return {gpu: job for gpu, job in declared.items() if gpu not in contested}
+            if peer.job is not None:
+                for gpu in peer.gpus:
+                    declaring.setdefault(gpu, set()).add(peer.job)
+        declared: dict[int, str] = {}
+        for gpu, jobs in declaring.items():
+            slurm = [j for j in jobs if j in self.jobs and self.jobs[j].slurm_job]
+            if len(jobs) == 1 or len(slurm) == 1:
+                declared[gpu] = next(iter(jobs)) if len(jobs) == 1 else slurm[0]
+        return declared
 
     # -- readings ------------------------------------------------------------------------
 
