@@ -46,6 +46,8 @@ from hyperagent.signing import SigningKey
 if TYPE_CHECKING:
     from torch import nn
 
+    from hyperagent.agent import Agent
+    from hyperagent.coordinator import Coordinator
     from hyperagent.exporter import MetricsServer
     from hyperagent.tuner.jobstate import TrialRecord
     from hyperagent.tuner.tuning import JobTuning
@@ -408,7 +410,6 @@ async def run_torch_demo(
         agent = Agent.from_config(
             agent_config, Hardware(nvml=None), key.trusted(), sources=[job_source]
         )
-        assert agent.link is not None
         coordinator_config = build_config(raw, {"node": "coordinator"})
         link = coordinator_link(coordinator_config)
         coordinator = Coordinator(
@@ -418,28 +419,8 @@ async def run_torch_demo(
             on_trial=on_trial,
             collector=metrics.collector if metrics is not None else None,
         )
-        ranks: list[RankProcess] = []
-        failure: Exception | None = None
-        startup_s = math.nan
-        async with asyncio.TaskGroup() as tasks:
-            background = [tasks.create_task(agent.run(), name="agent")]
-            try:
-                await agent.ready.wait()
-                await agent.link.connected.wait()
-                ranks = await launch_ranks(
-                    workdir, JOB, [agent_config.sources.job.socket] * WORLD_SIZE, seed=seed
-                )
-                await wait_until_stepping(ranks, watch.stepping, STARTUP_TIMEOUT_S)
-                startup_s = time.monotonic() - began
-                await _while_ranks_run(ranks, coordinator.run(until_tuned=True))
-            except Exception as e:
-                failure = e
-            finally:
-                await stop_ranks(ranks)
-                for task in background:
-                    task.cancel()
-        if failure is not None:
-            raise failure
+        socket = agent_config.sources.job.socket
+        ranks, startup_s = await _tune(agent, coordinator, watch, workdir, socket, seed, began)
         rank_steps = {r.rank: await asyncio.to_thread(r.steps) for r in ranks}
         await asyncio.to_thread(durable.wait)  # the journal on disk; nothing into a removed folder
     return TorchDemoResult(
@@ -451,6 +432,42 @@ async def run_torch_demo(
         startup_s=startup_s,
         journal=coordinator.journals.path(JOB),
     )
+
+
+async def _tune(
+    agent: Agent,
+    coordinator: Coordinator,
+    watch: _RankWatch,
+    workdir: Path,
+    socket: Path,
+    seed: int,
+    began: float,
+) -> tuple[list[RankProcess], float]:
+    """Run the agent, start the ranks once it is connected and tune until the coordinator is
+    done; the ranks (stopped) and the seconds from ``began`` until they stepped. A failure is
+    raised once every rank is stopped."""
+    assert agent.link is not None
+    ranks: list[RankProcess] = []
+    failure: Exception | None = None
+    startup_s = math.nan
+    async with asyncio.TaskGroup() as tasks:
+        background = [tasks.create_task(agent.run(), name="agent")]
+        try:
+            await agent.ready.wait()
+            await agent.link.connected.wait()
+            ranks = await launch_ranks(workdir, JOB, [socket] * WORLD_SIZE, seed=seed)
+            await wait_until_stepping(ranks, watch.stepping, STARTUP_TIMEOUT_S)
+            startup_s = time.monotonic() - began
+            await _while_ranks_run(ranks, coordinator.run(until_tuned=True))
+        except Exception as e:
+            failure = e
+        finally:
+            await stop_ranks(ranks)
+            for task in background:
+                task.cancel()
+    if failure is not None:
+        raise failure
+    return ranks, startup_s
 
 
 async def _while_ranks_run(ranks: Sequence[RankProcess], work: Coroutine[Any, Any, None]) -> None:
