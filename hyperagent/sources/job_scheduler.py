@@ -9,7 +9,9 @@ Slurm node, the GPUs Slurm gave any running job here (``squeue`` for the node's 
 job's answer) are no such rank's, even before that job's processes start. That answer is asked
 only while such a job holds GPUs here, at most every ``NODE_ANSWER_S``; an answer older than
 ``NODE_ANSWER_MAX_AGE_S``, or one asked before a Slurm job new here attached, is no answer
-(Slurm may have given the GPUs away since), so such a rank holds nothing until the next.
+(Slurm may have given the GPUs away since), so such a rank holds nothing until the next. Where
+Slurm cannot list them (no controller configured or reachable), the GPUs such ranks declare
+are taken as said, and Slurm is asked again ``NODE_RETRY_S`` later.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ NODE_ANSWER_S = 5.0
 NODE_ANSWER_MAX_AGE_S = 2 * NODE_ANSWER_S
 """How long an answer on the node's Slurm jobs stands."""
 
+NODE_RETRY_S = 60.0
+"""How long after Slurm could not list the node's jobs it is asked again (the failed answer,
+GPUs taken as said, stands until then)."""
+
 JobListener = Callable[[str], None]
 
 
@@ -50,8 +56,8 @@ class ScheduledJobs:
         self._held: dict[int, str] | None = None
         self._held_at = -math.inf
         """When the ask behind ``_held`` (or the one in flight) began."""
-        self._answer_at = -math.inf
-        """When the ask that gave ``_held`` began."""
+        self._answer_until = -math.inf
+        """Until when ``_held`` stands."""
         self._holding: asyncio.Task[None] | None = None
         self._answers: dict[str, SlurmJobInfo] = {}
         self._asking: dict[str, asyncio.Task[None]] = {}
@@ -64,7 +70,7 @@ class ScheduledJobs:
             return
         if self._held is not None and slurm_job not in self._held.values():
             # a Slurm job new here: the node's jobs are asked again, the last answer stands no more
-            self._held_at = self._answer_at = -math.inf
+            self._held_at = self._answer_until = -math.inf
         if not slurm_job.isdigit():
             return  # a SLUID: scontrol takes it, the query's id check does not yet
         task = asyncio.get_running_loop().create_task(self._ask(job, slurm_job))
@@ -113,7 +119,7 @@ class ScheduledJobs:
         if not self.not_slurm and self._holding is None and now - self._held_at >= NODE_ANSWER_S:
             self._held_at = now
             self._holding = asyncio.get_running_loop().create_task(self._ask_node(now))
-        if now - self._answer_at >= NODE_ANSWER_MAX_AGE_S:
+        if now >= self._answer_until:
             return None
         return self._held
 
@@ -129,7 +135,7 @@ class ScheduledJobs:
                 if info is not None:
                     for gpu in info.gpus_on(self.node) or ():
                         held[gpu] = info.job_id
-            self._held, self._answer_at = held, asked_at
+            self._held, self._answer_until = held, asked_at + NODE_ANSWER_MAX_AGE_S
         except CommandUnavailable as e:
             self.not_slurm = True
             log.info("no Slurm on this node (%s): GPUs ranks declare are taken as said", e)
@@ -142,7 +148,9 @@ class ScheduledJobs:
                     self.node,
                     e,
                 )
-            self._held, self._answer_at = {}, asked_at
+            self._held = {}
+            self._held_at = asked_at + NODE_RETRY_S - NODE_ANSWER_S  # asked again in a minute
+            self._answer_until = asked_at + NODE_RETRY_S + NODE_ANSWER_MAX_AGE_S
         finally:
             self._holding = None
 
