@@ -103,13 +103,11 @@ def capture_sources(
     when the directory holds nothing to replay, or a file that does not parse as its name
     says (the file, the line and the format expected).
     """
-    enabled = config.sources
-    named = enabled.model_fields_set
     hardware = Hardware(nvml=None, replayed=True, capture_dir=directory)
     sources: list[Source] = []
     nvml = None
     smi = directory / "nvidia-smi.xml"
-    if enabled.nvml.enabled and smi.is_file():
+    if config.sources.nvml.enabled and smi.is_file():
         nvml = FakeNvml.from_capture(smi, clock=clock)
         replay_processes(nvml, directory / nvidia_smi.COMPUTE_APPS_FILE)
         sources.append(
@@ -123,6 +121,38 @@ def capture_sources(
     accelerators = _replayed_accelerators(directory, config, clock)
     if accelerators is not None:
         sources.append(accelerators)
+    sources += _node_sources(directory, config, hardware, clock, speed)
+    recorded, recorded_nvml = _recorded_sources(
+        directory, config, {s.name for s in sources}, clock, speed
+    )
+    sources += recorded
+    if recorded_nvml is not None:
+        nvml = recorded_nvml
+    if not sources:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "--replay",
+                    f"{directory} holds no capture to replay "
+                    f"(nvidia-smi.xml, {RECORDING_FILE}, ...)",
+                )
+            ]
+        )
+    library = getattr(accelerators, "library", None)
+    return sources, replace(hardware, nvml=nvml, accelerators=library)
+
+
+def _node_sources(
+    directory: Path,
+    config: Config,
+    hardware: Hardware,
+    clock: Callable[[], float],
+    speed: float,
+) -> list[Source]:
+    """The rdma, pdu, ipmi, host and job sources of :func:`capture_sources`."""
+    enabled = config.sources
+    named = enabled.model_fields_set
+    sources: list[Source] = []
     if enabled.rdma.enabled and (directory / "sys" / "class" / "infiniband").is_dir():
         sources.append(
             rdma.RdmaSource(
@@ -147,31 +177,34 @@ def capture_sources(
         sources.append(HostSource())
     if enabled.job.enabled and "job" in named:
         sources.append(job_source(config))
+    return sources
+
+
+def _recorded_sources(
+    directory: Path,
+    config: Config,
+    provided: set[str],
+    clock: Callable[[], float],
+    speed: float,
+) -> tuple[list[Source], FakeNvml | None]:
+    """The recording's sources that ``config`` enables and ``provided`` lacks, and the fake
+    NVML its GPU readings play through (where power caps are on)."""
     recording = directory / RECORDING_FILE
-    if recording.is_file():
-        player = Player(load_recording(recording), clock, speed)
-        provided = {s.name for s in sources}
-        for name in player.recording.source_names:
-            if name in provided or not _enabled(config, name):
-                continue
-            if name == "nvml" and config.actuation.power_cap:
-                nvml_replay = RecordedNvmlSource(player)
-                nvml = nvml_replay.fake
-                sources.append(nvml_replay)
-            else:
-                sources.append(RecordedSource(name, player))
-    if not sources:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "--replay",
-                    f"{directory} holds no capture to replay "
-                    f"(nvidia-smi.xml, {RECORDING_FILE}, ...)",
-                )
-            ]
-        )
-    library = getattr(accelerators, "library", None)
-    return sources, replace(hardware, nvml=nvml, accelerators=library)
+    if not recording.is_file():
+        return [], None
+    player = Player(load_recording(recording), clock, speed)
+    sources: list[Source] = []
+    nvml = None
+    for name in player.recording.source_names:
+        if name in provided or not _enabled(config, name):
+            continue
+        if name == "nvml" and config.actuation.power_cap:
+            nvml_replay = RecordedNvmlSource(player)
+            nvml = nvml_replay.fake
+            sources.append(nvml_replay)
+        else:
+            sources.append(RecordedSource(name, player))
+    return sources, nvml
 
 
 def replay_processes(nvml: FakeNvml, capture: Path) -> None:
