@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import hyperagent.sources.command as command
 from hyperagent.errors import SourceError, SourceTimeout, SourceUnavailable
 from hyperagent.readings import Reading
-from hyperagent.sources import command
 from hyperagent.sources.command import CommandFailed, RunCommand
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import hyperagent.sources.command as command
 from hyperagent.errors import SourceError, SourceUnavailable
 from hyperagent.readings import Reading
-from hyperagent.sources import command
 from hyperagent.sources.command import CommandFailed, RunCommand
 from hyperagent.sources.rdma_ethtool import parse_ethtool_pause
 from hyperagent.sources.rdma_ports import parse_sysfs

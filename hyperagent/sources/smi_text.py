@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
+import hyperagent.sources.command as command
 from hyperagent.devices.metrics import (
     ENERGY,
     GPU_INFO,
@@ -43,7 +44,6 @@ from hyperagent.devices.metrics import (
 )
 from hyperagent.errors import SourceError
 from hyperagent.readings import Kind, Reading
-from hyperagent.sources import command
 
 log = logging.getLogger(__name__)
 
