@@ -4,12 +4,18 @@ starts over 5 minutes (1 to 32 nodes each, 8 ranks per node, the ranks of each n
 attaching up to 3 s apart) and that end 40 to 120 s later.
 
     python benchmarks/discovery.py [--agents 10000] [--jobs 500] [--minutes 5] [--json FILE]
+                                   [--job-s 40,120]
 
 Prints what the coordinator ingested per CPU second, its peak and final RSS, how many jobs it
 held at most and at the end (its memory is bounded by the live jobs: an ended job is
 released ``release_after_s`` later), and the time from each job's last rank attaching to
 its first trial's settings being published (from the coordinator's journals). The simulated
 agents do not answer settings: a job's first trial is what is timed.
+
+Exits 1, saying what, when the work did not happen: no telemetry sent or ingested, a payload
+invalid, no stats of the coordinator while the load ran, no job found or no first trial
+published (a check that the work happened, not of how fast). ``.ci/run`` runs it at a small
+size (``--agents 1000 --jobs 40 --minutes 0.5 --job-s 10,20``).
 """
 
 from __future__ import annotations
@@ -60,8 +66,15 @@ class Job:
         return self.start + max(self.attach)
 
 
-def schedule(agents: int, jobs: int, seconds: float, rng: random.Random) -> list[Job]:
-    """Jobs starting evenly over ``seconds``, each on free nodes (a node runs one job)."""
+def schedule(
+    agents: int,
+    jobs: int,
+    seconds: float,
+    rng: random.Random,
+    job_s: tuple[float, float] = (40.0, 120.0),
+) -> list[Job]:
+    """Jobs starting evenly over ``seconds``, each on free nodes (a node runs one job), each
+    running a time drawn from ``job_s``."""
     busy_until = [0.0] * agents
     free = list(range(agents))
     out = []
@@ -70,7 +83,7 @@ def schedule(agents: int, jobs: int, seconds: float, rng: random.Random) -> list
         free = [n for n in range(agents) if busy_until[n] <= start]
         size = min(rng.choice(SIZES), len(free))
         nodes = rng.sample(free, size)
-        duration = rng.uniform(40.0, 120.0)
+        duration = rng.uniform(*job_s)
         for n in nodes:
             busy_until[n] = start + duration + END_AFTER_S + 1.0
         attach = [rng.uniform(0.0, 3.0) for _ in nodes]
@@ -120,6 +133,7 @@ class ClusterLoad:
         self.sockets = load_connections(port, connections)
         self.sent = 0
         self.began = 0.0
+        self.started = 0.0
 
     def _apply(self, elapsed: float) -> None:
         while self.events and self.events[0][0] <= elapsed:
@@ -136,7 +150,7 @@ class ClusterLoad:
 
     def run(self, seconds: float, stop: threading.Event) -> None:
         self.began = time.time()
-        start = time.monotonic()
+        start = self.started = time.monotonic()
         index = 0
         while not stop.is_set():
             elapsed = time.monotonic() - start
@@ -189,11 +203,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(agents: int, jobs: int, minutes: float, seed: int) -> dict[str, Any]:
+def measure(
+    agents: int,
+    jobs: int,
+    minutes: float,
+    seed: int,
+    job_s: tuple[float, float] = (40.0, 120.0),
+) -> dict[str, Any]:
     rng = random.Random(seed)
     seconds = minutes * 60.0
-    plan = schedule(agents, jobs, seconds, rng)
-    tail_s = max(j.start + j.duration for j in plan) - seconds + END_AFTER_S + RELEASE_AFTER_S + 5
+    plan = schedule(agents, jobs, seconds, rng, job_s)
+    last_end = max((j.start + j.duration for j in plan), default=seconds)
+    tail_s = max(last_end - seconds, 0.0) + END_AFTER_S + RELEASE_AFTER_S + 5
     defaults = {
         "tune": "asked",
         "end_after_s": END_AFTER_S,
@@ -227,6 +248,7 @@ def measure(agents: int, jobs: int, minutes: float, seed: int) -> dict[str, Any]
                 generator = threading.Thread(target=load.run, args=(seconds + tail_s, stop))
                 generator.start()
                 generator.join()
+                ended = time.monotonic()
                 load.close()
                 time.sleep(1.5)
                 stats = coordinator.all("STATS")
@@ -238,13 +260,17 @@ def measure(agents: int, jobs: int, minutes: float, seed: int) -> dict[str, Any]
     first, last = stats[0], stats[-1]
     cpu = last["cpu_s"] - first["cpu_s"]
     ingested = last["ingested"] - first["ingested"]
+    elapsed = last["t"] - first["t"]
     return {
         "agents": agents,
         "jobs": jobs,
         "minutes": minutes,
+        "job_s": list(job_s),
         "sent": load.sent,
         "ingested": ingested,
-        "ingested_per_s": ingested / (last["t"] - first["t"]),
+        "invalid": last["invalid"],
+        "samples_under_load": sum(1 for s in stats if load.started <= s["t"] <= ended),
+        "ingested_per_s": ingested / elapsed if elapsed > 0 else 0.0,
         "ingested_per_cpu_s": ingested / cpu if cpu else None,
         "coordinator_cpu_s": cpu,
         "peak_rss_mib": max(s["peak_rss_mib"] for s in stats),
@@ -260,6 +286,28 @@ def measure(agents: int, jobs: int, minutes: float, seed: int) -> dict[str, Any]
     }
 
 
+def nothing_measured(result: dict[str, Any]) -> list[str]:
+    """What of the work did not happen (empty when it all did): telemetry sent and ingested,
+    every payload valid, the coordinator sampled while the load ran, jobs found and their
+    first trials published. Not how fast."""
+    checks = [
+        (result["sent"] > 0, "the simulated agents sent no telemetry"),
+        (result["ingested"] > 0, f"the coordinator ingested none of {result['sent']} messages"),
+        (result["invalid"] == 0, f"{result['invalid']} telemetry payloads were invalid"),
+        (
+            result["samples_under_load"] >= 2,
+            f"{result['samples_under_load']} stats samples of the coordinator while the load ran",
+        ),
+        (result["jobs"] == 0 or result["jobs_found"] > 0, f"none of {result['jobs']} jobs found"),
+        (
+            result["jobs"] == 0 or result["jobs_with_a_first_trial"] > 0,
+            f"no first trial published for any of the {result['jobs_found']} jobs found",
+        ),
+        (result["jobs"] > 0, "no job was scheduled (--jobs 0): nothing to find"),
+    ]
+    return [what for ok, what in checks if not ok]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=10_000)
@@ -267,20 +315,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--job-s",
+        default="40,120",
+        help="LOW,HIGH: a job runs a time drawn between these seconds (default 40,120)",
+    )
     args = parser.parse_args(argv)
-    result = measure(args.agents, args.jobs, args.minutes, args.seed)
+    low, _, high = args.job_s.partition(",")
+    job_s = (float(low), float(high or low))
+    result = measure(args.agents, args.jobs, args.minutes, args.seed, job_s)
+    result["measured_nothing"] = failures = nothing_measured(result)
     print(
         f"{result['agents']} agents, {result['jobs']} jobs over {result['minutes']:g} min: "
         f"ingested {result['ingested']} of {result['sent']} telemetry messages "
         f"({result['ingested_per_s']:.0f}/s, {result['ingested_per_cpu_s'] or 0:.0f} per CPU s, "
         f"{result['coordinator_cpu_s']:.0f} CPU s); peak RSS {result['peak_rss_mib']:.0f} MiB; "
-        f"jobs found {result['jobs_found']}, held at most {result['held_max']}, "
-        f"{result['held_at_end']} at the end; last rank -> first trial: "
+        f"jobs found {result['jobs_found']} of {result['jobs']}, held at most "
+        f"{result['held_max']}, {result['held_at_end']} at the end; last rank -> first trial: "
         + ", ".join(f"{k} {v:.2f} s" for k, v in result["first_trial_s"].items() if v is not None)
         + f" ({result['jobs_with_a_first_trial']} jobs)"
     )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if failures:
+        print(f"FAILED: the work did not happen: {'; '.join(failures)}")
+        return 1
     return 0
 
 

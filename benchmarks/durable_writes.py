@@ -6,7 +6,8 @@ every 10 ms, as a job's step reports arrive) while a ticker task measures how la
 wakes it (every 1 ms). Printed: the time one call holds the loop (median, 99th percentile,
 max), how late the ticker woke (99th percentile, max), and the time from the first write until
 every write is on disk (with a writer thread, to the end of its queue; the bursts' pauses alone
-take ``count / 10 * 10 ms``).
+take ``count / 10 * 10 ms``). Exits 1, saying what, when not every write is on disk at the
+end (a check that the work happened, not of how fast).
 
 Runs against whatever ``hyperagent`` is importable, so the figures before and after a change
 come from the same script::
@@ -90,7 +91,7 @@ async def run(directory: Path, count: int) -> dict[str, dict[str, float]]:
 
     spool = Spool(directory / "spool", limit=count + 1)
     journal = Journal(directory / "journal" / "job.jsonl")
-    return {
+    figures = {
         "spool (QoS-1 publish)": await _measure(
             lambda i: spool.append("hyperagent/v1/c/job/j/report", PAYLOAD, 1, False), count
         ),
@@ -101,6 +102,23 @@ async def run(directory: Path, count: int) -> dict[str, dict[str, float]]:
             count,
         ),
     }
+    await asyncio.to_thread(_wait_for_disk)
+    return figures
+
+
+def not_written(directory: Path, count: int) -> list[str]:
+    """What of the work is not on disk (empty when all of it is): ``count`` spooled messages,
+    one file each, and ``count`` journal lines. A check that the writes happened, not of how
+    fast."""
+    spooled = [p for p in (directory / "spool").iterdir() if p.is_file()]
+    journal = directory / "journal" / "job.jsonl"
+    lines = len(journal.read_bytes().splitlines()) if journal.exists() else 0
+    out = []
+    if len(spooled) != count:
+        out.append(f"{len(spooled)} of {count} spooled messages on disk")
+    if lines != count:
+        out.append(f"{lines} of {count} journal entries on disk")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     where = Path(hyperagent.__file__).parent
     with tempfile.TemporaryDirectory(dir=args.dir or Path(__file__).parent) as tmp:
         figures = asyncio.run(run(Path(tmp), args.count))
+        missing = not_written(Path(tmp), args.count)
     print(f"hyperagent from {where}; {args.count} writes of each kind, bursts of {BURST}")
     print(
         f"{'':24}{'held the loop: median':>22}{'p99':>10}{'max':>10}"
@@ -127,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{f['loop_late_max_ms']:>7.2f} ms"
             f"{f['on_disk_s']:>17.2f} s"
         )
+    if missing:
+        print(f"FAILED: the writes did not happen: {'; '.join(missing)}")
+        return 1
     return 0
 
 

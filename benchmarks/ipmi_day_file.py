@@ -7,12 +7,16 @@ comparison, parsing the whole file as one output (what a replay cycle cost befor
 were split: 0.69 s on the issue's machine).
 
     python benchmarks/ipmi_day_file.py [--tables 1440] [--cycles 200]
+
+Exits 1, saying what, when the day file did not split into its tables or a replay read gave no
+reading (a check that the work happened, not of how fast).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
@@ -35,22 +39,24 @@ def write_day_file(directory: Path, tables: int) -> Path:
     return path
 
 
-async def replay_cycles(directory: Path, cycles: int, tables: int) -> tuple[float, float]:
+async def replay_cycles(
+    directory: Path, cycles: int, tables: int
+) -> tuple[float, float, list[int]]:
     """Seconds of the first read (split included) and the mean of the following ones, the
-    clock moving one table per cycle."""
+    clock moving one table per cycle; the readings of each read."""
     now = [0.0]
     source = IpmiSource(IpmitoolBackend(capture_runner(directory, lambda: now[0], speed=60.0)))
     started = time.perf_counter()
-    await source.read()
+    readings = [len(await source.read())]
     first = time.perf_counter() - started
     started = time.perf_counter()
     for i in range(cycles):
         now[0] = float(i % tables)
-        await source.read()
-    return first, (time.perf_counter() - started) / cycles
+        readings.append(len(await source.read()))
+    return first, (time.perf_counter() - started) / cycles, readings
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tables", type=int, default=1440)
     parser.add_argument("--cycles", type=int, default=200)
@@ -61,17 +67,33 @@ def main() -> None:
         started = time.perf_counter()
         day = split_day_file(text)
         split_s = time.perf_counter() - started
-        assert day is not None and len(day.tables) == args.tables
         started = time.perf_counter()
-        parse_sdr_output(text)
+        whole = parse_sdr_output(text)
         whole_s = time.perf_counter() - started
-        first_s, cycle_s = asyncio.run(replay_cycles(Path(tmp), args.cycles, args.tables))
+        first_s, cycle_s, readings = asyncio.run(replay_cycles(Path(tmp), args.cycles, args.tables))
+    split = 0 if day is None else len(day.tables)
+    failures = [
+        what
+        for ok, what in (
+            (split == args.tables, f"the day file split into {split} of {args.tables} tables"),
+            (bool(whole), "the whole file parsed to no sensor"),
+            (
+                min(readings) > 0,
+                f"{readings.count(0)} of {len(readings)} replay reads gave no reading",
+            ),
+        )
+        if not ok
+    ]
     print(f"day file: {args.tables} tables, {len(text) / 1e6:.1f} MB")
     print(f"split once:                 {split_s * 1e3:8.1f} ms")
     print(f"first replay read:          {first_s * 1e3:8.1f} ms (read, split, parse one table)")
     print(f"replay cycle:               {cycle_s * 1e3:8.3f} ms (mean of {args.cycles})")
     print(f"whole file parsed as one:   {whole_s * 1e3:8.1f} ms (the cost per cycle before)")
+    if failures:
+        print(f"FAILED: the work did not happen: {'; '.join(failures)}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,7 +12,8 @@ CPU is user + system time of each whole process over the same window after the w
 agent's from ``getrusage`` in its process, node_exporter's from ``/proc/PID/stat``. The figure
 is ``agent_vs_node_exporter``: the agent's CPU per second over node_exporter's CPU per scrape
 (both scraped once a second, so both per second); at most 1 is the target. Needs
-``apt-get install -y prometheus-node-exporter mosquitto``.
+``apt-get install -y prometheus-node-exporter mosquitto``. Exits non-zero, saying what, when
+the agent collected nothing or either answered no scrape in the window.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def measure(seconds: float, warmup: float, work: Path) -> dict[str, Any]:
     """Both processes side by side; their CPU over the same window, and the ratio."""
     binary = next((found for name in NODE_EXPORTER if (found := shutil.which(name))), None)
     if binary is None:
-        raise SystemExit("prometheus-node-exporter is not installed: apt-get install -y "
-                         "prometheus-node-exporter")
+        raise SystemExit(
+            "prometheus-node-exporter is not installed: apt-get install -y prometheus-node-exporter"
+        )
     port = free_port()
     exporter = subprocess.Popen(
         [binary, f"--web.listen-address=127.0.0.1:{port}"],
@@ -125,6 +127,21 @@ def measure(seconds: float, warmup: float, work: Path) -> dict[str, Any]:
         exporter.wait(timeout=10)
     agent_ms_per_s = 1000 * result["cpu_s"] / result["wall_s"]
     exporter_ms_per_scrape = 1000 * exporter_cpu / max(1, scrapes["node_exporter"])
+    nothing = [
+        what
+        for ok, what in (
+            (result["cycles"] > 0, "the agent ran no collection cycle in the window"),
+            (scrapes["agent"] > 0 and scraper.bytes["agent"] > 0, "the agent answered no scrape"),
+            (
+                scrapes["node_exporter"] > 0 and scraper.bytes["node_exporter"] > 0,
+                "node_exporter answered no scrape",
+            ),
+            (exporter_cpu > 0, "no CPU time of node_exporter measured"),
+        )
+        if not ok
+    ]
+    if nothing:
+        raise SystemExit(f"FAILED: the work did not happen: {'; '.join(nothing)}")
     return {
         "seconds": seconds,
         "agent": {

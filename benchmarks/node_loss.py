@@ -9,6 +9,9 @@ trial at once). For each: whether the tuning completed, its wall time against th
 run, and the quality of the settings it chose.
 
     python benchmarks/node_loss.py [--seeds 3] [--trials 8]
+
+Exits 1, saying what, when a tuning ran no trial or a fault was never injected (a check that
+the work happened, not of how well).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -28,14 +32,18 @@ NODES = 5
 
 async def tune(url: str, seed: int, trials: int, fault: str) -> dict[str, Any]:
     nodes: list[SimulatedNode] = []
+    injected = False
 
     def inject(state: JobTuning, record: TrialRecord) -> None:
+        nonlocal injected
         if record.index != 1:
             return
         if fault == "node gone":
             nodes[-1].stop()
+            injected = True
         elif fault == "job hangs":
             nodes[-1].stalled = True
+            injected = True
 
     began = time.monotonic()
     async with simulated_cluster(
@@ -60,10 +68,24 @@ async def tune(url: str, seed: int, trials: int, fault: str) -> dict[str, Any]:
         "trials": len(state.trials),
         "lost": sorted(state.lost),
         "best_vs_optimum": best / optimum,
+        "injected": injected,
     }
 
 
-async def main(seeds: int, trials: int) -> None:
+def not_happened(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """What of the work did not happen (empty when all did): every tuning ran trials, and the
+    fault of each faulty run was injected (after the second trial). Not how well or fast."""
+    out = []
+    for fault, rows in results.items():
+        for seed, row in enumerate(rows):
+            if row["trials"] == 0:
+                out.append(f"{fault}, seed {seed}: no trial ran")
+            if fault != "none" and not row["injected"]:
+                out.append(f"{fault}, seed {seed}: the fault was never injected (no second trial)")
+    return out
+
+
+async def main(seeds: int, trials: int) -> int:
     faults = ["none", "node gone", "job hangs"]
     results: dict[str, list[dict[str, Any]]] = {f: [] for f in faults}
     with embedded_broker() as url:
@@ -89,6 +111,11 @@ async def main(seeds: int, trials: int) -> None:
             f"{fault:<10} {done:>5}/{len(rows):<3} {seconds:>9.1f} {seconds / base - 1:>+10.0%} "
             f"{quality:>13.1%}  {', '.join(lost) or '-'}"
         )
+    failures = not_happened(results)
+    if failures:
+        print(f"FAILED: the work did not happen: {'; '.join(failures)}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
@@ -96,4 +123,4 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=8)
     args = parser.parse_args()
-    asyncio.run(main(args.seeds, args.trials))
+    sys.exit(asyncio.run(main(args.seeds, args.trials)))

@@ -8,7 +8,8 @@ in order, as scrapes once a second would, with ``exporter.OpenMetricsText`` (a f
 kept while it is the same Reading objects, label parts kept) and with prometheus_client's
 ``generate_latest``. Prints the CPU time of one render (best of ``--repeats`` passes over the
 snapshots after the first), how many of a snapshot's samples were the previous snapshot's very
-readings, and checks that both bodies are byte for byte the same.
+readings, and checks that both bodies are byte for byte the same. Exits 1, saying what, when a
+snapshot is empty (nothing was rendered) or the bodies differ.
 """
 
 from __future__ import annotations
@@ -38,9 +39,17 @@ async def snapshots(capture: Path, cycles: int) -> list[tuple[Reading, ...]]:
     with tempfile.TemporaryDirectory(prefix="hyperagent-render-") as tmp:
         state = Path(tmp)
         args = argparse.Namespace(
-            capture=capture, hz=1.0, state=state, job_socket=state / "job.sock", broker="",
-            metrics_port=0, node="bench-render", real_gpus=False, every_cycle=False,
-            attribution=None, slurm_jobs=None,
+            capture=capture,
+            hz=1.0,
+            state=state,
+            job_socket=state / "job.sock",
+            broker="",
+            metrics_port=0,
+            node="bench-render",
+            real_gpus=False,
+            every_cycle=False,
+            attribution=None,
+            slurm_jobs=None,
         )
         config = workers._agent_config(args)
         sources, hardware = workers._node_sources(args, config)
@@ -95,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     from prometheus_client.openmetrics.exposition import generate_latest
 
     taken = asyncio.run(snapshots(args.capture, args.cycles))
+    empty = sum(1 for readings in taken if not readings)
+    if len(taken) < 2 or empty:
+        print(f"FAILED: the work did not happen: {empty} of {len(taken)} snapshots empty")
+        return 1
     render = OpenMetricsText()
     reused = []
     for before, now in itertools.pairwise(taken):

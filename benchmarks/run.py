@@ -3,10 +3,21 @@ fan-out through a real mosquitto, the tuner, replay, and a scale run of simulate
 
     python benchmarks/run.py [--quick] [--json FILE] [--agents N] [--only SECTIONS]
 
-A full run takes about 12 minutes, ``--quick`` about 7; ``--smoke`` runs every section for a
-few seconds (the test suite's check of the harness, its figures mean nothing). Every measured
-party runs in its own process, started from ``benchmarks/workers.py`` with this tree's
-``hyperagent``, so that CPU time and peak RSS are its own:
+A full run takes about 12 minutes, ``--quick`` about 4 (shorter windows, no every-source
+schedules, one attribution round; ``.ci/run`` runs it); ``--smoke`` runs every section for a
+few seconds (the test suite's check of the harness, its figures mean nothing).
+
+Every section checks that its workload happened: collection cycles run, readings taken,
+sources up and scrapes answered (agent, attribution: and the Slurm jobs found on the GPUs),
+asks and tells timed (tuner), telemetry ingested in every step of the ladder, sampled while it
+ran, no payload invalid (coordinator, scale), every ack of every round (fan-out), frames
+replayed with readings (replay), cap changes measured (powercap). A section whose workload did
+not happen prints ``MEASURED NOTHING <section>: <what>``, the others still run, and the exit
+status is 1; so is it when a headline figure of a section run is not a positive number. No
+timing is judged here: the done-when lines are information.
+
+Every measured party runs in its own process, started from ``benchmarks/workers.py`` with this
+tree's ``hyperagent``, so that CPU time and peak RSS are its own:
 
 - agent: ``Agent.run`` with every source on the replayed capture directory
   ``fixtures/replay/full-node`` (8 GPUs through FakeNvml, 2 RDMA ports with ``rdma`` and
@@ -16,10 +27,11 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
   Prometheus sends (OpenMetrics). One measured process runs at a time. CPU is user + system
   time of the whole process (``getrusage``, every thread) over a measured window after a
   warm-up, divided by the window's wall time: percent of one core on the real schedule, 1 Hz
-  and 10 Hz, not a compressed one. Each rate twice: as the shipped config reads the sources
-  (the BMC every 5 s, the PDU every second, ``rdma``/``ethtool`` every 5 s:
-  ``sources.*.interval_s``, ``sources.rdma.commands_interval_s``; telemetry published once a
-  second) and with every source read, and telemetry published, every cycle. Peak RSS is ``VmHWM``.
+  and 10 Hz, not a compressed one. Each rate twice (once with ``--quick``): as the shipped
+  config reads the sources (the BMC every 5 s, the PDU every second, ``rdma``/``ethtool`` every
+  5 s: ``sources.*.interval_s``, ``sources.rdma.commands_interval_s``; telemetry published
+  once a second) and with every source read, and telemetry published, every cycle. Peak RSS is
+  ``VmHWM``.
   ``nvml_calls_per_gpu_cycle``: the NVML calls the agent made over the window (FakeNvml counts
   them; the XID watcher's event waits left out), per GPU and cycle, as shipped at 1 Hz; by
   function in ``details.agent.<schedule>.agent.nvml_calls_by_function``. With ``--real-gpus``
@@ -27,16 +39,20 @@ party runs in its own process, started from ``benchmarks/workers.py`` with this 
 - attribution: the same agent with two Slurm jobs' processes on the capture's GPUs (the pids
   and ``proc/`` tree of ``fixtures/replay/slurm-2jobs-8gpu``), found from their cgroups
   (``attribution.mode = "cgroup"``) against not looked for (``"off"``), the two side by side
-  at 1 Hz and at 10 Hz in three rounds; ``attribution_cpu_ratio`` is on/off CPU per cycle,
-  the worse rate.
+  at 1 Hz and at 10 Hz in three rounds (one with ``--quick``); ``attribution_cpu_ratio`` is
+  on/off CPU per cycle, the worse rate.
 - floor: the same sources' ``read()`` alone on the same schedule in a process that imports
   nothing else; ``agent_overhead_vs_floor`` is agent CPU / floor CPU (the worst schedule).
 - coordinator: a real ``Coordinator`` with no job list behind mosquitto (every simulated node
-  carries 8 ranks of one job that did not ask to be tuned: found, every sighting kept, nothing
-  tuned); simulated agents publish real telemetry payloads at 1 Hz
-  each over raw MQTT connections, in steps of more agents. A step's rate is the messages
-  handled per second over the step (its first second left out); messages per CPU second of
-  the coordinator is the figure the machine's other load does not change.
+  carries 8 ranks of one job that did not ask to be tuned, its world the step's nodes' ranks,
+  all attached: found, every sighting kept, nothing tuned); simulated agents publish real
+  telemetry payloads at 1 Hz each over raw MQTT connections, in steps of more agents. A step's
+  rate is the messages handled per second over the step (its first second left out), from the
+  coordinator's stats sampled every 0.1 s by a thread of its own (so a coordinator busy for
+  seconds is still sampled); messages per CPU second of the coordinator is the figure the
+  machine's other load does not change. A coordinator behind its telemetry works through what
+  the broker queued for it: a step's figure is what it ingested during the step, whichever
+  messages those were, and the line says how many sent were not ingested yet at its end.
 - fan-out: the coordinator's link publishes a signed, retained settings version (as a trial
   does) and waits for every ack; simulated agents decode and verify
   it with ``hyperagent.bus`` and ack it at QoS 1. p50/p99 over rounds, after one warm-up round.
@@ -62,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -143,6 +160,10 @@ class Plan:
     """Run the 1 Hz and the 10 Hz agents at once (they disturb each other's figures a little)."""
     powercap_rounds: int = 3
     """Rounds of the power-cap section (one lowered and one raised cap each)."""
+    all_sources: bool = True
+    """Also measure the agent (and its floor) with every source read every cycle."""
+    attribution_rounds: int = 3
+    """Rounds of the attribution section per rate (their figures summed)."""
 
 
 FULL = Plan(
@@ -160,8 +181,8 @@ FULL = Plan(
     tuner=True,
 )
 QUICK = Plan(
-    agent_1hz_s=40,
-    agent_10hz_s=20,
+    agent_1hz_s=20,
+    agent_10hz_s=10,
     warmup_s=3,
     ladder=(2000, 5000, 10000, 20000),
     ladder_step_s=3,
@@ -172,7 +193,13 @@ QUICK = Plan(
     scale_agents=None,
     scale_s=10,
     tuner=True,
+    all_sources=False,
+    attribution_rounds=1,
 )
+"""Every figure of the full run but those of every source read every cycle, on shorter
+windows (``.ci/run`` runs it: about 4 minutes on 2 cores). Until 2026-12-07 it measured the
+agent over 40 s at 1 Hz and 20 s at 10 Hz, every source every cycle too, attribution in three
+rounds (about 7 minutes)."""
 SMOKE = Plan(
     agent_1hz_s=1.5,
     agent_10hz_s=0.5,
@@ -254,14 +281,31 @@ class Worker:
             self.process.wait(timeout=10)
         self._reader.join(timeout=5)
 
+    def latest(self, kind: str) -> Any:
+        """The data of the last line of ``kind`` so far (None: none yet)."""
+        with self._changed:
+            return next((data for seen, data in reversed(self.lines) if seen == kind), None)
+
 
 @contextmanager
-def worker(*args: str, env: dict[str, str] | None = None) -> Iterator[Worker]:
+def worker(*args: str, env: dict[str, str] | None = None, stop_s: float = 20) -> Iterator[Worker]:
     w = Worker(*args, env=env)
     try:
         yield w
     finally:
-        w.stop()
+        w.stop(stop_s)
+
+
+class NothingMeasured(RuntimeError):
+    """A section's workload did not happen (no message ingested, no cycle run, no scrape
+    answered, ...): its figures would measure nothing. ``main`` says so and exits non-zero."""
+
+
+def require(ok: bool, section: str, what: str) -> None:
+    """Raise NothingMeasured for ``section`` unless ``ok``: a check that the workload
+    happened, never a bound on how fast."""
+    if not ok:
+        raise NothingMeasured(f"{section}: {what}")
 
 
 # -- agent ---------------------------------------------------------------------------------
@@ -342,8 +386,6 @@ ATTRIBUTION = tuple(
 )
 """The attribution section: the same two Slurm jobs on the GPUs, found from their cgroups or
 not looked for (``attribution.mode = "off"``), at 1 and 10 Hz."""
-ATTRIBUTION_ROUNDS = 3
-"""Rounds of the attribution section per rate (their figures summed)."""
 KINDS = ("agent", "floor")
 """The agent, and the raw reads alone (``workers.py``)."""
 
@@ -393,7 +435,36 @@ def agents(
                 results[schedule.label][kind].update(w.wait_for("RESULT", seconds + warmup + 120))
             for label, scraper in scrapers.items():
                 results[label]["agent"].update(scrapes=scraper.scrapes, scrape_bytes=scraper.bytes)
+    for schedule in schedules:
+        for kind in kinds:
+            check_agent_run(schedule, kind, results[schedule.label][kind])
     return results
+
+
+def check_agent_run(schedule: Schedule, kind: str, run: dict[str, Any]) -> None:
+    """The measured process collected (cycles, readings, every source up); the agent was
+    scraped and answered, and with attribution on found the Slurm jobs on the GPUs."""
+    section = "attribution" if schedule.attribution else "agent"
+    where = f"{kind} {schedule.label}"
+    ready = run["ready"]
+    require(run["cycles"] >= 1, section, f"{where}: no collection cycle in the measured window")
+    require(run["cpu_s"] > 0, section, f"{where}: no CPU time measured")
+    require(ready["readings"] > 0, section, f"{where}: its first cycle read nothing")
+    if kind != "agent":
+        return
+    down = sorted(name for name, up in ready["sources_up"].items() if not up)
+    require(not down, section, f"{where}: source(s) down: {', '.join(down)}")
+    require(
+        run["scrapes"] >= 1 and run["scrape_bytes"] > 0,
+        section,
+        f"{where}: /metrics answered no scrape",
+    )
+    if schedule.attribution and schedule.attribution != "off":
+        require(
+            bool(ready["jobs_on_gpus"]),
+            section,
+            f"{where}: attribution {schedule.attribution!r} found no job on the GPUs",
+        )
 
 
 def compare_with_floor(results: dict[str, dict[str, Any]], schedules: tuple[Schedule, ...]) -> None:
@@ -426,20 +497,47 @@ def compare_with_floor(results: dict[str, dict[str, Any]], schedules: tuple[Sche
 # -- coordinator ingest --------------------------------------------------------------------
 
 
-def _at(stats: list[dict[str, Any]], t: float) -> dict[str, Any]:
-    """The stats sample closest to monotonic time ``t``."""
-    return min(stats, key=lambda s: abs(s["t"] - t))
+DRAIN_S = 5.0
+"""After the load stops, how long the coordinator is given to ingest what is queued for it."""
+STATS_EVERY_S = 0.1
+"""The ingesting coordinator's stats interval (``workers.Sampler``)."""
+
+
+def _drain(coordinator: Worker, sent: int, timeout_s: float) -> None:
+    """Wait until the coordinator ingested ``sent`` messages, or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        last = coordinator.latest("STATS")
+        if last is not None and last["ingested"] >= sent:
+            return
+        time.sleep(0.1)
 
 
 def ingest(
-    broker: Mosquitto, work: Path, agents: tuple[int, ...], step_s: float, connections: int
+    broker: Mosquitto,
+    work: Path,
+    agents: tuple[int, ...],
+    step_s: float,
+    connections: int,
+    section: str = "coordinator",
 ) -> list[dict[str, Any]]:
-    """Steps of ``agents`` simulated agents at 1 Hz each into one coordinator."""
-    state = work / f"coordinator-{agents[-1]}"
+    """Steps of ``agents`` simulated agents at 1 Hz each into one coordinator, then the
+    totals. A step's figures come from the coordinator's stats samples inside the step (its
+    first second, or third, left out); ``check_ingest`` says whether they measured anything."""
+    state = work / f"{section}-{agents[-1]}"
     state.mkdir()
     steps = []
     with worker(
-        "coordinator", "--broker", broker.url, "--nodes", str(max(agents)), "--state", str(state)
+        "coordinator",
+        "--broker",
+        broker.url,
+        "--nodes",
+        str(max(agents)),
+        "--state",
+        str(state),
+        "--every",
+        str(STATS_EVERY_S),
+        stop_s=5,  # one busy with a backlog is killed: its figures are in
     ) as coordinator:
         coordinator.wait_for("READY", 120)
         with worker(
@@ -459,44 +557,88 @@ def ingest(
             broker_cpu = broker.cpu_seconds()
             load.wait_for("DONE", len(agents) * step_s + 120)
             broker_cpu = broker.cpu_seconds() - broker_cpu
-        time.sleep(0.5)
+        load_steps = load.all("STEP")
+        total_sent = sum(s["sent"] for s in load_steps)
+        _drain(coordinator, total_sent, DRAIN_S)
         stats = coordinator.all("STATS")
-        for step in load.all("STEP"):
-            settle = min(1.0, step_s / 3)
-            first, last = _at(stats, step["t0"] + settle), _at(stats, step["t1"])
-            elapsed = last["t"] - first["t"]
-            handled = last["ingested"] - first["ingested"]
-            cpu = last["cpu_s"] - first["cpu_s"]
-            steps.append(
-                {
-                    "agents": step["agents"],
-                    "offered_per_s": step["rate"],
-                    "ingested_per_s": handled / elapsed if elapsed > 0 else 0.0,
-                    "cpu_percent": 100 * cpu / elapsed if elapsed > 0 else 0.0,
-                    "msgs_per_cpu_s": handled / cpu if cpu > 0 else None,
-                    "peak_rss_mib": last["peak_rss_mib"],
-                }
-            )
-        total_sent = sum(s["sent"] for s in load.all("STEP"))
-        final = stats[-1]
-    duration = sum(s["t1"] - s["t0"] for s in load.all("STEP"))
+    settle = min(1.0, step_s / 3)
+    sent_so_far = 0
+    for step in load_steps:
+        sent_so_far += step["sent"]
+        window = [s for s in stats if step["t0"] + settle <= s["t"] <= step["t1"]]
+        first, last = (window[0], window[-1]) if window else ({}, {})
+        elapsed = last["t"] - first["t"] if window else 0.0
+        handled = last["ingested"] - first["ingested"] if window else 0
+        cpu = last["cpu_s"] - first["cpu_s"] if window else 0.0
+        steps.append(
+            {
+                "agents": step["agents"],
+                "offered_per_s": step["rate"],
+                "sent": step["sent"],
+                "samples": len(window),
+                "ingested": handled,
+                "ingested_per_s": handled / elapsed if elapsed > 0 else 0.0,
+                "cpu_percent": 100 * cpu / elapsed if elapsed > 0 else 0.0,
+                "msgs_per_cpu_s": handled / cpu if cpu > 0 else None,
+                "behind": sent_so_far - last["ingested"] if window else None,
+                "peak_rss_mib": last.get("peak_rss_mib"),
+            }
+        )
+    final = stats[-1] if stats else {}
+    duration = sum(s["t1"] - s["t0"] for s in load_steps)
     for step in steps:
         say(
-            f"coordinator, {step['agents']} agents at 1 Hz: offered {step['offered_per_s']:.0f}/s,"
+            f"{section}, {step['agents']} agents at 1 Hz: offered {step['offered_per_s']:.0f}/s,"
             f" ingested {step['ingested_per_s']:.0f}/s at {step['cpu_percent']:.0f}% of a core"
-            f" ({step['msgs_per_cpu_s'] or 0:.0f} per CPU second), RSS {step['peak_rss_mib']:.0f}"
-            " MiB"
+            f" ({step['msgs_per_cpu_s'] or 0:.0f} per CPU second; {step['ingested']} messages in"
+            f" {step['samples']} samples, {step['behind']} sent not yet ingested at its end),"
+            f" RSS {step['peak_rss_mib'] or 0:.0f} MiB"
         )
+    ingested = final.get("ingested", 0)
+    say(
+        f"{section}: ingested {ingested} of the {total_sent} messages sent"
+        f" ({total_sent - ingested} not ingested {DRAIN_S:g} s after the load stopped),"
+        f" {final.get('invalid', 0)} invalid, {final.get('tracked_nodes', 0)} nodes' sightings"
+        f" of the job kept, {final.get('connects', 0)} connection(s)"
+    )
     steps.append(
         {
             "sent": total_sent,
-            "ingested": final["ingested"],
-            "invalid": final["invalid"],
-            "tracked_nodes": final["tracked_nodes"],
+            "ingested": ingested,
+            "invalid": final.get("invalid", 0),
+            "tracked_nodes": final.get("tracked_nodes", 0),
             "broker_cpu_percent": 100 * broker_cpu / duration if duration else None,
         }
     )
     return steps
+
+
+def check_ingest(steps: list[dict[str, Any]], section: str) -> None:
+    """Raises NothingMeasured unless every step of ``ingest`` measured messages ingested (two
+    stats samples inside it at least, some message ingested between them), the coordinator
+    kept the nodes' sightings, and no payload was invalid."""
+    *ladder, total = steps
+    require(bool(ladder) and total["sent"] > 0, section, "the load generator sent nothing")
+    for step in ladder:
+        where = f"{step['agents']} agents at 1 Hz"
+        require(
+            step["samples"] >= 2,
+            section,
+            f"{where}: {step['samples']} stats samples of the coordinator inside the step "
+            "(it stalled or ended before the step did)",
+        )
+        require(
+            step["ingested"] > 0 and step["msgs_per_cpu_s"] is not None,
+            section,
+            f"{where}: {step['sent']} messages sent, the coordinator ingested none of them "
+            "during the step",
+        )
+    require(total["invalid"] == 0, section, f"{total['invalid']} invalid payloads")
+    require(
+        total["tracked_nodes"] > 0,
+        section,
+        "the coordinator kept no node's sighting of the job (the telemetry was not taken in)",
+    )
 
 
 def saturation(steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -561,6 +703,17 @@ def fanout(broker: Mosquitto, work: Path, nodes: int, rounds: int) -> dict[str, 
         f"p99 {1000 * result['p99_s']:.1f} ms to the last ack ({result['rounds']} rounds, "
         f"{result['missing_acks']} acks missing)"
     )
+    require(
+        result["rounds"] == rounds,
+        "fanout",
+        f"{nodes} agents: {result['rounds']} of {rounds} rounds measured",
+    )
+    require(
+        result["missing_acks"] == 0,
+        "fanout",
+        f"{nodes} agents: {result['missing_acks']} acks never came (a round's time is the last "
+        "ack's)",
+    )
     return result
 
 
@@ -571,7 +724,13 @@ def tuner_timing() -> dict[str, Any]:
     import tuner
 
     times = tuner.timing()
+    require(bool(times), "tuner", "no ask+tell timed")
     for n, t in times.items():
+        require(
+            t["repeats"] > 0 and t["wall_median_ms"] > 0,
+            "tuner",
+            f"no ask+tell timed at {n} observations",
+        )
         say(
             f"tuner ask+tell at {n} observations: {t['wall_median_ms']:.0f} ms median wall "
             f"({t['cpu_median_ms']:.0f} ms CPU), max {t['wall_max_ms']:.0f} ms"
@@ -583,6 +742,13 @@ def replay(frames: int) -> dict[str, Any]:
     with worker("replay", "--capture", str(CAPTURE), "--frames", str(frames)) as w:
         result: dict[str, Any] = w.wait_for("RESULT", 600)
     capped = result["power_capped"]
+    require(result["frames"] > 0, "replay", "nothing was recorded")
+    for how, run in (("as recorded", result), ("power-capped", capped)):
+        require(
+            run["readings_per_frame"] > 0 and run["wall_s"] > 0,
+            "replay",
+            f"{how}: the replayed frames gave no readings",
+        )
     say(
         f"replay: {result['recorded_s']:.0f} s of recorded 8-GPU telemetry through the agent in "
         f"{result['wall_s']:.2f} s: {result['speedup']:.0f}x real time "
@@ -603,7 +769,7 @@ def powercap(rounds: int, real_gpus: bool) -> dict[str, Any]:
         result: dict[str, Any] = w.wait_for("RESULT", 120 + rounds * 30)
     if "error" in result:
         say(f"power-cap latency: not measured: {result['error']}")
-        return result
+    require("error" not in result, "powercap", f"no cap changed: {result.get('error')}")
     what = "this machine's GPUs" if real_gpus else "fake GPUs, a harness check only"
     low, high = result["lowered"], result["raised"]
 
@@ -619,6 +785,12 @@ def powercap(rounds: int, real_gpus: bool) -> dict[str, Any]:
         f"power-cap latency ({what}): to {result['limits_w'][0]:.0f} W {shown(low)}; "
         f"back to {result['limits_w'][1]:.0f} W {shown(high)}"
     )
+    for way, spread in (("lowered", low), ("raised", high)):
+        require(
+            spread["measured"] > 0,
+            "powercap",
+            f"{way}: none of {spread['changes']} cap changes measured",
+        )
     return result
 
 
@@ -648,7 +820,7 @@ def attribution_rounds(
     """The attribution section: per rate, the agent with attribution on and the one with it
     off run side by side (the machine's other load falls on both alike), in ``ROUNDS`` rounds
     whose CPU time and cycles are summed per mode."""
-    rounds = 1 if plan.agents_together else ATTRIBUTION_ROUNDS
+    rounds = 1 if plan.agents_together else plan.attribution_rounds
     out: dict[str, dict[str, Any]] = {}
     for hz, seconds in ((1.0, plan.agent_1hz_s), (10.0, plan.agent_10hz_s)):
         for number in range(rounds):
@@ -757,9 +929,42 @@ def headline(details: dict[str, Any], plan: Plan) -> dict[str, Any]:
     }
 
 
+def unmeasured(figures: dict[str, Any], sections: set[str], plan: Plan) -> list[str]:
+    """The headline figures of ``sections`` (those run) that are not a positive number: what a
+    section's own checks should have caught, checked once more on what is reported."""
+    expected = {
+        "agent": [
+            "agent_cpu_percent_1hz",
+            "agent_cpu_percent_10hz",
+            *(
+                ["agent_cpu_percent_1hz_all_sources", "agent_cpu_percent_10hz_all_sources"]
+                if plan.all_sources
+                else []
+            ),
+            "nvml_calls_per_gpu_cycle",
+            "agent_rss_mib",
+            "agent_overhead_vs_floor",
+        ],
+        "attribution": ["attribution_cpu_ratio"],
+        "coordinator": ["coordinator_msgs_per_s", "coordinator_msgs_per_cpu_s"],
+        "fanout": [f"fanout_p99_s_{max(plan.fanout)}"],
+        "tuner": ["tuner_ask_tell_ms_100"] if plan.tuner else [],
+        "replay": ["replay_speedup", "replay_speedup_power_capped"],
+    }
+    out = []
+    for section in sorted(sections & set(expected)):
+        for key in expected[section]:
+            value = figures.get(key)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                out.append(f"{section}: {key} = {value!r}, not a measurement")
+    for failure in out:
+        say(f"MEASURED NOTHING {failure}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter runs (about 7 minutes)")
+    parser.add_argument("--quick", action="store_true", help="shorter runs (about 4 minutes)")
     parser.add_argument(
         "--smoke", action="store_true", help="seconds-long runs that only check the harness"
     )
@@ -802,78 +1007,111 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}")
     details: dict[str, Any] = {}
+    failures: list[str] = []
+
+    @contextmanager
+    def measuring(section: str) -> Iterator[None]:
+        """Runs a section; a workload that did not happen is said and counted, and the next
+        section runs."""
+        try:
+            yield
+        except NothingMeasured as e:
+            say(f"MEASURED NOTHING {e}")
+            failures.append(str(e))
+
     with tempfile.TemporaryDirectory(prefix="hyperagent-bench-") as tmp:
         work = Path(tmp)
         extra = "".join(f"{line}\n" for line in (*BROKER_OPTIONS, *args.mosquitto_option))
         with Mosquitto(work, extra=extra) as broker:
             if "tuner" in sections and plan.tuner:
-                details["tuner_ask_tell_ms"] = tuner_timing()
+                with measuring("tuner"):
+                    details["tuner_ask_tell_ms"] = tuner_timing()
             if "agent" in sections:
-                timed = [
-                    (DEFAULT_1HZ, plan.agent_1hz_s),
-                    (ALL_1HZ, plan.agent_1hz_s),
-                    (DEFAULT_10HZ, plan.agent_10hz_s),
-                    (ALL_10HZ, plan.agent_10hz_s),
-                ]
-                runs: list[tuple[tuple[Schedule, ...], float, tuple[str, ...]]]
-                if plan.agents_together:
-                    runs = [(tuple(s for s, _ in timed), max(t for _, t in timed), KINDS)]
-                else:  # one process at a time: nothing else measured shares the two cores
-                    runs = [
-                        ((schedule,), seconds, (kind,))
-                        for schedule, seconds in timed
-                        for kind in KINDS
+                with measuring("agent"):
+                    timed = [
+                        (DEFAULT_1HZ, plan.agent_1hz_s),
+                        (ALL_1HZ, plan.agent_1hz_s),
+                        (DEFAULT_10HZ, plan.agent_10hz_s),
+                        (ALL_10HZ, plan.agent_10hz_s),
                     ]
-                details["agent"] = {}
-                for schedules, seconds, kinds in runs:
-                    measured = agents(
-                        schedules, seconds, plan.warmup_s, broker, work, args.real_gpus, kinds
-                    )
-                    for label, result in measured.items():
-                        details["agent"].setdefault(label, {}).update(result)
-                compare_with_floor(details["agent"], tuple(s for s, _ in timed))
+                    if not plan.all_sources:
+                        timed = [(s, t) for s, t in timed if not s.every_cycle]
+                    runs: list[tuple[tuple[Schedule, ...], float, tuple[str, ...]]]
+                    if plan.agents_together:
+                        runs = [(tuple(s for s, _ in timed), max(t for _, t in timed), KINDS)]
+                    else:  # one process at a time: nothing else measured shares the two cores
+                        runs = [
+                            ((schedule,), seconds, (kind,))
+                            for schedule, seconds in timed
+                            for kind in KINDS
+                        ]
+                    details["agent"] = {}
+                    for schedules, seconds, kinds in runs:
+                        measured = agents(
+                            schedules, seconds, plan.warmup_s, broker, work, args.real_gpus, kinds
+                        )
+                        for label, result in measured.items():
+                            details["agent"].setdefault(label, {}).update(result)
+                    compare_with_floor(details["agent"], tuple(s for s, _ in timed))
             if "attribution" in sections:
-                attributed = attribution_rounds(plan, broker, work, args.real_gpus)
-                details["attribution_runs"] = attributed
-                details["attribution"] = attribution_figures(attributed)
+                with measuring("attribution"):
+                    attributed = attribution_rounds(plan, broker, work, args.real_gpus)
+                    details["attribution_runs"] = attributed
+                    details["attribution"] = attribution_figures(attributed)
             if "coordinator" in sections:
-                ladder = ingest(
-                    broker, work, plan.ladder, plan.ladder_step_s, plan.ladder_connections
-                )
-                details["coordinator_ladder"] = ladder
-                details["coordinator_limit"] = limit = saturation(ladder)
-                say(
-                    f"coordinator limit: {limit['msgs_per_s']:.0f} msgs/s ingested "
-                    f"({limit['msgs_per_cpu_s']:.0f} per CPU second); "
-                    + (
-                        f"fell behind at {limit['saturated_at_agents']} agents"
-                        if limit["saturated_at_agents"]
-                        else "kept up at every step"
+                with measuring("coordinator"):
+                    ladder = ingest(
+                        broker, work, plan.ladder, plan.ladder_step_s, plan.ladder_connections
                     )
-                )
+                    details["coordinator_ladder"] = ladder
+                    check_ingest(ladder, "coordinator")
+                    details["coordinator_limit"] = limit = saturation(ladder)
+                    say(
+                        f"coordinator limit: {limit['msgs_per_s']:.0f} msgs/s ingested "
+                        f"({limit['msgs_per_cpu_s']:.0f} per CPU second); "
+                        + (
+                            f"fell behind at {limit['saturated_at_agents']} agents"
+                            if limit["saturated_at_agents"]
+                            else "kept up at every step"
+                        )
+                    )
             if "fanout" in sections:
-                details["fanout"] = {
-                    str(n): fanout(broker, work, n, plan.fanout_rounds) for n in plan.fanout
-                }
+                with measuring("fanout"):
+                    details["fanout"] = {}
+                    for n in plan.fanout:
+                        details["fanout"][str(n)] = fanout(broker, work, n, plan.fanout_rounds)
             if "scale" in sections and scale_agents:
-                details["scale"] = ingest(broker, work, (scale_agents,), plan.scale_s, scale_agents)
+                with measuring("scale"):
+                    details["scale"] = ingest(
+                        broker, work, (scale_agents,), plan.scale_s, scale_agents, "scale"
+                    )
+                    check_ingest(details["scale"], "scale")
         if "replay" in sections:
-            details["replay"] = replay(plan.replay_frames)
+            with measuring("replay"):
+                details["replay"] = replay(plan.replay_frames)
         if "powercap" in sections:
-            details["powercap"] = powercap(plan.powercap_rounds, args.real_gpus)
+            with measuring("powercap"):
+                details["powercap"] = powercap(plan.powercap_rounds, args.real_gpus)
     figures = headline(details, plan)
+    failures += unmeasured(figures, sections - {s.partition(":")[0] for s in failures}, plan)
     report.update(figures)
     report["details"] = details
     report["done_when"] = verdicts(figures)
+    report["measured_nothing"] = failures
     report["seconds"] = time.perf_counter() - started
     for key, verdict in report["done_when"].items():
-        mark = "ok" if verdict["ok"] else "MISSED"
         value = verdict["value"]
+        mark = "ok" if verdict["ok"] else "MISSED" if value is not None else "-"
         shown = "n/a" if value is None else f"{value:.4g}"
         say(f"done-when {mark:6} {key} = {shown} ({verdict['bound']})")
     say(f"total {report['seconds']:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if failures:
+        say(f"FAILED: {len(failures)} figure(s) measured nothing:")
+        for failure in failures:
+            say(f"  {failure}")
+        return 1
     return 0
 
 

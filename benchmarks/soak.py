@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    idle = [f"{r['fault']}: {job}" for r in results for job, run in r["trials"].items() if not run]
+    if idle:
+        print(f"FAILED: the work did not happen: no trial ran for {', '.join(idle)}")
+        return 1
     healthy_run = all(r["ended"] and r["retunes"] == 0 and r["trials_lost"] == 0 for r in results)
     return 0 if healthy_run else 1
 

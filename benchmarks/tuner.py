@@ -402,6 +402,7 @@ def timing(
             "wall_max_ms": max(wall[n]),
             "cpu_median_ms": statistics.median(cpu[n]),
             "cpu_max_ms": max(cpu[n]),
+            "repeats": len(wall[n]),
         }
         for n in observations
     }
@@ -646,6 +647,15 @@ def main(argv: list[str] | None = None) -> int:
         for landscape, method, _, run in pool.map(_task, tasks, chunksize=1):
             runs.setdefault((landscape, method), []).append(run)
 
+    missing = [
+        f"{ls.name} {method}: {len(got)} of {seeds} searches"
+        for ls in chosen
+        for method in methods
+        if len(got := [r for r in runs.get((ls, method), ()) if math.isfinite(r.regret)]) < seeds
+    ]
+    if missing:
+        print(f"FAILED: the searches did not all run: {'; '.join(missing)}")
+        return 1
     report = [_landscape_figures(ls, runs, methods, trials) for ls in chosen]
     console.print(_trials_table(report, seeds, trials))
     console.print(_regret_table(report, seeds, trials))

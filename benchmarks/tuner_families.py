@@ -548,6 +548,13 @@ def cost_main(args: argparse.Namespace, chosen: list[str]) -> int:
         for task, row in pool.map(_cost_task, tasks, chunksize=1):
             results[task] = row
     elapsed = time.perf_counter() - started
+    idle = [f"{t[0]} #{t[1]} {t[2]}" for t, row in results.items() if not row["searched"] > 0]
+    if len(results) < len(tasks) or idle:
+        print(
+            f"FAILED: the tunings did not happen: {len(results)} of {len(tasks)} ran"
+            + (f"; no trial searched in {', '.join(idle)}" if idle else "")
+        )
+        return 1
     report: dict[str, Any] = {
         "families": {},
         "seconds": elapsed,
@@ -740,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.json is not None and done % CHECKPOINT_EVERY == 0:
                 _write_runs(args.json, results)  # a run cut short can be --reuse'd
     elapsed = time.perf_counter() - started
+    if len(results) < len(tasks):
+        print(f"FAILED: the searches did not happen: {len(results)} of {len(tasks)} ran")
+        return 1
 
     def reached_of(kind: str, name: str, method: str, count: int) -> list[int | None]:
         return [

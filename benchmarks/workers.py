@@ -352,11 +352,40 @@ def _coordinator_config(
     )
 
 
+class Sampler:
+    """Prints ``STATS`` lines every ``every`` seconds from a thread of its own, not from the
+    measured event loop: a loop that is busy for seconds (a coordinator behind its telemetry)
+    still gets sampled while it works, instead of leaving no sample for the harness to read
+    (the ingest ladder read "0/s at 0% of a core" from such gaps, issue 47)."""
+
+    def __init__(self, every: float, stats: Callable[[], dict[str, Any]]) -> None:
+        self.every = every
+        self.stats = stats
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stats", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            emit("STATS", {"t": time.monotonic(), **self.stats()})
+            if self._stop.wait(self.every):
+                emit("STATS", {"t": time.monotonic(), **self.stats()})
+                return
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 async def coordinator_worker(args: argparse.Namespace) -> None:
     """A real Coordinator with no job list ingesting every simulated node's telemetry: each
     node carries 8 ranks of one job that did not ask to be tuned, so the coordinator finds
     it, keeps every node's sighting and tunes nothing; a subclass counts the telemetry
-    messages handled. Prints a stats line every ``--every`` seconds."""
+    messages handled. Prints a stats line every ``--every`` seconds (from a thread: see
+    ``Sampler``), and a last one when its standard input closes."""
     from hyperagent.coordinator import Coordinator, coordinator_link
 
     class CountingCoordinator(Coordinator):
@@ -371,28 +400,28 @@ async def coordinator_worker(args: argparse.Namespace) -> None:
     defaults = orjson.loads(args.defaults) if args.defaults else None
     config = _coordinator_config(args.broker, args.state, [], defaults)
     coordinator = CountingCoordinator(config, coordinator_link(config), settings_key())
+
+    def stats() -> dict[str, Any]:
+        # read from the sampler's thread: ints and lengths, each read whole under the GIL
+        return {
+            "ingested": coordinator.ingested,
+            "invalid": coordinator.invalid_payloads,
+            "tracked_nodes": len(coordinator.registry.jobs.get(JOB, {})),
+            "found": coordinator.found,
+            "held": len(coordinator.tuned),
+            "seen": len(coordinator.registry.jobs),
+            "connects": coordinator.link.connects,
+            "cpu_s": cpu_seconds(),
+            "peak_rss_mib": peak_rss_mib(),
+        }
+
     running = asyncio.create_task(coordinator.run(), name="coordinator")
     try:
         async with asyncio.timeout(30):
             await coordinator.link.connected.wait()
         emit("READY", {"nodes": args.nodes})
-        stop = asyncio.create_task(stdin_closed())
-        while not stop.done():
-            emit(
-                "STATS",
-                {
-                    "t": time.monotonic(),
-                    "ingested": coordinator.ingested,
-                    "invalid": coordinator.invalid_payloads,
-                    "tracked_nodes": len(coordinator.registry.jobs.get(JOB, {})),
-                    "found": coordinator.found,
-                    "held": len(coordinator.tuned),
-                    "seen": len(coordinator.registry.jobs),
-                    "cpu_s": cpu_seconds(),
-                    "peak_rss_mib": peak_rss_mib(),
-                },
-            )
-            await asyncio.wait({stop}, timeout=args.every)
+        with Sampler(args.every, stats):
+            await stdin_closed()
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
@@ -739,7 +768,10 @@ class LoadGenerator:
     MQTT connections round-robin (one each when there are as many connections as nodes). A
     message is the template with the node's name, the time and its job's running totals; the
     unchanging part is encoded once, so that the generator stays cheap next to the broker and
-    the coordinator.
+    the coordinator. The nodes of a step carry one job whose world is their ranks, all
+    attached (8 a node): a cluster of that many nodes running one job. (Until 2026-12-07 the
+    world was the largest step's, so that at every smaller step most of the job's ranks were
+    missing.)
     """
 
     def __init__(self, port: int, template: dict[str, Any], nodes: int, connections: int) -> None:
@@ -753,6 +785,8 @@ class LoadGenerator:
         self.topics = [topics.telemetry(name).encode() for name in node_names(nodes)]
         self.samples = [0] * nodes
         self.nodes = nodes
+        self.active = nodes
+        """Nodes publishing in this step: the job's world is their 8 ranks each."""
         self.sockets = load_connections(port, connections)
         self.sent = 0
         self._next = 0
@@ -767,7 +801,7 @@ class LoadGenerator:
                 b',"ts":',
                 now,
                 f',"jobs":{{"{JOB}":{{"samples":{samples},"step_s":{samples / 320!r},'
-                f'"attached":8,"world_size":{8 * self.nodes}}}}}'.encode(),
+                f'"attached":8,"world_size":{8 * self.active}}}}}'.encode(),
                 self.tail,
             )
         )
@@ -777,6 +811,7 @@ class LoadGenerator:
         """Nodes 0..active-1 publish at 1 Hz for ``seconds``; returns what was sent when."""
         began = time.monotonic()
         sent_before = self.sent
+        self.active = active
         connections = len(self.sockets)
         while True:
             now = time.monotonic()

@@ -82,6 +82,38 @@ def test_benchmark_harness_runs_every_section_and_writes_json(tmp_path: Path) ->
     assert figures["power_cap_latency_s_max"] is None  # a measurement only on real GPUs
 
 
+@pytest.mark.peer
+@BUSY
+@pytest.mark.long(15)
+def test_benchmark_that_ingests_nothing_fails_instead_of_reporting_zero(tmp_path: Path) -> None:
+    """The ingest ladder against a broker that drops every telemetry message (an ACL that
+    lets clients read, never write): the coordinator runs and is sampled, the load is sent,
+    nothing arrives. ``run.py`` says which figure measured nothing and exits 1, where it
+    printed "ingested 0/s at 0% of a core" as a figure before (issue 47)."""
+    acl = tmp_path / "read-only.acl"
+    acl.write_text("topic read #\n")
+    out = tmp_path / "figures.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(
+        [*command, "--only", "coordinator", "--mosquitto-option", f"acl_file {acl}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "MEASURED NOTHING coordinator: 50 agents at 1 Hz: " in result.stdout, result.stdout
+    assert "messages sent, the coordinator ingested none of them" in result.stdout
+    assert "FAILED: 1 figure(s) measured nothing" in result.stdout
+    figures = json.loads(out.read_text())
+    assert [f.split(":")[0] for f in figures["measured_nothing"]] == ["coordinator"]
+    assert "ingested none" in figures["measured_nothing"][0]
+    assert figures["coordinator_msgs_per_s"] is None  # no figure stands for it
+    step, total = figures["details"]["coordinator_ladder"]
+    assert step["samples"] >= 2 and step["sent"] > 0  # sampled while the load was sent
+    assert step["ingested"] == total["ingested"] == 0
+
+
 def test_churn_benchmark_accepts_every_new_job_and_comes_back_to_idle() -> None:
     """``benchmarks/churn.py`` cut to seconds: its agent process, its table, its verdict."""
     result = subprocess.run(
