@@ -188,9 +188,9 @@ async def test_a_set_failure_on_gpu_3_of_8_leaves_every_gpu_at_its_previous_cap(
 async def test_a_trial_s_energy_read_times_out_instead_of_hanging(harness: Harness) -> None:
     agent = harness.agent
     async with asyncio.timeout(5):
-        assert await agent._energy_j() is not None
+        assert await agent.devices.energy_j() is not None
     harness.nvml.set_faults({"nvmlDeviceGetTotalEnergyConsumption": HUNG})
     collections = agent.collections
     async with asyncio.timeout(5):
-        assert await agent._energy_j() is None  # a report without energy, not a stuck trial
+        assert await agent.devices.energy_j() is None  # a report without energy, not a stuck trial
     await until(lambda: agent.collections >= collections + 3, timeout_s=5)

@@ -124,7 +124,7 @@ def test_decode_raises_only_payload_error(payload: bytes, kind: str) -> None:
 @given(payload=payloads)
 def test_agent_never_crashes_on_settings(payload: bytes, tmp_path: Path) -> None:
     a = agent(tmp_path)
-    asyncio.run(a._on_settings(TOPICS.settings("j"), payload))
+    asyncio.run(a.settings.on_settings(TOPICS.settings("j"), payload))
     asyncio.run(a._on_coordinator_status(TOPICS.coordinator_status(), payload))
     assert a.stats.applied == 0  # nothing unsigned is ever applied
     signed = bus.sign(
@@ -140,7 +140,7 @@ def test_agent_never_crashes_on_settings(payload: bytes, tmp_path: Path) -> None
         },
         KEY,
     )
-    asyncio.run(a._on_settings(TOPICS.settings("j"), bus.encode(signed)))
+    asyncio.run(a.settings.on_settings(TOPICS.settings("j"), bus.encode(signed)))
     assert a.stats.applied == 1 and a.applied_versions == {"j": 1}
 
 

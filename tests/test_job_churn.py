@@ -168,7 +168,7 @@ async def test_dead_jobs_series_go_after_release_with_no_new_job(
 
     await _until(lambda: not source.jobs)  # nothing arrives: the agent's own clock releases
     assert await _series(agent) == idle
-    assert not agent._step_clocks
+    assert not agent.trials.step_clocks
 
 
 async def test_ranks_coming_back_under_new_numbers_leave_no_per_rank_state(
@@ -192,7 +192,7 @@ async def test_ranks_coming_back_under_new_numbers_leave_no_per_rank_state(
         await _until(lambda: source.attached("j") == 1)
     totals = source.jobs["j"]
     assert set(totals.alloc_retries) == set(totals.ooms) == set(totals.last_step_s) == {0}
-    assert set(agent._step_clocks["j"].last) == {0}
+    assert set(agent.trials.step_clocks["j"].last) == {0}
     # what the departed ranks counted stays in the job's counters
     readings = {r.name: r.value for r in await source.read() if r.labels.get("job_id") == "j"}
     assert readings["hyperagent_job_alloc_retries_total"] == 2 * 41

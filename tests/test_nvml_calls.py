@@ -64,7 +64,7 @@ async def test_running_processes_are_read_through_the_sources_handles(
     assert agent.nvml_source is not None
     await agent.nvml_source.start()
     before = nvml.call_counts()
-    found = agent._running_pids()
+    found = agent.devices.running_pids()
     calls = {k: v - before.get(k, 0) for k, v in nvml.call_counts().items() if v != before.get(k)}
     assert found["3"] == [4242] and len(found) == 8
     assert calls == {"nvmlDeviceGetComputeRunningProcesses": 8}

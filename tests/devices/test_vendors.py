@@ -278,9 +278,9 @@ async def test_an_agent_over_an_amd_replay_reads_trial_energy_and_gate_failures(
     snapshot = await agent.collect_once()
     failures = [r for r in snapshot.readings if r.name == "hyperagent_device_call_failures_total"]
     assert {r.labels["library"] for r in failures} == {"amdsmi"}
-    before = await agent._energy_j()
+    before = await agent.devices.energy_j()
     clock.now += 10.0
-    after = await agent._energy_j()
+    after = await agent.devices.energy_j()
     assert before is not None and after is not None
     # 8 GPUs drawing 132-139 W (1,071 W in all) for 10 s
     assert after - before == pytest.approx(
