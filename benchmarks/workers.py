@@ -210,6 +210,7 @@ async def _measure(
     ready: dict[str, Any],
     nvml_calls: Callable[[], dict[str, int]] | None = None,
     gpus: int = 0,
+    at_end: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
     emit("READY", ready)
     await asyncio.sleep(args.warmup)
@@ -233,6 +234,7 @@ async def _measure(
             "cpu_ms_per_cycle": 1000 * cpu / done if done else None,
             "peak_rss_mib": peak_rss_mib(),
             **calls,
+            **(at_end() if at_end else {}),
         },
     )
 
@@ -258,19 +260,23 @@ async def agent_worker(args: argparse.Namespace) -> None:
             for r in (agent.snapshot.readings if agent.snapshot else ())
             if r.name == "hyperagent_job_gpus"
         )
-        up = {f"{s.name}": h for s, h in zip(agent.runner.sources, _up(agent), strict=True)}
+
+        def up() -> dict[str, bool]:
+            return {f"{s.name}": h for s, h in zip(agent.runner.sources, _up(agent), strict=True)}
+
         gpus = len(agent.nvml_source.gpus) if agent.nvml_source else 0
         await _measure(
             args,
             lambda: agent.collections,
             {
                 "readings": readings,
-                "sources_up": up,
+                "sources_up": up(),
                 "metrics_port": args.metrics_port,
                 "jobs_on_gpus": jobs,
             },
             nvml_read_calls(hardware.nvml),
             gpus,
+            lambda: {"sources_up_at_end": up()},
         )
     finally:
         running.cancel()
@@ -294,6 +300,7 @@ async def floor_worker(args: argparse.Namespace) -> None:
     read_at = {id(s): -1e9 for s in sources}
     cycles = 0
     readings = 0
+    first = asyncio.Event()
 
     def due(source: Any, now: float) -> bool:
         if now - read_at[id(source)] < 0.95 * slow.get(source.name, 0.0):
@@ -310,6 +317,7 @@ async def floor_worker(args: argparse.Namespace) -> None:
             results = await asyncio.gather(*(s.read() for s in chosen), return_exceptions=True)
             readings = sum(len(r) for r in results if isinstance(r, list))
             cycles += 1
+            first.set()
             next_due += interval
             delay = next_due - time.monotonic()
             if delay < 0:
@@ -318,7 +326,8 @@ async def floor_worker(args: argparse.Namespace) -> None:
 
     reading = asyncio.create_task(loop(), name="floor")
     try:
-        await asyncio.sleep(interval)
+        async with asyncio.timeout(30):
+            await first.wait()  # READY says what the first cycle read
         await _measure(args, lambda: cycles, {"readings": readings})
     finally:
         reading.cancel()
@@ -768,10 +777,9 @@ class LoadGenerator:
     MQTT connections round-robin (one each when there are as many connections as nodes). A
     message is the template with the node's name, the time and its job's running totals; the
     unchanging part is encoded once, so that the generator stays cheap next to the broker and
-    the coordinator. The nodes of a step carry one job whose world is their ranks, all
-    attached (8 a node): a cluster of that many nodes running one job. (Until 2026-12-07 the
-    world was the largest step's, so that at every smaller step most of the job's ranks were
-    missing.)
+    the coordinator. Every node carries 8 ranks of one job whose world is the ranks of the
+    largest step's nodes (``nodes``): at a smaller step most of its ranks are missing, and each
+    node the coordinator sees for the first time changes the job's picture.
     """
 
     def __init__(self, port: int, template: dict[str, Any], nodes: int, connections: int) -> None:
@@ -785,8 +793,6 @@ class LoadGenerator:
         self.topics = [topics.telemetry(name).encode() for name in node_names(nodes)]
         self.samples = [0] * nodes
         self.nodes = nodes
-        self.active = nodes
-        """Nodes publishing in this step: the job's world is their 8 ranks each."""
         self.sockets = load_connections(port, connections)
         self.sent = 0
         self._next = 0
@@ -801,7 +807,7 @@ class LoadGenerator:
                 b',"ts":',
                 now,
                 f',"jobs":{{"{JOB}":{{"samples":{samples},"step_s":{samples / 320!r},'
-                f'"attached":8,"world_size":{8 * self.active}}}}}'.encode(),
+                f'"attached":8,"world_size":{8 * self.nodes}}}}}'.encode(),
                 self.tail,
             )
         )
@@ -811,7 +817,6 @@ class LoadGenerator:
         """Nodes 0..active-1 publish at 1 Hz for ``seconds``; returns what was sent when."""
         began = time.monotonic()
         sent_before = self.sent
-        self.active = active
         connections = len(self.sockets)
         while True:
             now = time.monotonic()
