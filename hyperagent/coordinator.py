@@ -42,11 +42,12 @@ from hyperagent.tuner.discovery import (
     node_bounds,
     plan_space,
 )
-from hyperagent.tuner.jobstate import Progress, TrialCallback, job_readings
+from hyperagent.tuner.jobstate import Progress
 from hyperagent.tuner.journal import Journal
 from hyperagent.tuner.journals import Journals
 from hyperagent.tuner.lifecycle import Backoff
-from hyperagent.tuner.tuning import CONFIRM_ROUNDS, JobTuning
+from hyperagent.tuner.metrics import job_readings
+from hyperagent.tuner.tuning import CONFIRM_ROUNDS, JobTuning, TrialCallback
 
 __all__ = ["CONFIRM_ROUNDS", "Coordinator", "coordinator_link"]
 

@@ -1,14 +1,17 @@
 """One job's tuning as a pure machine: events in, effects out (as etcd's raft ``Step``/``Ready``).
 
-:class:`JobTuning` composes the job's lifecycle (:mod:`~hyperagent.tuner.lifecycle`), its node
-membership (:mod:`~hyperagent.tuner.membership`), the run of the trial in play (which acks and
-reports came back for its version, its deadlines), the tuner and the journal's records. It
-never reads a clock, sleeps or touches the network or the disk: time comes in every event
-(the coordinator's clock of time connected to the broker, so that an outage pauses a trial
-rather than failing it), and what is to be done comes out as effects, which the coordinator
-carries out in order (journal before publish). :meth:`JobTuning.wake_at` says when it next
-needs a :class:`Tick`. A restarted coordinator rebuilds the machine from the journal
-(:meth:`JobTuning.resume`), which holds everything resuming needs.
+:class:`JobTuning` is the glue of the job's parts: its lifecycle
+(:mod:`~hyperagent.tuner.lifecycle`), its node membership (:mod:`~hyperagent.tuner.membership`),
+the run of the trial in play and its outcome (:mod:`~hyperagent.tuner.trialrun`), the round's
+tuner, trials and best (:mod:`~hyperagent.tuner.rounds`), the confirmations after the search
+(:mod:`~hyperagent.tuner.confirm`), the drift watch once tuned (:mod:`~hyperagent.tuner.drift`)
+and the resume from the journal (:mod:`~hyperagent.tuner.resume`). It never reads a clock,
+sleeps or touches the network or the disk: time comes in every event (the coordinator's clock
+of time connected to the broker, so that an outage pauses a trial rather than failing it), and
+what is to be done comes out as effects (:mod:`~hyperagent.tuner.events`), which the
+coordinator carries out in order (journal before publish). :meth:`JobTuning.wake_at` says when
+it next needs a :class:`Tick`. A restarted coordinator rebuilds the machine from the journal,
+which holds everything resuming needs.
 
 The trial protocol: ask -> journal + publish settings v -> every active node acks v -> the
 agents settle and measure (partial reports after each window) -> every active node reports
@@ -19,224 +22,62 @@ trial's windows so far are clearly worse or better than the incumbent's (the bes
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import statistics
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hyperagent.config import JobTuningSection
-from hyperagent.tuner import lifecycle
+from hyperagent.tuner import drift, lifecycle
 from hyperagent.tuner import membership as members
-from hyperagent.tuner.cost import Cost, round_cost
-from hyperagent.tuner.discovery import JobView, SpacePlan, fingerprint
-from hyperagent.tuner.early import EarlyStop, Verdict, told
+from hyperagent.tuner.confirm import CONFIRM_ROUNDS, CONFIRM_RUNS
+from hyperagent.tuner.cost import Cost
+from hyperagent.tuner.discovery import JobView
+from hyperagent.tuner.events import (
+    Ack,
+    Ask,
+    Asked,
+    Begin,
+    Effect,
+    Event,
+    Journal,
+    Measured,
+    NodeStatus,
+    Publish,
+    Report,
+    Say,
+    Seen,
+    Status,
+    Steps,
+    Tick,
+    VersionSeen,
+)
 from hyperagent.tuner.jobstate import Progress, TrialRecord
 from hyperagent.tuner.journal import JournalState
-from hyperagent.tuner.lifecycle import MEASURED, NOT_TRIALS, TRIALS
+from hyperagent.tuner.lifecycle import MEASURED, TRIALS
 from hyperagent.tuner.membership import Membership
+from hyperagent.tuner.notices import Notices
 from hyperagent.tuner.optimizer import Tuner
+from hyperagent.tuner.resume import replay, resumable, space_from, waits_on
+from hyperagent.tuner.rounds import Round, recommendation, start_entry
+from hyperagent.tuner.runner import Runner, Taken
 from hyperagent.tuner.space import SearchSpace
-from hyperagent.tuner.trial import (
-    Gain,
-    MeasurementPlan,
-    compare,
-    score,
-    score_noise,
-    trial_samples,
-    window_scores,
-)
-
-POWER_AVERAGING_WINDOW_S = 1.0
-"""NVML averages board power over about a second; a power change settles for 3x that."""
-
-CONFIRM_ROUNDS = 2
-"""After the search, the start and the best settings are each measured this many times more,
-interleaved (start, best, best, start), and compared on those measurements."""
-
-DRIFT_CHECK_S = 10.0
-"""How often a tuned job's throughput is compared with its tuned score."""
-
-SETTINGS_REFUSALS = frozenset({"settings"})
-"""Refusal kinds that are facts about the settings (outside a node's bounds, capping off)."""
-
-
-# -- events --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed: ``now``."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class Seen:
-    """The agents' picture of the job changed (ranks attached or left, nodes)."""
-
-    now: float
-    view: JobView
-
-
-@dataclass(frozen=True)
-class Begin:
-    """Every rank is attached: the job's tuning (nodes resolved), its space and its start."""
-
-    now: float
-    config: JobTuningSection
-    plan: SpacePlan
-    start: Mapping[str, Any]
-    """The starting settings (the config's, or a finished tuning's of the same
-    fingerprint)."""
-    offline: frozenset[str] = frozenset()
-    """Nodes whose status said offline before the tuning began."""
-
-
-@dataclass(frozen=True)
-class Ack:
-    """A node's ack (or refusal) of a version, already checked as coming from it."""
-
-    now: float
-    message: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Report:
-    """A node's measurement (``partial`` after each window, ``stalled`` when its job stopped)."""
-
-    now: float
-    message: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    now: float
-    node: str
-    online: bool
-
-
-@dataclass(frozen=True)
-class Steps:
-    """A node's running totals of the job, from its telemetry."""
-
-    now: float
-    node: str
-    progress: Progress
-
-
-@dataclass(frozen=True)
-class Asked:
-    """The tuner's answer to :class:`Ask` number ``token``."""
-
-    now: float
-    token: int
-    settings: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class VersionSeen:
-    """A settings version of this job exists (retained on the broker, or applied by an
-    agent): versions continue above it."""
-
-    version: int
-
-
-Event = Tick | Seen | Begin | Ack | Report | NodeStatus | Steps | Asked | VersionSeen
-
-
-# -- effects -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Publish:
-    """Sign and publish settings ``version`` (retained) to ``nodes``; ``plan`` None: apply
-    without measuring (a rollback, the final settings)."""
-
-    version: int
-    settings: dict[str, Any]
-    plan: MeasurementPlan | None
-    trial: int | None
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Journal:
-    """Append ``entry`` to the job's journal (before any later Publish leaves)."""
-
-    entry: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Ask:
-    """Ask the tuner for the next settings (it may fit a model: off the event loop), then
-    hand them back as :class:`Asked` with ``token``."""
-
-    token: int
-    tuner: Tuner
-
-
-@dataclass(frozen=True)
-class Say:
-    """One log line."""
-
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Status:
-    """The service's status line for this job."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A trial (or a confirmation) was measured and recorded."""
-
-    record: TrialRecord
-
-
-Effect = Publish | Journal | Ask | Say | Status | Measured
-
-
-@dataclass
-class Run:
-    """One run of the trial in play: its settings under ``version``, and what came back."""
-
-    trial: int
-    phase: lifecycle.Phase
-    settings: dict[str, Any]
-    version: int
-    plan: MeasurementPlan
-    began: float
-    deadline: float
-    measuring: bool = False
-    """Every active node acked: the agents settle and measure until ``deadline``."""
-    acks: dict[str, Mapping[str, Any]] = field(default_factory=dict)
-    reports: dict[str, Mapping[str, Any]] = field(default_factory=dict)
-    partials: dict[str, Mapping[str, Any]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A run's result, before it is recorded."""
-
-    status: str
-    reports: dict[str, Mapping[str, Any]] = field(default_factory=dict)
-    score: float | None = None
-    noise: float | None = None
-    nodes: tuple[str, ...] = ()
-    errors: dict[str, str] = field(default_factory=dict)
-    verdict: str | None = None
-    """A trial stopped early: worse or better than the incumbent."""
-
-
-STOPPED_EARLY = "stopped_early"
-"""The status of a search trial whose measurement stopped once its windows were judged."""
+from hyperagent.tuner.trial import Gain
+from hyperagent.tuner.trialrun import Judge, Run
+
+TrialCallback = Callable[["JobTuning", TrialRecord], None]
+"""Called with the machine and each trial (or confirmation) it measured."""
+
+
+def rules_of(config: JobTuningSection, backoff: lifecycle.Backoff | None = None) -> lifecycle.Rules:
+    """The lifecycle's rules for a tuning of ``config``."""
+    return lifecycle.Rules(
+        trials=config.trials,
+        confirm_best=config.confirm_best,
+        confirm_runs=CONFIRM_RUNS,
+        max_retries=config.max_retries,
+        ranks_wait_s=config.ranks_wait_s,
+        backoff=backoff or lifecycle.Backoff(),
+    )
 
 
 class JobTuning:
@@ -255,73 +96,33 @@ class JobTuning:
         self.job = job
         self.config = config
         self.backoff = backoff or lifecycle.Backoff()
-        self.rules = self._rules(config)
+        self.rules = rules_of(config)
         self.restored = journal or JournalState()
         self.state: lifecycle.State = lifecycle.WaitingForRanks(now)
         self.members = Membership(())
         self.space: SearchSpace | None = None
-        self.tuner: Tuner | None = None
-        self.version = self.restored.version
-        self.trials: list[TrialRecord] = []
-        self.confirmations: list[TrialRecord] = []
-        self.confirm_order: list[dict[str, Any]] = []
-        self.confirmed: Gain | None = None
-        self.baseline: float | None = None
-        self.best: tuple[dict[str, Any], float] | None = None
-        self.incumbent: TrialRecord | None = None
-        """The best search trial so far, whose windows an early judgement compares with."""
-        self.last_good: dict[str, Any] | None = None
-        self.start: dict[str, Any] | None = None
-        self.current: dict[str, Any] = {}
-        """The settings last published."""
-        self.published: Publish | None = None
-        """The version in play: only its acks and reports count."""
-        self.published_at = 0.0
-        self.acks: dict[int, dict[str, Mapping[str, Any]]] = {}
-        """The acks of the version in play (only), by node."""
-        self.run: Run | None = None
-        self.retrying: dict[str, Any] | None = None
-        """The settings of the run a pause will retry."""
-        self.final_version: int | None = None
-        self.final_journalled = False
+        self.round = Round()
+        """The round in play: its tuner, trials, best and confirmations."""
         self.rounds = self.restored.rounds
+        self.runner = Runner(job, self.restored.version)
+        """The settings versions and the run of the trial in play."""
+        self.say = Notices(job)
+        self.start: dict[str, Any] | None = None
+        self.final_version: int | None = None
         self.retries = 0
         self.recommendation: dict[str, Any] | None = None
         self.why = ""
         self.notes: tuple[str, ...] = ()
-        self._cost: tuple[tuple[int, int, int, bool], Cost | None] | None = None
         """What narrowed the space (a node's bounds, a knob not announced), one line each."""
         self.knobs: dict[str, tuple[str, ...]] = {}
         """node -> the knobs its ranks said they apply, when the tuning began."""
-        self.cap_latency_s: float | None = None
         self.progress: dict[str, Progress] = {}
-        self._drift_from: dict[str, Progress] = {}
-        self._drift_at: float | None = None
+        self.watch = drift.DriftWatch()
         self._empty_since: float | None = None
         self._view: JobView | None = None
-        self._asking: int | None = None
-        self._tokens = 0
         self.ended_at: float | None = None
-        self.trial_started: float | None = None
-        """When the running trial's settings went out (on the event's clock)."""
         self.clock_now = now
         """The latest time an event carried."""
-        self._last_errors: dict[str, str] = {}
-        self._last_version = 0
-        """What the refusing nodes of the last run said."""
-
-    @staticmethod
-    def _rules(
-        config: JobTuningSection, backoff: lifecycle.Backoff | None = None
-    ) -> lifecycle.Rules:
-        return lifecycle.Rules(
-            trials=config.trials,
-            confirm_best=config.confirm_best,
-            confirm_runs=2 * CONFIRM_ROUNDS,
-            max_retries=config.max_retries,
-            ranks_wait_s=config.ranks_wait_s,
-            backoff=backoff or lifecycle.Backoff(),
-        )
 
     # -- what the coordinator asks -------------------------------------------------------
 
@@ -351,14 +152,80 @@ class JobTuning:
         return self.members.out
 
     @property
+    def version(self) -> int:
+        """The last settings version published or seen: the next goes above it."""
+        return self.runner.version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self.runner.version = version
+
+    @property
+    def current(self) -> dict[str, Any]:
+        """The settings last published."""
+        return self.runner.current
+
+    @property
+    def published(self) -> Publish | None:
+        return self.runner.published
+
+    @property
+    def acks(self) -> dict[int, dict[str, Mapping[str, Any]]]:
+        return self.runner.acks
+
+    @property
+    def run(self) -> Run | None:
+        return self.runner.run
+
+    @property
+    def trial_started(self) -> float | None:
+        return self.runner.trial_started
+
+    @property
+    def tuner(self) -> Tuner | None:
+        return self.round.tuner
+
+    @property
+    def trials(self) -> list[TrialRecord]:
+        """The round's search trials."""
+        return self.round.trials
+
+    @property
+    def confirmations(self) -> list[TrialRecord]:
+        return self.round.confirmations
+
+    @property
+    def confirmed(self) -> Gain | None:
+        """The confirmations' gain, once judged."""
+        return self.round.confirmation.confirmed
+
+    @property
+    def best(self) -> tuple[dict[str, Any], float] | None:
+        """The best settings and their score (once confirmed: the confirmed ones)."""
+        return self.round.best
+
+    @property
+    def baseline(self) -> float | None:
+        return self.round.baseline
+
+    @property
+    def incumbent(self) -> TrialRecord | None:
+        return self.round.incumbent
+
+    @property
     def gain(self) -> float | None:
         """Best score over the baseline, minus one (once confirmed: 0 when no setting was
         better)."""
-        if self.confirmed is not None:
-            return self.confirmed.value if self.confirmed.better else 0.0
-        if self.best is None or not self.baseline:
-            return None
-        return self.best[1] / self.baseline - 1
+        return self.round.gain
+
+    def cost(self) -> Cost | None:
+        """What the round's tuning cost so far (:meth:`.rounds.Round.cost`)."""
+        return self.round.cost(self.config.objective, len(self.config.nodes))
+
+    def job_throughput(self, previous: Mapping[str, Progress]) -> float | None:
+        """The job's samples/s since ``previous``, in a trial score's unit
+        (:func:`.drift.job_throughput`)."""
+        return drift.job_throughput(self.progress, previous, self.members, len(self.config.nodes))
 
     def resuming_on(self, now: float) -> tuple[str, ...]:
         """The nodes a job waiting for its ranks waits for besides them: those of the
@@ -366,15 +233,9 @@ class JobTuning:
         telemetry comes back one by one; a job resumes where its round ran, rather than
         start over on the first nodes heard from). Empty when none."""
         state = self.state
-        start = self.restored.start
-        if (
-            not isinstance(state, lifecycle.WaitingForRanks)
-            or start is None
-            or now - state.since >= self.rules.ranks_wait_s
-        ):
+        if not isinstance(state, lifecycle.WaitingForRanks):
             return ()
-        nodes = start.get("nodes")
-        return tuple(n for n in nodes if isinstance(n, str)) if isinstance(nodes, list) else ()
+        return waits_on(self.restored, now - state.since, self.rules.ranks_wait_s)
 
     def wake_at(self) -> float | None:
         """When the machine needs a :class:`Tick` next (None: only events)."""
@@ -386,8 +247,8 @@ class JobTuning:
             times.append(state.retry_at)
         elif isinstance(state, lifecycle.WaitingForRanks) and not state.said:
             times.append(state.since + self.rules.ranks_wait_s)
-        elif isinstance(state, lifecycle.Tuned) and self._drift_at is not None:
-            times.append(self._drift_at)
+        elif isinstance(state, lifecycle.Tuned) and self.watch.at is not None:
+            times.append(self.watch.at)
         if self._empty_since is not None and not self.terminal:
             times.append(self._empty_since + self.config.end_after_s)
         return min(times) if times else None
@@ -397,16 +258,12 @@ class JobTuning:
         passed): a coordinator asked to stop once the jobs are tuned stops here."""
         if not self.done:
             return False
-        published = self.published
-        if self.terminal or published is None:
+        if self.terminal:
             return True
-        acked = self.acks.get(published.version, {})
-        if set(self.members.active) <= set(acked):
-            return True
-        return now - self.published_at >= self.config.ack_timeout_s
+        return self.runner.settled(self.members.active, now, self.config.ack_timeout_s)
 
     def in_play(self, version: int) -> bool:
-        return self.published is not None and version == self.published.version
+        return self.runner.in_play(version)
 
     # -- events --------------------------------------------------------------------------
 
@@ -424,11 +281,15 @@ class JobTuning:
         elif isinstance(event, Begin):
             self._begin(event, out)
         elif isinstance(event, Asked):
-            self._asked(event, out)
+            out += self.runner.asked(event, self.state, self.config, self.clock_now)
         elif isinstance(event, Ack):
-            self._ack(event, out)
+            taken = self.runner.ack(
+                event.now, self.clock_now, event.message, self.members, self._judge()
+            )
+            self._took(event.now, taken, out)
         elif isinstance(event, Report):
-            self._report(event, out)
+            taken = self.runner.report(event.now, event.message, self.members, self._judge())
+            self._took(event.now, taken, out)
         elif isinstance(event, NodeStatus):
             change = members.Online(event.node) if event.online else members.Offline(event.node)
             self._membership(change, out)
@@ -463,14 +324,14 @@ class JobTuning:
         if not isinstance(self.state, lifecycle.WaitingForRanks):
             return
         cfg = self.config = event.config
-        self.rules = self._rules(cfg, self.backoff)
+        self.rules = rules_of(cfg, self.backoff)
         self.members = Membership.of(cfg.nodes, {n: "offline" for n in event.offline})
         view = self._view
         if view is not None:
             self.knobs = {n: s.knobs for n, s in view.sightings.items() if s.knobs is not None}
         self.notes = event.plan.notes
         for note in event.plan.notes:
-            out.append(Say(logging.INFO, f"{self.job}: {note}"))
+            out.append(self.say.line(logging.INFO, note))
         if event.plan.failure is not None or event.plan.space is None:
             self._advance(lifecycle.Fail(event.plan.failure or "no search space"), out)
             return
@@ -478,19 +339,16 @@ class JobTuning:
         self.start = space.snap(event.start)
         journal = self.restored
         resume = None
-        if self._resumable(journal, space, cfg):
-            space = _space_from(journal.start["space"]) if journal.start else space
-            resume = self._replay(journal, space)
-            out.append(Say(logging.INFO, f"{self.job}: resumed {len(journal.trials)} trials"))
+        if resumable(journal, space, cfg):
+            space = space_from(journal.start["space"]) if journal.start else space
+            resumed = replay(journal, space, cfg, self.start, self.rules)
+            self.rounds, self.round = resumed.number, resumed.round
+            self.runner.retrying = resumed.retrying
+            resume = (resumed.state, resumed.actions)
+            out.append(self.say.resumed_round(len(journal.trials)))
         else:
             if journal.trials and journal.final is None:
-                out.append(
-                    Say(
-                        logging.WARNING,
-                        f"{self.job}: the journal's round does not fit this job's space "
-                        "(objective, power limits, knobs or nodes changed); the tuning starts over",
-                    )
-                )
+                out.append(self.say.starts_over())
             self._new_round(space, out)
         self.space = space
         if cfg.mode == "recommend":
@@ -501,108 +359,22 @@ class JobTuning:
             return
         self._advance(lifecycle.Ready(event.now, resume), out)
 
-    def _resumable(self, journal: JournalState, space: SearchSpace, cfg: JobTuningSection) -> bool:
-        start = journal.start
-        if start is None or (not journal.trials and journal.final is None):
-            return False
-        if start.get("fingerprint") != fingerprint(cfg) or "space" not in start:
-            return False
-        try:
-            saved = _space_from(start["space"])
-        except (TypeError, ValueError):
-            return False
-        if saved != space:
-            return False
-        if any(t["status"] in NOT_TRIALS for t in journal.trials):
-            return False
-        return all(saved.contains(t["settings"]) for t in journal.trials)
-
     def _new_round(
         self, space: SearchSpace, out: list[Effect], start: dict[str, Any] | None = None
     ) -> None:
-        cfg = self.config
         self.rounds += 1
-        self.tuner = Tuner(
-            space,
-            seed=cfg.seed + self.rounds - 1,
-            start=start or self.start,
-            objective=cfg.objective,
+        runs, last_good = self.rules.confirm_runs, self.round.last_good
+        self.round = Round.begin(
+            space, self.config, self.rounds, start or self.start, runs, last_good
         )
-        self.trials, self.confirmations, self.confirm_order = [], [], []
-        self.best = self.baseline = self.confirmed = None
-        self.incumbent = None
-        self.final_journalled = False
         self.restored = JournalState(version=self.version)
-        out.append(
-            Journal(
-                {
-                    "type": "start",
-                    "fingerprint": fingerprint(cfg),
-                    "space": dataclasses.asdict(space),
-                    "nodes": list(cfg.nodes),
-                    "round": self.rounds,
-                }
-            )
-        )
-
-    def _replay(
-        self, journal: JournalState, space: SearchSpace
-    ) -> tuple[lifecycle.State, tuple[lifecycle.Action, ...]]:
-        """Bring the tuner and the running best up to what the journal says happened, and the
-        state it says the round is in."""
-        cfg = self.config
-        self.rounds = max(journal.rounds, 1)
-        self.tuner = Tuner(
-            space, seed=cfg.seed + self.rounds - 1, start=self.start, objective=cfg.objective
-        )
-        for entry in journal.trials:
-            record = TrialRecord.from_journal(entry)
-            if record.confirmation:
-                self.confirmations.append(record)
-            else:
-                self._record(record)
-        if journal.confirm is not None:
-            self.confirm_order = [dict(s) for s in journal.confirm["order"]]
-        final = journal.final is not None and journal.measured
-        if final and journal.final is not None:
-            self.best = (journal.final["settings"], journal.final["score"])
-            self.baseline = journal.final.get("baseline")
-            self.last_good = journal.final["settings"]
-            self.final_journalled = True
-        in_flight = journal.in_flight
-        if in_flight is not None and in_flight.get("settings") is not None:
-            self.retrying = dict(in_flight["settings"])
-        facts = lifecycle.Journalled(
-            round=self.rounds,
-            searched=len(self.trials),
-            confirm_from=None if journal.confirm is None else int(journal.confirm["from"]),
-            confirmed=len(self.confirmations),
-            final=final,
-            converged=self._converged(),
-            candidate=self._confirm_pair() is not None,
-        )
-        state, actions = lifecycle.resumed(facts, self.rules)
-        return state, tuple(actions)
+        out.append(Journal(start_entry(self.config, space, self.rounds)))
 
     def _recommend(self, out: list[Effect]) -> None:
         assert self.space is not None and self.start is not None
-        if self.restored.final is not None:
-            self.recommendation = self.restored.final["settings"]
-            self.why = "the last finished tuning of this job"
-        else:
-            nodes = len(self.config.nodes)
-            table = self.space.recommended(nodes, self.start)
-            self.recommendation = table
-            self.why = (
-                f"BACKGROUND.md's table for {nodes} nodes on {self.config.backend} "
-                f"({table.get('allreduce')}, {table.get('chunk_kb')} KiB chunks, "
-                f"{table['bucket_mb']} MiB buckets) over the starting settings; "
-                "no measurement yet"
-            )
-        out.append(
-            Say(logging.INFO, f"{self.job}: recommend {self.recommendation} because {self.why}")
-        )
-        out.append(Status(f"{self.job}: recommending {self.recommendation}"))
+        final = self.restored.final
+        self.recommendation, self.why = recommendation(self.space, self.start, self.config, final)
+        out += self.say.recommending(self.recommendation, self.why)
 
     # -- the lifecycle -------------------------------------------------------------------
 
@@ -616,90 +388,62 @@ class JobTuning:
         )
         for action in actions:
             self._act(action, quiet, out)
-        if isinstance(self.state, lifecycle.Trial) and self.run is None and self._asking is None:
+        if (
+            isinstance(self.state, lifecycle.Trial)
+            and self.run is None
+            and self.runner.asking is None
+        ):
             self._start_run(event_now(event), out)
-        if isinstance(self.state, lifecycle.Tuned) and self._drift_at is None:
-            self._drift_at = event_now(event) + DRIFT_CHECK_S
-            self._drift_from = dict(self.progress)
+        if isinstance(self.state, lifecycle.Tuned):
+            self.watch.arm(event_now(event), self.progress)
 
     def _act(self, action: lifecycle.Action, quiet: bool, out: list[Effect]) -> None:
-        job = self.job
         if isinstance(action, lifecycle.SayMissing):
-            out.append(Say(logging.WARNING, f"{job}: waiting for {action.missing}"))
-            out.append(Status(f"{job}: waiting for {action.missing}"))
+            out += self.say.waiting(action.missing)
         elif isinstance(action, lifecycle.Rollback):
-            good = self.last_good or self._first_settings()
-            level = logging.DEBUG if quiet else logging.WARNING
-            missing = self._view.missing if self._view is not None else ""
-            if missing or self._empty_since is not None:
-                # a rank died: the job is over or restarting; nothing to roll back on it
-                gone = missing or "no rank attached"
-                out.append(Say(level, f"{job}: {action.why}; {gone}: not rolling back"))
-                return
-            out.append(Say(level, f"{job}: {action.why}; rolling back to {good}"))
-            self._publish(good, None, None, out)
+            self._rollback(action, quiet, out)
         elif isinstance(action, lifecycle.Pause):
-            paused = action.paused
-            out.append(
-                Journal(
-                    {
-                        "type": "paused",
-                        "trial": paused.trial,
-                        "version": self._last_version,
-                        "reason": paused.reason,
-                        "nodes": list(paused.nodes),
-                        "errors": self._last_errors,
-                    }
-                )
-            )
-            out.append(
-                Say(
-                    logging.WARNING,
-                    f"{job}: paused ({paused.reason}: "
-                    f"{', '.join(paused.nodes) or 'no node answered'}{self._errors_text()}); "
-                    "retrying the same settings in "
-                    f"{self.backoff.delay_s(paused.attempt):.0f}s, then with back-off",
-                )
-            )
-            out.append(
-                Status(f"{job}: paused, {paused.reason}: {', '.join(paused.nodes) or 'no node'}")
-            )
+            self._pause(action.paused, out)
         elif isinstance(action, lifecycle.Retry):
             self.retries += 1
         elif isinstance(action, lifecycle.Resume):
-            attempts = action.paused.attempt + 1
-            out.append(
-                Say(
-                    logging.INFO,
-                    f"{job}: resumed after {attempts} retr{'y' if attempts == 1 else 'ies'} "
-                    f"({action.paused.reason})",
-                )
-            )
+            out += self.say.resumed(action.paused)
         elif isinstance(action, lifecycle.Confirm):
             self._begin_confirm(out)
         elif isinstance(action, lifecycle.Finish):
             self._conclude(out)
         elif isinstance(action, lifecycle.Retune):
-            out.append(
-                Say(logging.WARNING, f"{job}: throughput drifted below the tuned score; re-tuning")
-            )
+            out.append(self.say.retuning())
             assert self.space is not None
             self._new_round(self.space, out, start=self.best[0] if self.best else None)
-            self._drift_at = None
+            self.watch.disarm()
         elif isinstance(action, lifecycle.Stop):
-            self.run = None
-            self._asking = None
-            self.trial_started = None
+            self.runner.stop()
             failed = isinstance(self.state, lifecycle.Failed)
             out.append(Journal({"type": "ended", "reason": action.reason, "failed": failed}))
-            level = logging.ERROR if failed else logging.INFO
-            what = "failed" if failed else "ended"
-            out.append(Say(level, f"{job}: {what}: {action.reason}"))
-            out.append(Status(f"{job}: {what}, {action.reason}"))
+            out += self.say.ended(action.reason, failed)
 
-    def _errors_text(self) -> str:
-        errors = self._last_errors
-        return "; " + "; ".join(f"{n}: {e}" for n, e in errors.items()) if errors else ""
+    def _rollback(self, action: lifecycle.Rollback, quiet: bool, out: list[Effect]) -> None:
+        good = self.round.last_good or self._first_settings()
+        missing = self._view.missing if self._view is not None else ""
+        # a rank died: the job is over or restarting; nothing to roll back on it
+        gone = missing or ("no rank attached" if self._empty_since is not None else "")
+        out.append(self.say.rollback(action.why, good, gone, quiet))
+        if not gone:
+            out += self.runner.publish(good, None, None, self.nodes, self.clock_now)
+
+    def _pause(self, paused: lifecycle.Paused, out: list[Effect]) -> None:
+        errors = self.runner.last_errors
+        entry = {
+            "type": "paused",
+            "trial": paused.trial,
+            "version": self.runner.last_version,
+            "reason": paused.reason,
+            "nodes": list(paused.nodes),
+            "errors": errors,
+        }
+        out.append(Journal(entry))
+        out += self.say.paused(paused, errors, self.backoff.delay_s(paused.attempt))
 
     def _tick(self, now: float, out: list[Effect]) -> None:
         if self.terminal:
@@ -710,18 +454,15 @@ class JobTuning:
             return
         state = self.state
         if isinstance(state, lifecycle.WaitingForRanks):
-            self._waiting(now, out)
+            view = self._view
+            missing = view.missing if view is not None else "its ranks"
+            self._advance(lifecycle.RanksTick(now, missing or "its ranks"), out)
         elif self.run is not None:
             self._progress_run(now, out)
         elif isinstance(state, lifecycle.Paused | lifecycle.WaitingForQuorum):
             self._tick_pause(now, out)
         elif isinstance(state, lifecycle.Tuned):
             self._watch(now, out)
-
-    def _waiting(self, now: float, out: list[Effect]) -> None:
-        view = self._view
-        missing = view.missing if view is not None else "its ranks"
-        self._advance(lifecycle.RanksTick(now, missing or "its ranks"), out)
 
     def _tick_pause(self, now: float, out: list[Effect]) -> None:
         if isinstance(self.state, lifecycle.Paused | lifecycle.WaitingForQuorum):
@@ -732,594 +473,105 @@ class JobTuning:
                 and isinstance(self.state, lifecycle.WaitingForQuorum)
                 and before.attempt == 0
             ):
-                lost = ", ".join(f"{n} {why}" for n, why in sorted(self.members.out.items()))
-                out.append(
-                    Say(
-                        logging.WARNING,
-                        f"{self.job}: fewer than half the nodes answer (out: {lost});"
-                        " waiting for them",
-                    )
-                )
-                out.append(Status(f"{self.job}: paused, waiting for nodes"))
+                out += self.say.quorum_lost(self.members.out)
+
+    def _watch(self, now: float, out: list[Effect]) -> None:
+        tuned = self.best[1] if self.best is not None else None
+        reading = self.watch.check(now, self.progress, self.members, self.config, tuned)
+        if reading is None:
+            return
+        if reading.below:
+            out.append(self.say.line(logging.DEBUG, reading.describe()))
+        self._advance(lifecycle.Drift(now, reading.below, self.config.drift_sustained_s), out)
 
     # -- runs ----------------------------------------------------------------------------
 
     def _start_run(self, now: float, out: list[Effect]) -> None:
         state = self.state
         assert isinstance(state, lifecycle.Trial)
+        settings: dict[str, Any] | None
         if state.phase == "confirm":
-            settings = self.confirm_order[state.trial - state.confirm_from]
-        elif self.retrying is not None:
-            settings = self.retrying
+            settings = self.round.confirmation.settings(state.trial - state.confirm_from)
         else:
-            assert self.tuner is not None
-            self._tokens += 1
-            self._asking = self._tokens
-            out.append(Ask(self._tokens, self.tuner))
-            return
-        self._launch(now, settings, out)
+            settings = self.runner.retrying
+        out += self.runner.start(state, settings, self.tuner, self.config, self.clock_now, now)
 
-    def _asked(self, event: Asked, out: list[Effect]) -> None:
-        if event.token != self._asking or not isinstance(self.state, lifecycle.Trial):
-            return
-        self._asking = None
-        self._launch(event.now, dict(event.settings), out)
-
-    def _launch(self, now: float, settings: dict[str, Any], out: list[Effect]) -> None:
-        state = self.state
-        assert isinstance(state, lifecycle.Trial)
-        self.retrying = settings
-        plan = self._plan(settings)
-        self._publish(settings, plan, state.trial, out)
-        assert self.published is not None
-        self.trial_started = now
-        self.run = Run(
-            state.trial,
-            state.phase,
-            settings,
-            self.published.version,
-            plan,
-            now,
-            now + self.config.ack_timeout_s,
-        )
-
-    def _publish(
-        self,
-        settings: dict[str, Any],
-        plan: MeasurementPlan | None,
-        trial: int | None,
-        out: list[Effect],
-    ) -> None:
-        self.version += 1
-        self.current = dict(settings)
-        publish = Publish(self.version, dict(settings), plan, trial, self.members.nodes)
-        self.published = publish
-        self.published_at = self.clock_now
-        self.acks = {self.version: {}}
-        out.append(
-            Journal(
-                {"type": "published", "version": self.version, "trial": trial, "settings": settings}
-            )
-        )
-        out.append(publish)
-
-    def _plan(self, settings: Mapping[str, Any]) -> MeasurementPlan:
-        p = self.config.plan
-        settle_s = p.settle_s
-        if self.current.get("power_cap_w") != settings.get("power_cap_w"):
-            latency = self.cap_latency_s
-            cap_settle = (
-                3 * POWER_AVERAGING_WINDOW_S
-                if latency is None
-                else latency + POWER_AVERAGING_WINDOW_S
-            )
-            settle_s = max(settle_s, cap_settle)
-        return MeasurementPlan(
-            p.settle_steps,
-            settle_s,
-            p.measure_steps,
-            p.measure_s,
-            p.windows,
-            p.target_rel_se,
-            p.max_windows,
-        )
-
-    def _ack(self, event: Ack, out: list[Effect]) -> None:
-        message = event.message
-        node = str(message["node"])
-        if node not in self.members.nodes or not self.in_play(int(message["version"])):
-            return
-        applied = message.get("applied") or {}
-        latency = applied.get("power_cap_latency_s")
-        if isinstance(latency, int | float) and 0 <= latency < 60:
-            self.cap_latency_s = max(self.cap_latency_s or 0.0, float(latency))
-        newer = applied.get("version")
-        if not message["ok"] and isinstance(newer, int) and newer >= int(message["version"]):
-            self._jump(newer, out)
-            return
-        run = self.run
-        self.acks.setdefault(int(message["version"]), {})[node] = message
-        if message.get("stalled") is True:
-            self._membership(members.Stalled(node, int(message["version"])), out)
-        else:
-            self._membership(members.Answered(node, "its ack"), out)
-        if run is not None and run.version == message["version"]:
-            run.acks[node] = message
-            self._progress_run(event.now, out)
-
-    def _jump(self, applied: int, out: list[Effect]) -> None:
-        """Agents apply a version this coordinator did not know of (its journal lost, or
-        retained settings not seen yet): publish the same again above it."""
-        published = self.published
-        if published is None or applied < published.version:
-            return
-        self.version = max(self.version, applied)
-        out.append(
-            Say(
-                logging.WARNING,
-                f"{self.job}: agents apply v{applied} already; publishing again above it",
-            )
-        )
-        run = self.run
-        self._publish(published.settings, published.plan, published.trial, out)
-        if run is not None and self.published is not None:
-            run.version = self.published.version
-            run.acks.clear()
-            run.reports.clear()
-            run.partials.clear()
-
-    def _report(self, event: Report, out: list[Effect]) -> None:
-        message = event.message
-        node = str(message["node"])
-        version = int(message["version"])
-        run = self.run
-        if node not in self.members.nodes or not self.in_play(version):
-            return
-        if message.get("stalled") is True:
-            self._membership(members.Stalled(node, version), out)
-            if run is not None:
-                run.partials.pop(node, None)
-                run.reports[node] = message
-        else:
-            self._membership(members.Answered(node, "its report"), out)
-            if run is not None:
-                table = run.partials if message.get("partial") else run.reports
-                table[node] = message
-        self._progress_run(event.now, out)
+    def _judge(self) -> Judge:
+        return Judge(self.config, self.round.baseline, self.round.incumbent)
 
     def _membership(self, event: members.Event, out: list[Effect]) -> None:
         self.members, changes = members.step(self.members, event)
-        for change in changes:
-            if change.after is None:
-                back = f"{change.why}; it was out: {change.before}"
-                text = f"{self.job}: node {change.node} is back ({back})"
-                out.append(Say(logging.INFO, text))
-            else:
-                why = f"{change.after}: {change.why}"
-                text = f"{self.job}: node {change.node} excluded from scoring ({why})"
-                out.append(Say(logging.WARNING, text))
+        out += self.say.changes(changes)
 
     def _progress_run(self, now: float, out: list[Effect]) -> None:
-        """See whether the run in play is over: its acks in (or their deadline), its
-        measurements in (or theirs, or an early abort)."""
-        run = self.run
-        if run is None:
+        """See whether the run in play is over, and end it."""
+        self._took(now, self.runner.look(now, self.members, self._judge()), out)
+
+    def _took(self, now: float, taken: Taken, out: list[Effect]) -> None:
+        """Carry out what the runner made of an event; record the run it ended."""
+        out += taken.effects
+        self.members = taken.members
+        out += self.say.changes(taken.changes)
+        if taken.stopped is not None:
+            out.append(self.say.line(logging.INFO, taken.stopped))
+        record = taken.record
+        if record is None:
             return
-        active = set(self.members.active)
-        if not run.measuring:
-            if not active <= set(run.acks) and now < run.deadline:
-                return
-            outcome = self._acks_outcome(run, out)
-            if outcome is None:
-                run.measuring = True
-                run.deadline = now + self.config.trial_timeout_s
-                return
-        else:
-            answered = set(run.reports)
-            if active <= answered or now >= run.deadline or self._should_abort(run):
-                outcome = self._measure_outcome(run, out)
-            else:
-                early = self._judge_early(run)
-                if early is None:
-                    return
-                outcome = early
-                self._say_stopped(run, early, out)
-        self._end_run(now, run, outcome, out)
-
-    def _acks_outcome(self, run: Run, out: list[Effect]) -> Outcome | None:
-        """Why the run cannot be measured, after its acks; None: it goes on to measuring."""
-        acks = run.acks
-        refused = {n: a for n, a in acks.items() if not a["ok"]}
-        if refused:
-            errors = {n: str(a.get("error")) for n, a in refused.items()}
-            kinds = {a.get("refusal") for a in refused.values()}
-            status = "rejected" if kinds <= SETTINGS_REFUSALS else "refused"
-            return Outcome(status, nodes=tuple(sorted(refused)), errors=errors)
-        silent = tuple(n for n in self.members.active if n not in acks)
-        if silent:
-            self._membership(members.Silent(silent, run.version), out)
-        if not acks:
-            return Outcome("no_ack", nodes=tuple(self.members.nodes))
-        if not self.members.quorum():
-            return Outcome(
-                "lost_nodes", nodes=tuple(n for n in self.members.nodes if n not in acks)
-            )
-        return None
-
-    def _should_abort(self, run: Run) -> bool:
-        """Every active node's partial measurement puts the search trial below the abort
-        line."""
-        if run.phase != "search" or self.baseline is None or not self.config.abort_below:
-            return False
-        active = self.members.active
-        if not active or not set(active) <= set(run.partials):
-            return False
-        partial = self._score([run.partials[n] for n in active])
-        return partial is not None and partial < self.config.abort_below * self.baseline
-
-    def _judge_early(self, run: Run) -> Outcome | None:
-        """The run stopped early (:mod:`~hyperagent.tuner.early`): a search trial but the
-        baseline, every active node's windows so far (its final report, else its latest
-        partial) clearly worse than the incumbent's, or clearly better where the rule allows:
-        for throughput; for energy when every node reports energy per window; never under a
-        power budget, which a partial report cannot tell a trial keeps. None: measure on."""
-        cfg = self.config
-        incumbent = self.incumbent
-        if not cfg.early_stop or run.phase != "search" or run.trial == 0 or incumbent is None:
-            return None
-        reports: dict[str, Mapping[str, Any]] = {}
-        for node in self.members.active:
-            report = run.reports.get(node) or run.partials.get(node)
-            if report is None or report.get("stalled") or report.get("nonfinite_loss"):
-                return None
-            reports[node] = report
-        if not reports:
-            return None
-        nodes = len(cfg.nodes)
-        windows = window_scores(list(reports.values()), cfg.objective, nodes)
-        against = window_scores(list(incumbent.reports.values()), cfg.objective, nodes)
-        if cfg.power_budget_w is not None:
-            rule = EarlyStop(stop_better=False)
-        else:
-            rule = EarlyStop.for_objective(cfg.objective, energy_windows=bool(windows))
-        verdict = rule.judge(windows, against)
-        if verdict is Verdict.MEASURE_ON:
-            return None
-        mean, noise = told(windows)
-        return Outcome(STOPPED_EARLY, dict(reports), mean, noise, verdict=str(verdict))
-
-    def _say_stopped(self, run: Run, outcome: Outcome, out: list[Effect]) -> None:
-        incumbent = self.incumbent
-        assert incumbent is not None
-        cfg = self.config
-        nodes = len(cfg.nodes)
-        windows = window_scores(list(outcome.reports.values()), cfg.objective, nodes)
-        against = window_scores(list(incumbent.reports.values()), cfg.objective, nodes)
-        gain = compare(against, windows)
-        judged = f" ({gain.describe()})" if gain is not None else ""
-        out.append(
-            Say(
-                logging.INFO,
-                f"{self.job}: trial {run.trial} stopped after {len(windows)} windows: "
-                f"{outcome.verdict} than trial {incumbent.index}{judged}",
-            )
-        )
-
-    def _measure_outcome(self, run: Run, out: list[Effect]) -> Outcome:
-        active = self.members.active
-        if self._should_abort(run) and not set(active) <= set(run.reports):
-            reports = {n: run.partials[n] for n in active}
-            return Outcome("aborted", reports, self._score(list(reports.values())))
-        measured = {n: r for n, r in run.reports.items() if not r.get("stalled")}
-        unmeasured = [n for n in active if n not in measured]
-        if unmeasured:
-            self._membership(members.Unmeasured(tuple(unmeasured), run.version), out)
-        blind: list[str] = []
-        if self._needs_energy():
-            blind = [n for n in self.members.active if measured[n].get("energy_j") is None]
-            if blind:
-                event = members.Unmeasured(tuple(blind), run.version, "no energy reading")
-                self._membership(event, out)
-        reports = {n: measured[n] for n in self.members.active if n in measured}
-        usable = list(reports.values())
-        if not usable or not self.members.quorum():
-            missing = tuple(n for n in self.members.nodes if n not in reports)
-            no_energy = bool(missing) and set(missing) <= set(blind)
-            return Outcome("no_energy" if no_energy else "timeout", nodes=missing)
-        if any(r["nonfinite_loss"] for r in usable):
-            return Outcome("nonfinite_loss", reports)
-        if any(r.get("xid_errors") for r in usable):
-            return Outcome("xid", reports)
-        value = self._score(usable)
-        noise = score_noise(usable, self.config.objective, len(self.config.nodes))
-        return Outcome("ok" if value is not None else "infeasible", reports, value, noise)
-
-    def _needs_energy(self) -> bool:
-        return self.config.objective == "energy" or self.config.power_budget_w is not None
-
-    def _score(self, reports: list[Mapping[str, Any]]) -> float | None:
-        cfg = self.config
-        return score(reports, cfg.objective, len(cfg.nodes), cfg.power_budget_w)
-
-    def _end_run(self, now: float, run: Run, outcome: Outcome, out: list[Effect]) -> None:
-        self.run = None
-        self.trial_started = None
-        state = self.state
-        assert isinstance(state, lifecycle.Trial)
-        record = TrialRecord(
-            run.trial,
-            run.version,
-            run.settings,
-            outcome.score,
-            outcome.status,
-            {n: dict(r) for n, r in outcome.reports.items()},
-            now - run.began,
-            outcome.noise,
-            confirmation=run.phase == "confirm",
-            acks={n: dict(a) for n, a in run.acks.items()},
-            nodes=outcome.nodes,
-            errors=outcome.errors,
-            verdict=outcome.verdict,
-        )
-        self._last_errors = outcome.errors
         if record.status in TRIALS:
-            self.retrying = None
             out.append(Journal(record.to_journal()))
-            if record.confirmation:
-                self.confirmations.append(record)
-            else:
-                self._record(record)
+            self.round.add(record)
             out.append(Measured(record))
-            best = f"{self.best[1]:.4g}" if self.best else "none"
             if record.confirmation:
-                progress = f"confirm {len(self.confirmations)}/{self.rules.confirm_runs}"
+                done, budget = len(self.confirmations), self.rules.confirm_runs
             else:
-                progress = f"trial {len(self.trials)}/{self.config.trials}"
-            out.append(Status(f"{self.job}: {progress}, best {best}"))
-        self._last_version = run.version
+                done, budget = len(self.trials), self.config.trials
+            out.append(self.say.progress(record.confirmation, done, budget, self.best))
         event = lifecycle.RunEnded(
             record.status,
             now,
             record.nodes,
-            converged=not record.confirmation and self._converged(),
-            candidate=self._confirm_pair() is not None,
+            converged=not record.confirmation and self.round.converged(self.config.patience),
+            candidate=self._to_confirm() is not None,
         )
         self._advance(event, out)
 
-    def _record(self, trial: TrialRecord) -> None:
-        """Account a finished search trial in the tuner and the running best."""
-        assert self.tuner is not None
-        self.trials.append(trial)
-        if trial.score is not None and trial.status in ("ok", STOPPED_EARLY):
-            self.tuner.tell(trial.settings, trial.score, noise=trial.noise)
-            if self.baseline is None and trial.index == 0 and trial.status == "ok":
-                self.baseline = trial.score
-            if self.best is None or (trial.score > self.best[1] and trial.verdict != "worse"):
-                self.best = (trial.settings, trial.score)
-                self.incumbent = trial
-            if self.last_good is None or self.best[0] == trial.settings:
-                self.last_good = trial.settings
-        elif trial.score is not None:  # aborted: a real, bad partial measurement
-            self.tuner.tell(trial.settings, trial.score)
-        else:
-            scores = [s for _, s in self.tuner.observations]
-            self.tuner.tell(trial.settings, 0.5 * min(scores) if scores else 0.0)
-
-    def _converged(self) -> bool:
-        tuner, patience = self.tuner, self.config.patience
-        return (
-            self.best is not None
-            and tuner is not None
-            and tuner.n_told >= patience
-            and tuner.converged(patience)
-        )
-
     def _first_settings(self) -> dict[str, Any]:
-        if self.trials:
-            return self.trials[0].settings
-        if self.start is not None:
-            return self.start
-        assert self.space is not None
-        return self.space.snap(self.space.defaults())
+        return self.round.first_settings(self.start, self.space)
 
     # -- confirmations and the end -------------------------------------------------------
 
-    def _confirm_pair(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """The start and the settings to confirm against it: the best, or, when the start
-        measured best once, the best of the others; None when there is nothing to compare."""
-        if self.best is None or self.tuner is None:
-            return None
-        start = self._first_settings()
-        best = (self.tuner.best or self.best)[0]
-        if best != start:
-            return start, best
-        others = [
-            t for t in self.trials if t.status in ("ok", STOPPED_EARLY) and t.settings != start
-        ]
-        if not others:
-            return None
-        return start, max(others, key=lambda t: t.score or 0.0).settings
+    def _to_confirm(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        return self.round.to_confirm(self._first_settings())
 
     def _begin_confirm(self, out: list[Effect]) -> None:
         state = self.state
         assert isinstance(state, lifecycle.Trial)
-        if not self.confirm_order:
-            pair = self._confirm_pair()
-            assert pair is not None
-            start, best = pair
-            order = [start, best, best, start] * CONFIRM_ROUNDS
-            self.confirm_order = order[: self.rules.confirm_runs]
-            out.append(
-                Journal(
-                    {"type": "confirm", "from": state.confirm_from, "order": self.confirm_order}
-                )
-            )
+        order = self.round.plan_confirmations(self._first_settings())
+        if order is not None:
+            out.append(Journal({"type": "confirm", "from": state.confirm_from, "order": order}))
 
     def _conclude(self, out: list[Effect]) -> None:
         """The round's end: judge the confirmations (if any), publish the final settings."""
-        if self.confirm_order and len(self.confirmations) >= self.rules.confirm_runs:
-            self._judge_confirmations(out)
-        if self.best is None and self.trials:
-            first = self._first_settings()
-            self.best = (first, self.baseline or 0.0)
-        final = self.best[0] if self.best else (self.last_good or self._first_settings())
-        self._publish(final, None, None, out)
+        tuned, cfg = self.round, self.config
+        judged, final = tuned.conclude(self._first_settings(), cfg.objective, len(cfg.nodes))
+        if judged is not None:
+            level = logging.INFO if judged.gain is not None else logging.WARNING
+            out.append(self.say.line(level, judged.text))
+        out += self.runner.publish(final, None, None, self.nodes, self.clock_now)
         self.final_version = self.version
-        if not self.final_journalled:
-            confirmed = self.confirmed
-            self.final_journalled = True
+        if not tuned.final_journalled:
+            tuned.final_journalled = True
             spent = self.cost()
-            out.append(
-                Journal(
-                    {
-                        "type": "final",
-                        "version": self.final_version,
-                        "settings": final,
-                        "score": self.best[1] if self.best else None,
-                        "baseline": self.baseline,
-                        **(
-                            {
-                                "gain": confirmed.value,
-                                "gain_low": confirmed.low,
-                                "gain_high": confirmed.high,
-                                "better": confirmed.better,
-                            }
-                            if confirmed is not None
-                            else {}
-                        ),
-                        **(
-                            {
-                                "cost": {
-                                    "seconds": spent.seconds,
-                                    "samples_lost": spent.lost,
-                                    "samples_lost_ratio": spent.lost_ratio,
-                                    "break_even_s": spent.break_even_s,
-                                }
-                            }
-                            if spent is not None
-                            else {}
-                        ),
-                    }
-                )
-            )
-            out.append(
-                Say(
-                    logging.INFO,
-                    f"{self.job}: best {final} score {self.best[1] if self.best else None} "
-                    f"gain {self.gain}" + (f"; {spent.describe()}" if spent else ""),
-                )
-            )
-        self.last_good = final
-        out.append(Status(f"{self.job}: tuned"))
-
-    def _judge_confirmations(self, out: list[Effect]) -> None:
-        start, best = self.confirm_order[0], self.confirm_order[1]
-        gain = self.confirmed_gain(start, best)
-        self.confirmed = gain
-        if gain is None:
-            out.append(
-                Say(
-                    logging.WARNING, f"{self.job}: the confirmations measured too little to compare"
-                )
-            )
-            return
-        self.baseline = gain.baseline
-        if gain.better:
-            self.best = (best, gain.best)
-            out.append(
-                Say(logging.INFO, f"{self.job}: {gain.describe()} over the baseline, confirmed")
-            )
-        else:
-            self.best = (start, gain.baseline)
-            out.append(
-                Say(
-                    logging.INFO,
-                    f"{self.job}: no setting was better than the baseline (best candidate "
-                    f"{gain.describe()})",
-                )
-            )
-
-    def cost(self) -> Cost | None:
-        """What the round's tuning cost so far against its start (:mod:`.cost`), the
-        break-even at its final settings once it has them; None before the start was
-        measured."""
-        key = (self.rounds, len(self.trials), len(self.confirmations), self.final_journalled)
-        if self._cost is not None and self._cost[0] == key:
-            return self._cost[1]  # /metrics asks on every journal write, of every job
-        entries = sorted(
-            (t.to_journal() for t in (*self.trials, *self.confirmations)),
-            key=lambda e: e["index"],
-        )
-        final = None
-        if self.final_journalled and self.best is not None:
-            final = {"settings": self.best[0], "score": self.best[1], "baseline": self.baseline}
-        cost = round_cost(entries, final, self.config.objective, len(self.config.nodes))
-        self._cost = (key, cost)
-        return cost
-
-    def confirmed_gain(self, start: Mapping[str, Any], best: Mapping[str, Any]) -> Gain | None:
-        """The best settings against the baseline from the confirmations that measured them."""
-        cfg = self.config
-        samples: dict[str, list[float]] = {"start": [], "best": []}
-        for record in self.confirmations:
-            if record.status != "ok" or record.settings not in (start, best):
-                continue
-            which = "start" if record.settings == start else "best"
-            samples[which] += trial_samples(
-                list(record.reports.values()), cfg.objective, len(cfg.nodes)
-            )
-        return compare(samples["start"], samples["best"])
-
-    # -- after tuning --------------------------------------------------------------------
-
-    def job_throughput(self, previous: Mapping[str, Progress]) -> float | None:
-        """The job's samples/s since ``previous``, in a trial score's unit: a node's rate is
-        the sum over its ranks, the nodes' mean scaled to the job's node count."""
-        rates = []
-        out = self.members.out
-        for node, now in self.progress.items():
-            before = previous.get(node)
-            if before is not None and node not in out and node in self.members.nodes:
-                d_samples, d_step = now.samples - before.samples, now.step_s - before.step_s
-                if d_step > 0 and d_samples >= 0:
-                    rates.append(d_samples / (d_step / now.ranks))
-        if not rates:
-            return None
-        return statistics.fmean(rates) * len(self.config.nodes)
-
-    def _watch(self, now: float, out: list[Effect]) -> None:
-        if self._drift_at is None or now < self._drift_at:
-            return
-        self._drift_at = now + DRIFT_CHECK_S
-        previous, self._drift_from = self._drift_from, dict(self.progress)
-        cfg = self.config
-        if cfg.objective != "throughput" or cfg.mode != "tune" or self.best is None:
-            return
-        rate = self.job_throughput(previous)
-        if rate is None or not math.isfinite(rate):
-            return
-        tuned = self.best[1]
-        below = rate < (1 - cfg.drift_threshold) * tuned
-        if below:
-            out.append(
-                Say(
-                    logging.DEBUG,
-                    f"{self.job}: throughput {rate:.4g} is {100 * (1 - rate / tuned):.0f}% below"
-                    f" the tuned {tuned:.4g}",
-                )
-            )
-        self._advance(lifecycle.Drift(now, below, cfg.drift_sustained_s), out)
+            out.append(Journal(tuned.final_entry(self.final_version, final, spent)))
+            score = tuned.best[1] if tuned.best else None
+            out.append(self.say.tuned(final, score, self.gain, spent))
+        tuned.last_good = final
+        out.append(self.say.status("tuned"))
 
 
 def event_now(event: lifecycle.Event) -> float:
     """The time an event carries (0 for one without)."""
     return float(getattr(event, "now", 0.0))
-
-
-def _space_from(data: Mapping[str, Any]) -> SearchSpace:
-    """A SearchSpace from its journalled form (``dataclasses.asdict``)."""
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-    return SearchSpace(**fields)
 
 
 __all__ = [
@@ -1329,6 +581,8 @@ __all__ = [
     "Ask",
     "Asked",
     "Begin",
+    "Effect",
+    "Event",
     "JobTuning",
     "Journal",
     "Measured",
@@ -1340,5 +594,6 @@ __all__ = [
     "Status",
     "Steps",
     "Tick",
+    "TrialCallback",
     "VersionSeen",
 ]

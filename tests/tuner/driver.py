@@ -200,3 +200,43 @@ def begin(
         start["power_cap_w"] = cfg.power_limits_w[1]
     driver.feed(tuning.Begin(0.0, cfg, plan_space(cfg, v), start))
     return driver
+
+
+def trial_entry(
+    index: int,
+    settings: dict[str, Any],
+    throughput: float | None,
+    seconds: float = 10.0,
+    status: str = "ok",
+    nodes: int = 2,
+    energy_per_s: float | None = None,
+    confirmation: bool = False,
+) -> dict[str, Any]:
+    """A journal trial entry whose ``nodes`` nodes each measured half the job's rate for 5 s."""
+    reports: dict[str, Any] = {}
+    if throughput is not None:
+        for n in range(nodes):
+            reports[f"node-{n}"] = {
+                "throughput": throughput / nodes,
+                "samples": throughput / nodes * 5,
+                "seconds": 5.0,
+                "energy_j": None if energy_per_s is None else energy_per_s / nodes * 5,
+                "windows": [throughput / nodes] * 4,
+            }
+    if status == "ok" and throughput is not None:
+        score: float | None = throughput
+        if energy_per_s is not None:
+            score = throughput / energy_per_s
+    else:
+        score = None
+    return {
+        "type": "trial",
+        "index": index,
+        "version": index + 1,
+        "settings": settings,
+        "score": score,
+        "status": status,
+        "reports": reports,
+        "seconds": seconds,
+        **({"confirmation": True} if confirmation else {}),
+    }

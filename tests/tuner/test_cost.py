@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tuner.driver import trial_entry
 
 from hyperagent.tuner.cost import (
     Span,
@@ -22,46 +23,6 @@ BEST = {"bucket_mb": 64, "chunk_kb": 4096}
 BAD = {"bucket_mb": 1, "chunk_kb": 64}
 
 
-def entry(
-    index: int,
-    settings: dict[str, Any],
-    throughput: float | None,
-    seconds: float = 10.0,
-    status: str = "ok",
-    nodes: int = 2,
-    energy_per_s: float | None = None,
-    confirmation: bool = False,
-) -> dict[str, Any]:
-    """A journal trial entry whose ``nodes`` nodes each measured half the job's rate for 5 s."""
-    reports: dict[str, Any] = {}
-    if throughput is not None:
-        for n in range(nodes):
-            reports[f"node-{n}"] = {
-                "throughput": throughput / nodes,
-                "samples": throughput / nodes * 5,
-                "seconds": 5.0,
-                "energy_j": None if energy_per_s is None else energy_per_s / nodes * 5,
-                "windows": [throughput / nodes] * 4,
-            }
-    if status == "ok" and throughput is not None:
-        score: float | None = throughput
-        if energy_per_s is not None:
-            score = throughput / energy_per_s
-    else:
-        score = None
-    return {
-        "type": "trial",
-        "index": index,
-        "version": index + 1,
-        "settings": settings,
-        "score": score,
-        "status": status,
-        "reports": reports,
-        "seconds": seconds,
-        **({"confirmation": True} if confirmation else {}),
-    }
-
-
 def journal_of(
     tmp_path: Path, entries: list[dict[str, Any]], nodes: int = 2, name: str = "job"
 ) -> Journal:
@@ -76,7 +37,8 @@ def journal_of(
 def test_a_bad_trial_costs_its_shortfall_and_the_best_wins_it_back(tmp_path: Path) -> None:
     # start 1000 samples/s for 10 s, a candidate at half the rate for 10 s, the best at 1100
     journal = journal_of(
-        tmp_path, [entry(0, START, 1000.0), entry(1, BAD, 500.0), entry(2, BEST, 1100.0)]
+        tmp_path,
+        [trial_entry(0, START, 1000.0), trial_entry(1, BAD, 500.0), trial_entry(2, BEST, 1100.0)],
     )
     cost = journal_cost(journal.load(), "throughput")
     assert cost is not None
@@ -93,11 +55,11 @@ def test_the_final_entry_gives_the_confirmed_baseline_and_best(tmp_path: Path) -
     journal = journal_of(
         tmp_path,
         [
-            entry(0, START, 1000.0),
-            entry(1, BAD, 500.0),
-            entry(2, BEST, 1100.0),
-            entry(3, START, 1000.0, confirmation=True),
-            entry(4, BEST, 1050.0, confirmation=True),
+            trial_entry(0, START, 1000.0),
+            trial_entry(1, BAD, 500.0),
+            trial_entry(2, BEST, 1100.0),
+            trial_entry(3, START, 1000.0, confirmation=True),
+            trial_entry(4, BEST, 1050.0, confirmation=True),
         ],
     )
     journal.append(
@@ -113,7 +75,7 @@ def test_the_final_entry_gives_the_confirmed_baseline_and_best(tmp_path: Path) -
 
 
 def test_a_tuning_that_found_nothing_better_never_breaks_even(tmp_path: Path) -> None:
-    journal = journal_of(tmp_path, [entry(0, START, 1000.0), entry(1, BAD, 400.0)])
+    journal = journal_of(tmp_path, [trial_entry(0, START, 1000.0), trial_entry(1, BAD, 400.0)])
     journal.append(
         {"type": "final", "version": 3, "settings": START, "score": 1000.0, "baseline": 1000.0}
     )
@@ -124,7 +86,7 @@ def test_a_tuning_that_found_nothing_better_never_breaks_even(tmp_path: Path) ->
 
 
 def test_a_tuning_that_trained_faster_than_the_start_cost_nothing(tmp_path: Path) -> None:
-    journal = journal_of(tmp_path, [entry(0, START, 1000.0), entry(1, BEST, 1500.0)])
+    journal = journal_of(tmp_path, [trial_entry(0, START, 1000.0), trial_entry(1, BEST, 1500.0)])
     cost = journal_cost(journal.load(), "throughput")
     assert cost is not None
     assert cost.lost == pytest.approx(-5000.0) and cost.lost_ratio < 0
@@ -135,9 +97,9 @@ def test_unmeasured_trials_count_as_the_start(tmp_path: Path) -> None:
     journal = journal_of(
         tmp_path,
         [
-            entry(0, START, 1000.0),
-            entry(1, BAD, None, seconds=2.0, status="rejected"),
-            entry(2, BEST, 1100.0),
+            trial_entry(0, START, 1000.0),
+            trial_entry(1, BAD, None, seconds=2.0, status="rejected"),
+            trial_entry(2, BEST, 1100.0),
         ],
     )
     cost = journal_cost(journal.load(), "throughput")
@@ -147,17 +109,19 @@ def test_unmeasured_trials_count_as_the_start(tmp_path: Path) -> None:
 
 
 def test_aborted_trials_cost_their_partial_rate(tmp_path: Path) -> None:
-    aborted = entry(1, BAD, 300.0, seconds=4.0, status="aborted")
-    journal = journal_of(tmp_path, [entry(0, START, 1000.0), aborted, entry(2, BEST, 1100.0)])
+    aborted = trial_entry(1, BAD, 300.0, seconds=4.0, status="aborted")
+    journal = journal_of(
+        tmp_path, [trial_entry(0, START, 1000.0), aborted, trial_entry(2, BEST, 1100.0)]
+    )
     cost = journal_cost(journal.load(), "throughput")
     assert cost is not None
     assert cost.lost == pytest.approx(4 * 700.0 - 10 * 100.0)
 
 
 def test_a_node_that_left_is_scaled_to_the_job(tmp_path: Path) -> None:
-    one_left = entry(1, BEST, 1100.0)
+    one_left = trial_entry(1, BEST, 1100.0)
     del one_left["reports"]["node-1"]  # one node reporting half the job's rate
-    journal = journal_of(tmp_path, [entry(0, START, 1000.0), one_left])
+    journal = journal_of(tmp_path, [trial_entry(0, START, 1000.0), one_left])
     cost = journal_cost(journal.load(), "throughput")
     assert cost is not None
     assert cost.lost == pytest.approx(-1000.0)
@@ -168,9 +132,9 @@ def test_energy_counts_samples_the_tunings_joules_would_have_bought(tmp_path: Pa
     journal = journal_of(
         tmp_path,
         [
-            entry(0, START, 1000.0, energy_per_s=500.0),
-            entry(1, BAD, 400.0, energy_per_s=400.0),  # 1 sample/J
-            entry(2, BEST, 900.0, energy_per_s=300.0),
+            trial_entry(0, START, 1000.0, energy_per_s=500.0),
+            trial_entry(1, BAD, 400.0, energy_per_s=400.0),  # 1 sample/J
+            trial_entry(2, BEST, 900.0, energy_per_s=300.0),
         ],
     )
     cost = journal_cost(journal.load(), "energy")
@@ -183,41 +147,41 @@ def test_energy_counts_samples_the_tunings_joules_would_have_bought(tmp_path: Pa
 
 
 def test_energy_without_an_energy_reading_has_no_cost(tmp_path: Path) -> None:
-    journal = journal_of(tmp_path, [entry(0, START, 1000.0), entry(1, BEST, 1100.0)])
+    journal = journal_of(tmp_path, [trial_entry(0, START, 1000.0), trial_entry(1, BEST, 1100.0)])
     assert journal_cost(journal.load(), "energy") is None
 
 
 def test_no_cost_before_the_start_is_measured(tmp_path: Path) -> None:
     assert journal_cost(journal_of(tmp_path, []).load(), "throughput") is None
-    failed = journal_of(tmp_path, [entry(0, START, None, status="timeout")], name="failed")
+    failed = journal_of(tmp_path, [trial_entry(0, START, None, status="timeout")], name="failed")
     assert journal_cost(failed.load(), "throughput") is None
 
 
 def test_only_the_current_round_counts(tmp_path: Path) -> None:
-    journal = journal_of(tmp_path, [entry(0, START, 1000.0), entry(1, BAD, 100.0)])
+    journal = journal_of(tmp_path, [trial_entry(0, START, 1000.0), trial_entry(1, BAD, 100.0)])
     journal.append({"type": "start", "fingerprint": "f", "nodes": ["node-0", "node-1"]})
-    journal.append(entry(0, BEST, 1100.0))
+    journal.append(trial_entry(0, BEST, 1100.0))
     cost = journal_cost(journal.load(), "throughput")
     assert cost is not None and cost.seconds == 10.0 and cost.lost == 0.0
 
 
 def test_the_objective_is_the_start_entrys_or_what_trial_zero_scored(tmp_path: Path) -> None:
-    throughput = [entry(0, START, 1000.0, energy_per_s=500.0)]
+    throughput = [trial_entry(0, START, 1000.0, energy_per_s=500.0)]
     throughput[0]["score"] = 1000.0
-    energy = [entry(0, START, 1000.0, energy_per_s=500.0)]
+    energy = [trial_entry(0, START, 1000.0, energy_per_s=500.0)]
     assert objective_of(throughput) == "throughput"
     assert objective_of(energy) == "energy"
     assert objective_of(energy, {"type": "start", "objective": "throughput"}) == "throughput"
-    journal = journal_of(tmp_path, [*energy, entry(1, BEST, 900.0, energy_per_s=300.0)])
+    journal = journal_of(tmp_path, [*energy, trial_entry(1, BEST, 900.0, energy_per_s=300.0)])
     cost = journal_cost(journal.load())
     assert cost is not None and cost.objective == "energy"
 
 
 def test_trial_span_reads_a_reports_rate_and_power() -> None:
-    span = trial_span(entry(3, BEST, 800.0, energy_per_s=400.0), nodes=2)
+    span = trial_span(trial_entry(3, BEST, 800.0, energy_per_s=400.0), nodes=2)
     assert span == Span(10.0, 800.0, 400.0)
-    assert trial_span(entry(3, BEST, 800.0)) == Span(10.0, 800.0, None)
-    assert trial_span(entry(3, BEST, None, status="rejected")) == Span(10.0, None, None)
+    assert trial_span(trial_entry(3, BEST, 800.0)) == Span(10.0, 800.0, None)
+    assert trial_span(trial_entry(3, BEST, None, status="rejected")) == Span(10.0, None, None)
 
 
 def test_bad_arguments_say_what_is_wrong() -> None:
@@ -243,7 +207,7 @@ def test_a_finished_tuning_journals_its_cost_and_shows_it_on_metrics(tmp_path: P
     and break-even, and the job's readings expose them, matching the journal's own figures."""
     from tuner.driver import Nodes, begin, coordinator_section
 
-    from hyperagent.tuner.jobstate import job_readings
+    from hyperagent.tuner.metrics import job_readings
 
     def score(settings: dict[str, Any]) -> float:
         return 1000.0 + 200.0 * (settings.get("bucket_mb") == 64)

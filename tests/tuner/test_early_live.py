@@ -18,8 +18,8 @@ from tuner.driver import Driver, begin, coordinator_section
 
 from hyperagent.tuner import tuning
 from hyperagent.tuner.early import told
-from hyperagent.tuner.jobstate import job_readings
 from hyperagent.tuner.journal import Journal
+from hyperagent.tuner.metrics import job_readings
 
 NODES = ("n0", "n1")
 FULL = 8
