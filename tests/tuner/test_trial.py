@@ -88,6 +88,7 @@ def test_a_partial_report_carries_the_finished_windows() -> None:
     assert partial.windows == [200.0, 400.0]
     assert partial.steps == 5
 
+
 def test_gain_interval_from_the_windows_spread() -> None:
     # by hand: means 100 and 110, each window variance 8/3 over 4 windows; ratio 1.1 with
     # standard error 1.1 * sqrt(0.6667/100^2 + 0.6667/110^2) = 0.012138 on 6.0 degrees of
