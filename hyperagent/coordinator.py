@@ -581,24 +581,14 @@ class Coordinator:
         """What the coordinator exposes on /metrics: the nodes of its jobs (their members, and
         the nodes their rules name: a job waiting for its ranks has no members yet) and each
         job."""
-        out = [
-            Reading(
-                "hyperagent_coordinator_invalid_payloads_total",
-                self.invalid_payloads,
-                {},
-                Kind.COUNTER,
-            ),
-            Reading("hyperagent_coordinator_jobs_found_total", self.found, {}, Kind.COUNTER),
-            Reading("hyperagent_coordinator_jobs_not_tuned", len(self.ignored), {}),
-            Reading(
-                "hyperagent_coordinator_foreign_sightings_total",
-                len(self.foreign),
-                {},
-                Kind.COUNTER,
-            ),
-            *self.link.broker_readings(),
-            *self.link.handler_error_readings(),
-        ]
+        counters = {
+            "hyperagent_coordinator_invalid_payloads_total": self.invalid_payloads,
+            "hyperagent_coordinator_jobs_found_total": self.found,
+            "hyperagent_coordinator_foreign_sightings_total": len(self.foreign),
+        }
+        out = [Reading(name, value, {}, Kind.COUNTER) for name, value in counters.items()]
+        out.append(Reading("hyperagent_coordinator_jobs_not_tuned", len(self.ignored), {}))
+        out += [*self.link.broker_readings(), *self.link.handler_error_readings()]
         counts = dict.fromkeys(lifecycle.STATES, 0)
         members: set[str] = set()
         for job, entry in self.tuned.items():

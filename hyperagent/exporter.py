@@ -76,7 +76,7 @@ _LEGACY_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
 def _escaped(text: str) -> str:
-    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
 class OpenMetricsText:
@@ -397,8 +397,10 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
-        if not self.buffer and self.timer is not None and self.timer.when() > (
-            asyncio.get_running_loop().time() + REQUEST_TIMEOUT_S
+        if (
+            not self.buffer
+            and self.timer is not None
+            and self.timer.when() > (asyncio.get_running_loop().time() + REQUEST_TIMEOUT_S)
         ):  # a kept-alive connection's next request began
             self._arm(REQUEST_TIMEOUT_S, self._timed_out)
         self.buffer += data

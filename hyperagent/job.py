@@ -299,8 +299,9 @@ def parse_hello(message: Mapping[str, Any]) -> Hello:
     tune = message.get("tune")
     if tune is not None and not isinstance(tune, bool):
         raise PayloadError(f"tune must be true, false or absent, got {tune!r}")
-    world, local = _optional_positive(message, "world_size"), _optional_positive(
-        message, "local_world_size"
+    world, local = (
+        _optional_positive(message, "world_size"),
+        _optional_positive(message, "local_world_size"),
     )
     if world is not None and rank >= world:
         raise PayloadError(f"rank {rank} is outside world_size {world}")
@@ -406,9 +407,7 @@ class JobReporter:
             "model_params": model_params,
             "gpus": None if gpus is None else tuple(gpus),
         }
-        self.agent_path = str(
-            socket_path or env.get("HYPERAGENT_JOB_SOCKET", DEFAULT_SOCKET)
-        )
+        self.agent_path = str(socket_path or env.get("HYPERAGENT_JOB_SOCKET", DEFAULT_SOCKET))
         self.applied: JobSettings | None = None
         self._pending: JobSettings | None = None
         self.dropped = 0

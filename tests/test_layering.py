@@ -49,8 +49,13 @@ def _violations(layer: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 def test_the_device_layer_imports_nothing_above_it() -> None:
-    assert _violations("devices", ("hyperagent.sources", "hyperagent.capture",
-                                   "hyperagent.replay", "hyperagent.agent")) == []
+    assert (
+        _violations(
+            "devices",
+            ("hyperagent.sources", "hyperagent.capture", "hyperagent.replay", "hyperagent.agent"),
+        )
+        == []
+    )
 
 
 def test_sources_import_no_replay_and_no_fake() -> None:
@@ -96,3 +101,83 @@ def test_outside_the_device_layer_no_code_names_an_nvml_device_call() -> None:
         if "nvmlDevice" in text
     ]
     assert found == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (function-level and type-checking imports
+    included: a circle through them is a circle in the design). ``from pkg import name``
+    imports ``pkg.name`` where that is a module, else ``pkg``."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for _, module in _imports(path):
+            if module in modules:
+                edges.add(module)
+            elif module.rpartition(".")[0] in modules:
+                edges.add(module.rpartition(".")[0])
+        edges.discard(name)
+        graph[name] = edges
+    for name, edges in graph.items():  # ``from pkg import name`` adds pkg too: keep the module
+        graph[name] = {e for e in edges if not any(o.startswith(e + ".") for o in edges)}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle() -> None:
+    assert _circles(_module_graph()) == []
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def test_no_class_over_500_lines_and_no_function_over_80() -> None:
+    """A class or function that outgrew its one responsibility is split along its seams."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                limit = MAX_CLASS_LINES
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                limit = MAX_FUNCTION_LINES
+            else:
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > limit:
+                where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+                too_long.append(f"{where} {node.name}: {lines} lines")
+    assert too_long == []

@@ -277,9 +277,7 @@ def load_capture(directory: Path) -> list[AcceleratorRecord]:
             else read_capture(metric_json, "amd-smi metric --json", parse_metric_json)
         )
         xgmi = directory / XGMI_JSON
-        buses = (
-            read_capture(xgmi, "amd-smi xgmi --json", parse_xgmi_json) if xgmi.is_file() else {}
-        )
+        buses = read_capture(xgmi, "amd-smi xgmi --json", parse_xgmi_json) if xgmi.is_file() else {}
         static_path = directory / STATIC_JSON
         static = (
             read_capture(static_path, "amd-smi static --json", parse_static_json)

@@ -157,9 +157,7 @@ class AcceleratorSource:
         """Sum of the energy counters of the devices whose index is in ``indices`` (None:
         every device), None when one has none or none is there (blocking: run it through the
         gate)."""
-        devices = [
-            d for d in self.devices if indices is None or d.identity.index in indices
-        ]
+        devices = [d for d in self.devices if indices is None or d.identity.index in indices]
         if self.library is None or not devices:
             return None
         if indices is not None and len(devices) != len(indices):

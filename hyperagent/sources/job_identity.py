@@ -23,6 +23,7 @@ from hyperagent.sources.slurm_cgroup import CgroupFormatError, CgroupJob, parse_
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class RankIdentity:
     """What the kernel says of one connected rank, and the job id that follows from it."""
