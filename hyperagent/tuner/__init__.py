@@ -1,5 +1,9 @@
 """Closed-loop tuning of distributed-training settings: the search space (``space``), the
-optimiser (``optimizer``), one trial's measurement and score (``trial``) and the journal.
+optimiser (``optimizer``), one trial's measurement and score (``trial``) and the journal; the
+coordinator's side: jobs found from telemetry (``discovery``), one machine per job
+(``tuning``, composed of ``runner``, ``trialrun``, ``rounds``, ``confirm``, ``drift``,
+``resume`` and ``notices`` over ``lifecycle`` and ``events``), its data and readings
+(``jobstate``, ``metrics``) and its journals (``journals``). The agent imports ``trial`` alone.
 
 ``from hyperagent.tuner import SearchSpace, Tuner`` works; each name's module is imported when
 the name is first looked up, so the agent, which uses ``trial`` alone, never loads
