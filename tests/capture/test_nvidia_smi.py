@@ -492,7 +492,6 @@ def test_csv_with_memory_reserved_and_no_used_keeps_its_memory_through_nvml() ->
     """A query-gpu CSV whose memory columns include memory.reserved but whose memory.used is
     N/A (a Tesla K80's row): used is total - free - reserved, so NVML still answers the
     total and used instead of NOT_SUPPORTED for all of them."""
-    from hyperagent.capture.fake_nvml import FakeNvml
 
     csv = (
         "index, name, uuid, pci.bus_id, memory.total [MiB], memory.reserved [MiB],"
@@ -501,13 +500,20 @@ def test_csv_with_memory_reserved_and_no_used_keeps_its_memory_through_nvml() ->
     )
     (gpu,) = parse_capture(csv)
     assert (gpu.mem_total_bytes, gpu.mem_used_bytes) == (11441 * MIB, 0)
+    assert _nvml_memory(gpu) == (11441 * MIB, 66 * MIB, 11375 * MIB)
+
+
+def _nvml_memory(gpu: GpuRecord) -> tuple[int, int, int]:
+    """Total, used and free bytes of ``gpu`` as the fake NVML's memory call answers them."""
+    from hyperagent.capture.fake_nvml import FakeNvml
+
     nvml = FakeNvml([gpu])
     nvml.nvmlInit()
     try:
         memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0))
     finally:
         nvml.nvmlShutdown()
-    assert (memory.total, memory.used, memory.free) == (11441 * MIB, 66 * MIB, 11375 * MIB)
+    return memory.total, memory.used, memory.free
 
 
 def test_csv_without_memory_total_keeps_its_memory_through_nvml() -> None:
@@ -515,19 +521,12 @@ def test_csv_without_memory_total_keeps_its_memory_through_nvml() -> None:
     (values without units, no power-limit fields; written, see SOURCES.md): the total is
     their sum, so NVML answers the GPU's total and used memory instead of NOT_SUPPORTED for
     all of them (the agent's only word was then about the power-limit range it lacks)."""
-    from hyperagent.capture.fake_nvml import FakeNvml
 
     (gpu,) = _capture(P100_CSV)
     assert gpu.mem_total_bytes == 16384 * MIB
     assert (gpu.mem_used_bytes, gpu.mem_reserved_bytes) == (6 * MIB, 104 * MIB)
     assert (gpu.min_power_limit_w, gpu.max_power_limit_w) == (None, None)
-    nvml = FakeNvml([gpu])
-    nvml.nvmlInit()
-    try:
-        memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0))
-    finally:
-        nvml.nvmlShutdown()
-    assert (memory.total, memory.used, memory.free) == (16384 * MIB, 110 * MIB, 16274 * MIB)
+    assert _nvml_memory(gpu) == (16384 * MIB, 110 * MIB, 16274 * MIB)
 
 
 def test_csv_and_xml_report_the_same_memory_used_through_nvml() -> None:
